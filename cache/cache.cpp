@@ -1,0 +1,2 @@
+// Model cache: filled in by the cache issue.
+namespace sluice::cache {}

@@ -1,0 +1,53 @@
+# sluice_add_library(NAME SOURCES... [DEPS targets...])
+# One static (PIC) library per folder. The first library built owns the precompiled
+# torch header; the others reuse it so torch's headers are parsed once per build.
+set(SLUICE_PCH_OWNER "" CACHE INTERNAL "")
+
+set(SLUICE_WARNINGS -Wall -Wextra -Wno-unused-parameter)
+set(SLUICE_SAN_FLAGS "")
+if(SLUICE_SANITIZE)
+  string(REPLACE ";" "," _san "${SLUICE_SANITIZE}")
+  set(SLUICE_SAN_FLAGS -fsanitize=${_san} -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
+endif()
+
+function(sluice_apply_common target)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${SLUICE_WARNINGS}> ${SLUICE_SAN_FLAGS})
+  if(SLUICE_SAN_FLAGS)
+    target_link_options(${target} PRIVATE ${SLUICE_SAN_FLAGS})
+  endif()
+  if(SLUICE_USE_PCH)
+    if(SLUICE_PCH_OWNER STREQUAL "")
+      set(SLUICE_PCH_OWNER ${target} CACHE INTERNAL "")
+      target_precompile_headers(${target} PRIVATE
+        $<$<COMPILE_LANGUAGE:CXX>:<ATen/ATen.h$<ANGLE-R>>
+        $<$<COMPILE_LANGUAGE:CXX>:<torch/nn/module.h$<ANGLE-R>>
+        $<$<COMPILE_LANGUAGE:CXX>:<torch/nn/pimpl.h$<ANGLE-R>>
+        <string> <vector> <memory> <unordered_map> <map> <mutex> <optional> <functional>)
+    else()
+      target_precompile_headers(${target} REUSE_FROM ${SLUICE_PCH_OWNER})
+    endif()
+  endif()
+endfunction()
+
+function(sluice_add_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(${name} STATIC ${ARG_SOURCES})
+  add_library(sluice::${name} ALIAS ${name})
+  target_include_directories(${name} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+    $<INSTALL_INTERFACE:include/sluice>)
+  target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  sluice_apply_common(${name})
+  set_property(GLOBAL APPEND PROPERTY SLUICE_EXPORTED_TARGETS ${name})
+endfunction()
+
+# sluice_add_executable(NAME SOURCES... [DEPS targets...])
+function(sluice_add_executable name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  # Compile with -fPIC like the libraries (not -fPIE) so the shared torch PCH stays valid.
+  set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE OFF)
+  target_compile_options(${name} PRIVATE -fPIC)
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS})
+  sluice_apply_common(${name})
+endfunction()

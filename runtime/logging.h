@@ -1,0 +1,30 @@
+#pragma once
+// The project's logging API. spdlog stays behind this header: callers see only a
+// level enum and printf-free formatting through fmt-style strings built by the caller.
+#include <string>
+#include <string_view>
+
+namespace sluice::log {
+
+enum class Level { trace, debug, info, warn, error, off };
+
+// Parses "trace|debug|info|warn|error|off" (case-insensitive); throws InvalidArgument.
+Level parse_level(std::string_view name);
+
+// Sets the level of the "sluice" logger. The initial level is read once, at the
+// first log call, from SLUICE_LOG_LEVEL (default info).
+void set_level(Level level);
+Level level();
+bool enabled(Level level);
+
+// Sends one message to the "sluice" logger (stderr). Messages should name the
+// model, file or tensor they concern.
+void write(Level level, std::string_view message);
+
+inline void trace(std::string_view m) { write(Level::trace, m); }
+inline void debug(std::string_view m) { write(Level::debug, m); }
+inline void info(std::string_view m) { write(Level::info, m); }
+inline void warn(std::string_view m) { write(Level::warn, m); }
+inline void error(std::string_view m) { write(Level::error, m); }
+
+}  // namespace sluice::log

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Installs everything sluice needs on a fresh Debian 12 machine, then configures and
+# builds it. Safe to re-run: each step is skipped when its result is already there.
+#
+#   SLUICE_BUILD_DIR   build folder (default: build)
+#   Torch_DIR          use this libtorch (>= 2.11, CPU, CUDA or ROCm) instead of the venv's
+#   SLUICE_CMAKE_ARGS  extra arguments for the CMake configure step
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BUILD_DIR="${SLUICE_BUILD_DIR:-build}"
+VENV="$ROOT/.venv"
+TORCH_VERSION="2.11.0"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# 1. Debian packages.
+APT_PKGS=(build-essential cmake ninja-build ccache python3-venv libspdlog-dev libmimalloc-dev catch2
+          libbenchmark-dev nlohmann-json3-dev libcli11-dev)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# 2. The project venv: torch for libtorch and for the reference-parity tests.
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  log "installing torch==$TORCH_VERSION into $VENV (about 3 GB, a few minutes)"
+  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
+fi
+"$VENV/bin/python" -c "import numpy, einops" 2>/dev/null || "$VENV/bin/pip" install -q numpy einops
+
+# 3. Configure and build.
+TORCH_ARGS=()
+if [ -n "${Torch_DIR:-}" ]; then
+  TORCH_ARGS=(-DTorch_DIR="$Torch_DIR")
+else
+  TORCH_ARGS=(-DCMAKE_PREFIX_PATH="$("$VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')")
+fi
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  log "configuring $BUILD_DIR"
+  # shellcheck disable=SC2086
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${TORCH_ARGS[@]}" \
+    -DSLUICE_PYTHON="$VENV/bin/python" ${SLUICE_CMAKE_ARGS:-} >/dev/null
+fi
+log "building $BUILD_DIR"
+cmake --build "$BUILD_DIR" -j "$(nproc)"
