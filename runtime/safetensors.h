@@ -1,0 +1,78 @@
+#pragma once
+// Safetensors reading (memory-mapped, zero-copy, fully validated) and writing.
+//
+// Format: 8-byte little-endian header length N, N bytes of JSON header, then the data
+// section. The header maps tensor names to {dtype, shape, data_offsets: [begin, end)}
+// relative to the data section, plus an optional "__metadata__" string->string map.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace sluice::safetensors {
+
+struct TensorInfo {
+  std::string name;
+  std::string dtype_name;      // as written in the header: "BF16", "F8_E4M3", ...
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;          // byte range in the data section, [begin, end)
+  uint64_t end = 0;
+  uint64_t nbytes() const { return end - begin; }
+  int64_t numel() const;
+};
+
+// The parsed, validated header. `origin` (a file name) is used in error messages.
+struct Header {
+  std::vector<TensorInfo> tensors;                 // in data-offset order
+  std::map<std::string, std::string> metadata;     // "__metadata__"
+  uint64_t data_offset = 0;                        // 8 + header length
+};
+
+// Parses and validates a whole file image held in memory (also used by the fuzz target).
+// Throws FileError naming `origin` and, where there is one, the tensor.
+Header parse_header(const uint8_t* data, uint64_t size, const std::string& origin);
+
+// Maps header dtype names to torch dtypes and back. Throws FileError for unknown names.
+at::ScalarType dtype_from_name(const std::string& name, const std::string& origin);
+std::string dtype_name(at::ScalarType t);  // throws InvalidArgument for unsupported dtypes
+
+// A read-only, memory-mapped safetensors file. tensor() returns zero-copy CPU views that
+// keep the mapping alive for as long as any of them lives.
+class File {
+ public:
+  static std::shared_ptr<File> open(const std::string& path);  // throws FileError
+  ~File();
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t file_size() const { return size_; }
+  const std::vector<TensorInfo>& tensors() const { return header_.tensors; }
+  const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
+  const TensorInfo* find(const std::string& name) const;  // nullptr when absent
+  bool contains(const std::string& name) const { return find(name) != nullptr; }
+  // Throws FileError naming the file and tensor when absent.
+  at::Tensor tensor(const std::string& name) const;
+
+ private:
+  File() = default;
+  struct Mapping;
+  std::string path_;
+  uint64_t size_ = 0;
+  std::shared_ptr<Mapping> mapping_;
+  Header header_;
+  std::map<std::string, size_t> index_;
+};
+
+// Writes tensors (any device; copied to CPU contiguous) and metadata. The file is
+// written to a temporary name beside `path` and renamed into place, so a failed write
+// never leaves a truncated file behind. Throws FileError / InvalidArgument.
+void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+          const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace sluice::safetensors
