@@ -1,19 +1,91 @@
+// `sluice`: dispatches to one subcommand and turns every failure into one line on
+// stderr and an exit status (see commands.h for the contract).
+#include <c10/util/Exception.h>
+
 #include <CLI/CLI.hpp>
 
+#include <cstdlib>
 #include <iostream>
+#include <new>
+#include <string>
+#include <vector>
 
+#include "cli/commands.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 #include "runtime/runtime_info.h"
+
+namespace {
+
+constexpr int kRuntimeError = 1;
+constexpr int kUsageError = 2;
+
+// Error texts (CLI11's, torch's) may span lines; the contract is one line.
+std::string one_line(std::string s) {
+  for (char& c : s)
+    if (c == '\n' || c == '\r' || c == '\t') c = ' ';
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+
+int fail(int status, const std::string& message) {
+  std::cerr << "sluice: error: " << one_line(message) << std::endl;
+  return status;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"sluice: runs large diffusion transformers on GPUs too small to hold them"};
+  app.name("sluice");
   app.set_version_flag("--version", sluice::version_string());
-  app.require_subcommand(0, 1);
+  app.require_subcommand(1);
+  app.fallthrough();  // global flags may follow the subcommand name
+  std::string log_level;
+  app.add_option("--log-level", log_level,
+                 "trace|debug|info|warn|error|off (default: $SLUICE_LOG_LEVEL, else warn)")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
+
+  std::vector<sluice::cli::Subcommand> commands{
+      sluice::cli::add_inspect(app),
+      sluice::cli::add_forward(app),
+      sluice::cli::add_make_checkpoint(app),
+  };
+
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // Name the subcommand whose help would have helped.
+    std::string where = "sluice";
+    for (int i = 1; i < argc; ++i)
+      for (const auto& c : commands)
+        if (where == "sluice" && c.app->get_name() == argv[i]) where += " " + c.app->get_name();
+    return fail(kUsageError, std::string(e.what()) + "; run '" + where + " --help'");
   }
-  std::cout << sluice::version_string() << "\n";
-  return 0;
+
+  try {
+    if (!log_level.empty()) {
+      sluice::log::set_level(sluice::log::parse_level(log_level));
+    } else if (std::getenv("SLUICE_LOG_LEVEL") == nullptr) {
+      // Scripts parse stdout and expect stderr to hold only problems.
+      sluice::log::set_level(sluice::log::Level::warn);
+    }
+    for (const auto& c : commands)
+      if (c.app->parsed()) return c.run();
+    return fail(kUsageError, "no subcommand given; run 'sluice --help'");
+  } catch (const sluice::Error& e) {
+    return fail(kRuntimeError, e.what());
+  } catch (const c10::Error& e) {
+    return fail(kRuntimeError, e.what_without_backtrace());
+  } catch (const std::bad_alloc&) {
+    return fail(kRuntimeError, "out of memory");
+  } catch (const std::exception& e) {
+    return fail(kRuntimeError, e.what());
+  }
 }

@@ -39,7 +39,9 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
 fi
-"$VENV/bin/python" -c "import numpy, einops" 2>/dev/null || "$VENV/bin/pip" install -q numpy einops
+"$VENV/bin/python" -c "import numpy, einops, safetensors" 2>/dev/null || "$VENV/bin/pip" install -q numpy einops safetensors
+# The independent reference Anima for the parity tests (tests/python/).
+VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
 
 # 3. Configure and build.
 TORCH_ARGS=()

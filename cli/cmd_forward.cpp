@@ -1,0 +1,194 @@
+// sluice forward: one DiT forward (optionally preceded by the LLM adapter) on tensors read
+// from a safetensors file, written to another. The scripting face of the model, used by
+// the parity tests.
+//
+// Inputs: x [B,C,T,H,W], timesteps [B], and either context [B,S,D] or qwen_hidden
+// [B,S,Dq] + t5_ids [B,S_t] (+ t5_weights [B,S_t]). Output: velocity (+ context when the
+// adapter ran).
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "cli/commands.h"
+#include "cli/options.h"
+#include "models/anima/anima.h"
+#include "models/anima/checkpoint.h"
+#include "runtime/error.h"
+#include "runtime/safetensors.h"
+
+namespace sluice::cli {
+namespace {
+
+struct ForwardArgs {
+  std::string checkpoint;         // model .safetensors
+  std::string inputs;             // input tensors .safetensors
+  std::string output;             // output tensors .safetensors
+  std::string config;             // optional: preset or JSON (default: inferred from the checkpoint)
+  std::string dtype = "float32";  // run dtype of weights and activations
+  std::string device = "cpu";     // cpu | cuda[:N]
+};
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+// Checks one input's rank and the dims that are fixed (-1: any size, bound by name below).
+class InputChecker {
+ public:
+  explicit InputChecker(std::string file) : file_(std::move(file)) {}
+
+  // `dims` entries: a size, or a symbol ("B", "S", ...) that must agree across inputs.
+  void check(const std::string& name, const at::Tensor& t, const std::vector<std::string>& dims) {
+    std::string expected = "[";
+    for (size_t i = 0; i < dims.size(); ++i) expected += (i ? ", " : "") + dims[i];
+    expected += "]";
+    auto bad = [&](const std::string& why) {
+      throw InvalidArgument("input '" + name + "' in '" + file_ + "' has shape " + shape_str(t.sizes()) +
+                            ", expected " + expected + why);
+    };
+    if (t.dim() != static_cast<int64_t>(dims.size())) bad("");
+    for (size_t i = 0; i < dims.size(); ++i) {
+      const std::string& d = dims[i];
+      const int64_t size = t.size(static_cast<int64_t>(i));
+      if (std::isdigit(static_cast<unsigned char>(d[0]))) {
+        if (size != std::stoll(d)) bad("");
+        continue;
+      }
+      if (size <= 0) bad(" (empty dimension " + d + ")");
+      auto it = bound_.find(d);
+      if (it == bound_.end()) {
+        bound_[d] = {size, name};
+      } else if (it->second.first != size) {
+        bad(" (" + d + " = " + std::to_string(it->second.first) + " from '" + it->second.second + "')");
+      }
+    }
+  }
+
+ private:
+  std::string file_;
+  std::map<std::string, std::pair<int64_t, std::string>> bound_;
+};
+
+void require_floating(const std::string& name, const at::Tensor& t, const std::string& file) {
+  if (!at::isFloatingType(t.scalar_type()))
+    throw InvalidArgument("input '" + name + "' in '" + file + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
+                          ", expected a floating-point dtype");
+}
+
+int run_forward(const ForwardArgs& a) {
+  const at::ScalarType dtype = parse_dtype(a.dtype);
+  const at::Device device = resolve_device(a.device);
+  c10::InferenceMode guard;
+
+  // Read and check the inputs before the (slow) model load.
+  const auto in = safetensors::File::open(a.inputs);
+  static const std::set<std::string> known = {"x", "timesteps", "context", "qwen_hidden", "t5_ids", "t5_weights"};
+  for (const auto& t : in->tensors())
+    if (!known.count(t.name))
+      throw InvalidArgument("unexpected input '" + t.name + "' in '" + a.inputs +
+                            "' (expected x, timesteps, context or qwen_hidden + t5_ids [+ t5_weights])");
+  for (const char* name : {"x", "timesteps"})
+    if (!in->contains(name)) throw InvalidArgument("inputs file '" + a.inputs + "' has no '" + name + "' tensor");
+  const bool use_adapter = in->contains("qwen_hidden") || in->contains("t5_ids");
+  if (use_adapter && in->contains("context"))
+    throw InvalidArgument("inputs file '" + a.inputs + "' has both 'context' and adapter inputs (qwen_hidden/t5_ids); give one");
+  if (!use_adapter && !in->contains("context"))
+    throw InvalidArgument("inputs file '" + a.inputs + "' has neither 'context' nor 'qwen_hidden' + 't5_ids'");
+  if (use_adapter && !(in->contains("qwen_hidden") && in->contains("t5_ids")))
+    throw InvalidArgument("inputs file '" + a.inputs + "': the adapter needs both 'qwen_hidden' and 't5_ids'");
+  if (!use_adapter && in->contains("t5_weights"))
+    throw InvalidArgument("inputs file '" + a.inputs + "' has 't5_weights' without 'qwen_hidden' + 't5_ids'");
+
+  anima::LoadOptions opts;
+  if (!a.config.empty()) opts.config = load_config(a.config);
+  opts.dtype = dtype;
+  opts.device = device;
+  anima::AnimaModel model = anima::load_anima(a.checkpoint, opts);
+  const anima::AnimaConfig& cfg = model->config();
+
+  InputChecker check(a.inputs);
+  const at::Tensor x = in->tensor("x");
+  const at::Tensor timesteps = in->tensor("timesteps");
+  require_floating("x", x, a.inputs);
+  require_floating("timesteps", timesteps, a.inputs);
+  check.check("x", x, {"B", std::to_string(cfg.in_channels), "T", "H", "W"});
+  check.check("timesteps", timesteps, {"B"});
+
+  std::vector<std::pair<std::string, at::Tensor>> outputs;
+  at::Tensor context;
+  if (use_adapter) {
+    if (!cfg.adapter.enabled)
+      throw InvalidArgument("inputs file '" + a.inputs + "' has adapter inputs but model '" + a.checkpoint +
+                            "' has no LLM adapter");
+    const at::Tensor qwen = in->tensor("qwen_hidden");
+    const at::Tensor ids = in->tensor("t5_ids");
+    require_floating("qwen_hidden", qwen, a.inputs);
+    check.check("qwen_hidden", qwen, {"B", "S", std::to_string(cfg.adapter.source_dim)});
+    check.check("t5_ids", ids, {"B", "S_t"});
+    if (at::isFloatingType(ids.scalar_type()) || ids.scalar_type() == at::kBool)
+      throw InvalidArgument("input 't5_ids' in '" + a.inputs + "' has dtype " +
+                            std::string(c10::toString(ids.scalar_type())) + ", expected an integer dtype");
+    const at::Tensor ids_long = ids.to(at::kLong);
+    if (ids_long.numel() > 0) {
+      const int64_t lo = ids_long.min().item<int64_t>(), hi = ids_long.max().item<int64_t>();
+      if (lo < 0 || hi >= cfg.adapter.vocab_size)
+        throw InvalidArgument("input 't5_ids' in '" + a.inputs + "' has ids in [" + std::to_string(lo) + ", " +
+                              std::to_string(hi) + "], outside the vocabulary [0, " +
+                              std::to_string(cfg.adapter.vocab_size) + ")");
+    }
+    std::optional<at::Tensor> weights;
+    if (in->contains("t5_weights")) {
+      const at::Tensor w = in->tensor("t5_weights");
+      require_floating("t5_weights", w, a.inputs);
+      check.check("t5_weights", w, {"B", "S_t"});
+      weights = w.to(device, dtype);
+    }
+    context = model->encode_text(qwen.to(device, dtype), ids_long.to(device), weights);
+    outputs.emplace_back("context", context);
+  } else {
+    context = in->tensor("context");
+    require_floating("context", context, a.inputs);
+    check.check("context", context, {"B", "S", std::to_string(cfg.crossattn_emb_channels)});
+    context = context.to(device, dtype);
+  }
+  // Timesteps stay fp32: the sinusoid is computed in fp32 (DESIGN.md §1), and rounding
+  // sigma to bf16 first would change the embedding.
+  const at::Tensor velocity = model->forward(x.to(device, dtype), timesteps.to(device, at::kFloat), context);
+  outputs.emplace_back("velocity", velocity);
+  safetensors::save(a.output, outputs,
+                    {{"checkpoint", a.checkpoint}, {"dtype", a.dtype}, {"device", device.str()}, {"model", cfg.name}});
+  std::cout << "wrote " << a.output << ": velocity " << shape_str(velocity.sizes())
+            << (use_adapter ? ", context " + shape_str(context.sizes()) : std::string()) << " (" << a.dtype << ", "
+            << device.str() << ")\n";
+  return 0;
+}
+
+}  // namespace
+
+Subcommand add_forward(CLI::App& root) {
+  auto args = std::make_shared<ForwardArgs>();
+  CLI::App* sub = root.add_subcommand("forward", "Run one Anima forward on tensors from a safetensors file");
+  sub->add_option("--checkpoint", args->checkpoint, "Model checkpoint (.safetensors)")->required();
+  sub->add_option("--inputs", args->inputs,
+                  "Input tensors: x, timesteps, and context or qwen_hidden + t5_ids [+ t5_weights]")
+      ->required();
+  sub->add_option("--output", args->output, "Output file: velocity (+ context when the adapter ran)")->required();
+  sub->add_option("--config", args->config, "Model preset or JSON config (default: inferred from the checkpoint)")
+      ->check(config_validator());
+  sub->add_option("--dtype", args->dtype, "Run dtype: float32|bfloat16|float16")
+      ->check(dtype_validator({"float32", "bfloat16", "float16"}))
+      ->capture_default_str();
+  sub->add_option("--device", args->device, "Device: cpu|cuda[:N]")->check(device_validator())->capture_default_str();
+  return {sub, [args] { return run_forward(*args); }};
+}
+
+}  // namespace sluice::cli

@@ -1,0 +1,27 @@
+#pragma once
+// The `sluice` subcommands. Each add_<name>() registers one subcommand (its flags and
+// help) on the root app and returns the function that runs it once parsing succeeded;
+// main.cpp lists them, so adding a subcommand is one line there.
+//
+// Exit status contract (scripts depend on it): 0 success, 1 runtime error (bad file,
+// wrong shape, model error), 2 usage error (unknown flag, bad flag value). Errors are
+// one line on stderr: "sluice: error: ...".
+#include <CLI/CLI.hpp>
+
+#include <functional>
+
+namespace sluice::cli {
+
+struct Subcommand {
+  CLI::App* app = nullptr;  // owned by the root app
+  std::function<int()> run;  // returns the exit status; throws on error
+};
+
+// sluice inspect <file.safetensors> | --config NAME|FILE.json [--json]
+Subcommand add_inspect(CLI::App& root);
+// sluice forward --checkpoint F --inputs IN --output OUT [--config] [--dtype] [--device]
+Subcommand add_forward(CLI::App& root);
+// sluice make-checkpoint --config NAME|FILE.json --seed N --out F [--dtype]
+Subcommand add_make_checkpoint(CLI::App& root);
+
+}  // namespace sluice::cli

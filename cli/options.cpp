@@ -1,0 +1,106 @@
+#include "cli/options.h"
+
+#include <ATen/Context.h>
+
+#include <algorithm>
+#include <cctype>
+
+#include "runtime/error.h"
+
+namespace sluice::cli {
+namespace {
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& s : items) out += (out.empty() ? "" : "|") + s;
+  return out;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Splits "cuda:3" into ("cuda", 3); index -1 when absent. False when malformed.
+bool split_device(const std::string& spec, std::string& type, int& index) {
+  const auto colon = spec.find(':');
+  type = spec.substr(0, colon);
+  index = -1;
+  if (colon == std::string::npos) return type == "cpu" || type == "cuda";
+  const std::string digits = spec.substr(colon + 1);
+  if (type != "cuda" || digits.empty() || digits.size() > 4 ||
+      !std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); }))
+    return false;
+  index = std::stoi(digits);
+  return true;
+}
+
+}  // namespace
+
+CLI::Validator dtype_validator(const std::vector<std::string>& allowed) {
+  return CLI::Validator(
+      [allowed](std::string& value) -> std::string {
+        if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return {};
+        return "unknown dtype '" + value + "' (expected " + join(allowed) + ")";
+      },
+      join(allowed), "dtype");
+}
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw InvalidArgument("unknown dtype '" + name + "' (expected float32|bfloat16|float16)");
+}
+
+std::string dtype_flag_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: return std::string(c10::toString(t));
+  }
+}
+
+CLI::Validator device_validator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        std::string type;
+        int index = -1;
+        if (split_device(value, type, index)) return {};
+        return "bad device '" + value + "' (expected cpu, cuda or cuda:N)";
+      },
+      "cpu|cuda[:N]", "device");
+}
+
+at::Device resolve_device(const std::string& spec) {
+  std::string type;
+  int index = -1;
+  if (!split_device(spec, type, index)) throw InvalidArgument("bad device '" + spec + "' (expected cpu, cuda or cuda:N)");
+  if (type == "cpu") return at::Device(at::kCPU);
+  const int count = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+  if (count == 0) throw ResourceError("device '" + spec + "' requested but no CUDA/ROCm device is available");
+  if (index >= count)
+    throw ResourceError("device '" + spec + "' does not exist (" + std::to_string(count) + " device(s) visible)");
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index < 0 ? 0 : index));
+}
+
+CLI::Validator config_validator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        if (ends_with(value, ".json")) return {};
+        const auto names = anima::preset_names();
+        if (std::find(names.begin(), names.end(), value) != names.end()) return {};
+        std::string known;
+        for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+        return "unknown model preset '" + value + "' (known: " + known + "; or a .json config file)";
+      },
+      "PRESET|FILE.json", "config");
+}
+
+anima::AnimaConfig load_config(const std::string& name_or_file) {
+  anima::AnimaConfig c = anima::config_from_name_or_file(name_or_file);
+  c.validate();
+  return c;
+}
+
+}  // namespace sluice::cli

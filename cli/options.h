@@ -1,0 +1,32 @@
+#pragma once
+// Flag values shared by several subcommands: dtypes, devices, model configs. Validators
+// turn a bad value into a CLI11 parse error (exit status 2) that names the flag.
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+#include "models/anima/config.h"
+
+namespace sluice::cli {
+
+// Accepts exactly the dtype names in `allowed` ("float32", "bfloat16", "float16").
+CLI::Validator dtype_validator(const std::vector<std::string>& allowed);
+// "float32" | "bfloat16" | "float16" -> torch dtype. Throws InvalidArgument otherwise.
+at::ScalarType parse_dtype(const std::string& name);
+// The flag spelling of a dtype ("bfloat16"); used in messages and JSON.
+std::string dtype_flag_name(at::ScalarType t);
+
+// Accepts "cpu", "cuda" and "cuda:N" (ROCm builds of torch also call their GPUs cuda).
+CLI::Validator device_validator();
+// Parses a validated device string and checks the device exists on this machine;
+// throws ResourceError when it does not.
+at::Device resolve_device(const std::string& spec);
+
+// Accepts a preset name or a path ending in ".json" (whose contents are checked later,
+// when it is read, because that can fail for runtime reasons).
+CLI::Validator config_validator();
+anima::AnimaConfig load_config(const std::string& name_or_file);
+
+}  // namespace sluice::cli

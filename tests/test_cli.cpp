@@ -1,0 +1,416 @@
+// The `sluice` command as scripts see it: run the built binary, check stdout, the exit
+// status and that every error is exactly one stderr line naming what is at fault.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <spawn.h>
+#include <string>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+#include "runtime/safetensors.h"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int status = -1;  // exit code; -1 when killed by a signal
+  std::string out;
+  std::string err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// A scratch folder per test case, removed afterwards.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "sluice_test_cli_XXXXXX").string();
+    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+// Runs the sluice binary with `args`, capturing stdout and stderr through files. The
+// environment is ours minus SLUICE_LOG_LEVEL, so the CLI's own defaults are what is tested.
+Result run_cli(const std::vector<std::string>& args) {
+  static int counter = 0;
+  const fs::path base = fs::temp_directory_path() / ("sluice_test_cli_" + std::to_string(getpid()) + "_" +
+                                                     std::to_string(counter++));
+  const std::string out_path = base.string() + ".out", err_path = base.string() + ".err";
+  std::vector<std::string> argv_s{SLUICE_CLI_PATH};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& s : argv_s) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e != nullptr; ++e)
+    if (std::string(*e).rfind("SLUICE_LOG_LEVEL=", 0) != 0) env_s.emplace_back(*e);
+  std::vector<char*> envp;
+  for (auto& s : env_s) envp.push_back(s.data());
+  envp.push_back(nullptr);
+
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  REQUIRE(rc == 0);
+  int wstatus = 0;
+  REQUIRE(waitpid(pid, &wstatus, 0) == pid);
+  Result r;
+  r.status = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1;
+  r.out = slurp(out_path);
+  r.err = slurp(err_path);
+  fs::remove(out_path);
+  fs::remove(err_path);
+  return r;
+}
+
+std::string describe(const std::vector<std::string>& args, const Result& r) {
+  std::string cmd = "sluice";
+  for (const auto& a : args) cmd += " " + a;
+  return cmd + "\n  exit " + std::to_string(r.status) + "\n  stdout: " + r.out + "\n  stderr: " + r.err;
+}
+
+Result run_ok(const std::vector<std::string>& args) {
+  Result r = run_cli(args);
+  INFO(describe(args, r));
+  REQUIRE(r.status == 0);
+  return r;
+}
+
+// The error contract: the given exit status, nothing on stdout, and stderr exactly one
+// line "sluice: error: ..." that mentions every string in `names`.
+void expect_error(const std::vector<std::string>& args, int status, const std::vector<std::string>& names) {
+  const Result r = run_cli(args);
+  INFO(describe(args, r));
+  CHECK(r.status == status);
+  CHECK(r.out.empty());
+  REQUIRE(!r.err.empty());
+  CHECK(r.err.rfind("sluice: error: ", 0) == 0);
+  CHECK(r.err.back() == '\n');
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  for (const auto& n : names) CHECK(r.err.find(n) != std::string::npos);
+  CHECK(r.err.find("Exception raised from") == std::string::npos);  // no torch backtrace
+}
+
+nlohmann::json inspect_json(const std::vector<std::string>& args) {
+  std::vector<std::string> full{"inspect"};
+  full.insert(full.end(), args.begin(), args.end());
+  full.push_back("--json");
+  return nlohmann::json::parse(run_ok(full).out);
+}
+
+int64_t group_params(const nlohmann::json& j, const std::string& name) {
+  for (const auto& g : j.at("groups"))
+    if (g.at("name") == name) return g.at("parameters").get<int64_t>();
+  FAIL("no group " << name);
+  return -1;
+}
+
+// Parameter count of an Anima model derived from its config by hand (DESIGN.md §1's
+// module table), independently of the model code. Checked against anima-2b's published
+// total below before it is trusted for the small presets.
+int64_t expected_parameters(const nlohmann::json& c) {
+  const int64_t D = c["model_channels"], nb = c["num_blocks"], heads = c["num_heads"], r = c["mlp_ratio"];
+  const int64_t Dc = c["crossattn_emb_channels"], L = c["adaln_lora_dim"], hd = D / heads;
+  const int64_t in = c["in_channels"].get<int64_t>() + (c["concat_padding_mask"].get<bool>() ? 1 : 0);
+  const int64_t ps = c["patch_spatial"], pt = c["patch_temporal"], out = c["out_channels"];
+  const int64_t attn_norms = 2 * hd;
+  const int64_t self_attn = 4 * D * D + attn_norms;
+  const int64_t cross_attn = 2 * D * D + 2 * D * Dc + attn_norms;
+  const int64_t mlp = 2 * D * r * D;
+  const int64_t adaln = 3 * (D * L + L * 3 * D);
+  const int64_t block = self_attn + cross_attn + mlp + adaln;
+  const int64_t dit = in * ps * ps * pt * D               // x_embedder
+                      + D * D + D * 3 * D                 // t_embedder linear_1, linear_2
+                      + D                                 // t_embedding_norm
+                      + nb * block                        // blocks
+                      + D * ps * ps * pt * out            // final_layer.linear
+                      + D * L + L * 2 * D;                // final_layer.adaln_modulation
+  const auto& a = c["adapter"];
+  if (!a["enabled"].get<bool>()) return dit;
+  const int64_t A = a["model_dim"], S = a["source_dim"], ah = A / a["num_heads"].get<int64_t>();
+  const int64_t ar = a["mlp_ratio"], V = a["vocab_size"], anb = a["num_blocks"];
+  const int64_t ablock = 3 * A                                   // three pre-norms
+                         + 4 * A * A + 2 * ah                    // self-attention + q/k norms
+                         + 2 * A * A + 2 * A * S + 2 * ah        // cross-attention + q/k norms
+                         + (A * ar * A + ar * A) + (ar * A * A + A);  // MLP with biases
+  return dit + V * A + anb * ablock + (A * A + A) + A;  // embed, blocks, out_proj, norm
+}
+
+}  // namespace
+
+TEST_CASE("--version prints the version and exits 0") {
+  const Result r = run_ok({"--version"});
+  CHECK(r.out.rfind("sluice ", 0) == 0);
+  CHECK(r.err.empty());
+}
+
+TEST_CASE("inspect --config anima-2b --json reports the real model's published totals") {
+  const auto j = inspect_json({"--config", "anima-2b"});
+  CHECK(j.at("model") == "anima");
+  CHECK(j.at("tensors").get<int64_t>() == 685);
+  const int64_t params = 2091068928;  // DESIGN.md §1
+  CHECK(j.at("parameters").get<int64_t>() == params);
+  // A bf16 build stores every tensor in bf16: 2 bytes per parameter, 3988.40 MiB.
+  CHECK(j.at("bytes").get<int64_t>() == 2 * params);
+  CHECK(j.at("bytes_by_dtype").size() == 1);
+  CHECK(j.at("bytes_by_dtype").at("BF16").get<int64_t>() == 2 * params);
+  CHECK(std::llround(j.at("bytes").get<double>() / (1024.0 * 1024.0) * 100.0) == 398840);
+  // The published group totals.
+  CHECK(group_params(j, "t_embedder") == 16777216);
+  CHECK(group_params(j, "x_embedder") == 139264);
+  CHECK(group_params(j, "final_layer") == 1703936);
+  CHECK(group_params(j, "blocks.*.adaln_modulation") == 176160768);
+  CHECK(group_params(j, "llm_adapter") == 134663680);
+  int64_t in_blocks = 0;
+  for (const auto& g : j.at("groups"))
+    if (g.at("name").get<std::string>().rfind("blocks.*.", 0) == 0) in_blocks += g.at("parameters").get<int64_t>();
+  CHECK(in_blocks == 28 * 69206528);
+  CHECK(j.at("blocks").get<int64_t>() == 28);
+  // The hand-derived formula agrees with the published total, so it can vouch for presets.
+  CHECK(expected_parameters(j.at("config")) == params);
+}
+
+TEST_CASE("inspect --config --dtype float32 doubles the bytes; text output has the totals") {
+  const auto j = inspect_json({"--config", "anima-small", "--dtype", "float32"});
+  CHECK(j.at("parameters").get<int64_t>() == expected_parameters(j.at("config")));
+  CHECK(j.at("bytes").get<int64_t>() == 4 * j.at("parameters").get<int64_t>());
+  CHECK(j.at("bytes_by_dtype").at("F32").get<int64_t>() == j.at("bytes").get<int64_t>());
+  const Result r = run_ok({"inspect", "--config", "anima-small"});
+  CHECK(r.out.find(std::to_string(j.at("parameters").get<int64_t>())) != std::string::npos);
+  CHECK(r.out.find("anima") != std::string::npos);
+}
+
+TEST_CASE("make-checkpoint writes a checkpoint that inspect describes") {
+  TempDir dir;
+  const std::string ckpt = dir / "tiny.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "7", "--out", ckpt, "--dtype", "float32"});
+  const auto from_file = inspect_json({ckpt});
+  const auto from_config = inspect_json({"--config", "anima-tiny", "--dtype", "float32"});
+  CHECK(from_file.at("model") == "anima");
+  CHECK(from_file.at("parameters").get<int64_t>() == expected_parameters(from_config.at("config")));
+  CHECK(from_file.at("tensors") == from_config.at("tensors"));
+  CHECK(from_file.at("bytes") == from_config.at("bytes"));
+  CHECK(from_file.at("bytes_by_dtype") == from_config.at("bytes_by_dtype"));
+  CHECK(from_file.at("groups") == from_config.at("groups"));
+  // The config inferred from the file's shapes is the preset's.
+  auto inferred = from_file.at("config"), preset = from_config.at("config");
+  inferred.erase("name");
+  preset.erase("name");
+  CHECK(inferred == preset);
+  // Every tensor is stored in the requested dtype, with the official "net." prefix.
+  const auto f = sluice::safetensors::File::open(ckpt);
+  CHECK(static_cast<int64_t>(f->tensors().size()) == from_file.at("tensors").get<int64_t>());
+  for (const auto& t : f->tensors()) {
+    CHECK(t.dtype == at::kFloat);
+    CHECK(t.name.rfind("net.", 0) == 0);
+  }
+}
+
+TEST_CASE("make-checkpoint is deterministic per seed") {
+  TempDir dir;
+  const std::string a = dir / "a.safetensors", b = dir / "b.safetensors", c = dir / "c.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "42", "--out", a});
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "42", "--out", b});
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "43", "--out", c});
+  const std::string bytes_a = slurp(a), bytes_b = slurp(b), bytes_c = slurp(c);
+  REQUIRE(!bytes_a.empty());
+  CHECK(bytes_a == bytes_b);
+  CHECK(bytes_a.size() == bytes_c.size());
+  CHECK(bytes_a != bytes_c);
+  // Default dtype is bfloat16.
+  for (const auto& t : sluice::safetensors::File::open(a)->tensors()) CHECK(t.dtype == at::kBFloat16);
+}
+
+TEST_CASE("forward writes a velocity shaped like x, and the adapter's context") {
+  TempDir dir;
+  const std::string ckpt = dir / "tiny.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt, "--dtype", "float32"});
+  const auto cfg = inspect_json({"--config", "anima-tiny"}).at("config");
+  const int64_t C = cfg["in_channels"], Dc = cfg["crossattn_emb_channels"];
+  const int64_t Dq = cfg["adapter"]["source_dim"], V = cfg["adapter"]["vocab_size"];
+  const int64_t out_tokens = cfg["adapter"]["output_tokens"];
+  at::manual_seed(0);
+
+  SECTION("context given") {
+    const std::string in = dir / "in.safetensors", out = dir / "out.safetensors";
+    sluice::safetensors::save(in, {{"x", at::randn({2, C, 1, 15, 17})},
+                                   {"timesteps", at::tensor({0.3f, 0.8f})},
+                                   {"context", at::randn({2, 5, Dc})}});
+    const Result r = run_ok({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out});
+    CHECK(r.err.empty());
+    const auto f = sluice::safetensors::File::open(out);
+    REQUIRE(f->contains("velocity"));
+    CHECK(!f->contains("context"));
+    const at::Tensor v = f->tensor("velocity");
+    CHECK(v.sizes() == at::IntArrayRef({2, C, 1, 15, 17}));
+    CHECK(v.scalar_type() == at::kFloat);
+    CHECK(at::isfinite(v).all().item<bool>());
+    CHECK(v.abs().sum().item<double>() > 0);
+    // The two batch elements have different timesteps and inputs: different outputs.
+    CHECK(!at::allclose(v[0], v[1]));
+
+    // bf16 run: output in bf16 and close to the fp32 one.
+    const std::string out16 = dir / "out16.safetensors";
+    run_ok({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out16, "--dtype", "bfloat16"});
+    const at::Tensor v16 = sluice::safetensors::File::open(out16)->tensor("velocity");
+    CHECK(v16.scalar_type() == at::kBFloat16);
+    const double rel = ((v16.to(at::kFloat) - v).norm() / v.norm()).item<double>();
+    CHECK(rel < 0.05);
+  }
+
+  SECTION("adapter inputs") {
+    const std::string in = dir / "in.safetensors", out = dir / "out.safetensors";
+    sluice::safetensors::save(in, {{"x", at::randn({1, C, 1, 8, 8})},
+                                   {"timesteps", at::tensor({0.5f})},
+                                   {"qwen_hidden", at::randn({1, 7, Dq})},
+                                   {"t5_ids", at::randint(0, V, {1, 9}, at::kLong)},
+                                   {"t5_weights", at::rand({1, 9})}});
+    run_ok({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out, "--config", "anima-tiny"});
+    const auto f = sluice::safetensors::File::open(out);
+    REQUIRE(f->contains("context"));
+    REQUIRE(f->contains("velocity"));
+    const at::Tensor ctx = f->tensor("context");
+    CHECK(ctx.sizes() == at::IntArrayRef({1, out_tokens, Dc}));
+    // Tokens past the 9 real ones are zero padding; the real ones are not.
+    CHECK(ctx.slice(1, 9).abs().sum().item<double>() == 0.0);
+    CHECK(ctx.slice(1, 0, 9).abs().sum().item<double>() > 0.0);
+    CHECK(f->tensor("velocity").sizes() == at::IntArrayRef({1, C, 1, 8, 8}));
+  }
+}
+
+TEST_CASE("errors: missing, corrupt and unreadable files exit 1 with one line naming the file") {
+  TempDir dir;
+  const std::string missing = dir / "does_not_exist.safetensors";
+  expect_error({"inspect", missing}, 1, {missing});
+
+  const std::string ckpt = dir / "tiny.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "3", "--out", ckpt});
+  const std::string bytes = slurp(ckpt);
+  const std::string truncated = dir / "truncated.safetensors";
+  {
+    std::ofstream o(truncated, std::ios::binary);
+    o.write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+  }
+  expect_error({"inspect", truncated}, 1, {truncated});
+  const std::string garbage = dir / "garbage.safetensors";
+  {
+    std::ofstream o(garbage, std::ios::binary);
+    o << "this is not a safetensors file at all";
+  }
+  expect_error({"inspect", garbage}, 1, {garbage});
+
+  const std::string in = dir / "in.safetensors";
+  sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 4, 4})},
+                                 {"timesteps", at::tensor({0.5f})},
+                                 {"context", at::randn({1, 3, 32})}});
+  expect_error({"forward", "--checkpoint", missing, "--inputs", in, "--output", dir / "o.safetensors"}, 1, {missing});
+  expect_error({"forward", "--checkpoint", truncated, "--inputs", in, "--output", dir / "o.safetensors"}, 1,
+               {truncated});
+  expect_error({"forward", "--checkpoint", ckpt, "--inputs", truncated, "--output", dir / "o.safetensors"}, 1,
+               {truncated});
+  expect_error({"forward", "--checkpoint", ckpt, "--inputs", missing, "--output", dir / "o.safetensors"}, 1, {missing});
+
+  const std::string bad_json = dir / "bad.json";
+  {
+    std::ofstream o(bad_json);
+    o << "{ not json";
+  }
+  expect_error({"inspect", "--config", bad_json}, 1, {bad_json});
+  expect_error({"inspect", "--config", dir / "absent.json"}, 1, {"absent.json"});
+}
+
+TEST_CASE("errors: unknown presets, bad flags and bad values exit 2 with one line and a hint") {
+  expect_error({"inspect", "--config", "anima-huge"}, 2, {"anima-huge", "sluice inspect --help"});
+  expect_error({"make-checkpoint", "--config", "nope", "--seed", "1", "--out", "/tmp/x.safetensors"}, 2,
+               {"nope", "sluice make-checkpoint --help"});
+  expect_error({"inspect", "--bogus"}, 2, {"--bogus", "sluice inspect --help"});
+  expect_error({"forward", "--checkpoint", "a", "--inputs", "b", "--output", "c", "--frobnicate"}, 2, {"--frobnicate"});
+  expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "1"}, 2, {"--out"});
+  expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "abc", "--out", "/tmp/x.safetensors"}, 2,
+               {"--seed"});
+  expect_error({"forward", "--checkpoint", "a", "--inputs", "b", "--output", "c", "--dtype", "float8"}, 2,
+               {"float8", "sluice forward --help"});
+  expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", "x", "--dtype", "int8"}, 2,
+               {"int8"});
+  expect_error({"forward", "--checkpoint", "a", "--inputs", "b", "--output", "c", "--device", "tpu"}, 2, {"tpu"});
+  expect_error({"forward", "--checkpoint", "a", "--inputs", "b", "--output", "c", "--device", "cuda:x"}, 2, {"cuda:x"});
+  expect_error({"inspect"}, 2, {"--config"});
+  expect_error({"inspect", "f.safetensors", "--config", "anima-tiny"}, 2, {"--config"});
+  expect_error({"frobnicate"}, 2, {"frobnicate"});
+  expect_error({}, 2, {"subcommand"});
+  expect_error({"--log-level", "loud", "inspect", "--config", "anima-tiny"}, 2, {"loud"});
+}
+
+TEST_CASE("errors: wrong input tensors exit 1 with one line naming the tensor") {
+  TempDir dir;
+  const std::string ckpt = dir / "tiny.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "5", "--out", ckpt, "--dtype", "float32"});
+  const std::string out = dir / "out.safetensors";
+  auto forward_error = [&](const std::vector<std::pair<std::string, at::Tensor>>& inputs,
+                           const std::vector<std::string>& names) {
+    const std::string in = dir / "in.safetensors";
+    sluice::safetensors::save(in, inputs);
+    expect_error({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out}, 1, names);
+    CHECK(!fs::exists(out));  // nothing written on failure
+  };
+  const at::Tensor x = at::randn({1, 16, 1, 4, 4}), ts = at::tensor({0.5f}), ctx = at::randn({1, 3, 32});
+  forward_error({{"x", at::randn({1, 15, 1, 4, 4})}, {"timesteps", ts}, {"context", ctx}}, {"'x'", "[1, 15, 1, 4, 4]"});
+  forward_error({{"x", at::randn({1, 16, 4, 4})}, {"timesteps", ts}, {"context", ctx}}, {"'x'"});
+  forward_error({{"x", x}, {"timesteps", at::tensor({0.5f, 0.2f})}, {"context", ctx}}, {"'timesteps'"});
+  forward_error({{"x", x}, {"timesteps", ts}, {"context", at::randn({1, 3, 31})}}, {"'context'"});
+  forward_error({{"x", x}, {"timesteps", ts}}, {"context"});
+  forward_error({{"x", x}, {"context", ctx}}, {"'timesteps'"});
+  forward_error({{"x", x}, {"timesteps", ts}, {"context", ctx}, {"extra", ctx}}, {"'extra'"});
+  forward_error({{"x", x}, {"timesteps", ts}, {"qwen_hidden", at::randn({1, 5, 32})},
+                 {"t5_ids", at::randint(0, 128, {1, 4}, at::kLong)}, {"t5_weights", at::rand({1, 5})}},
+                {"'t5_weights'"});
+  forward_error({{"x", x}, {"timesteps", ts}, {"qwen_hidden", at::randn({1, 5, 32})},
+                 {"t5_ids", at::full({1, 4}, 100000, at::kLong)}},
+                {"'t5_ids'"});
+  forward_error({{"x", x}, {"timesteps", ts}, {"qwen_hidden", at::randn({1, 5, 32})},
+                 {"t5_ids", at::rand({1, 4})}},
+                {"'t5_ids'"});
+}
+
+TEST_CASE("errors: a CUDA device that is not there exits 1 naming it") {
+  if (at::hasCUDA()) {
+    WARN("a CUDA device is present; the missing-device case needs a machine without one");
+    const std::string idx = std::to_string(at::getNumGPUs() + 3);
+    expect_error({"forward", "--checkpoint", "a", "--inputs", "b", "--output", "c", "--device", "cuda:" + idx}, 1,
+                 {"cuda:" + idx});
+    return;
+  }
+  TempDir dir;
+  const std::string in = dir / "in.safetensors";
+  sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 4, 4})}, {"timesteps", at::tensor({0.5f})},
+                                 {"context", at::randn({1, 3, 32})}});
+  expect_error({"forward", "--checkpoint", dir / "c.safetensors", "--inputs", in, "--output", dir / "o.safetensors",
+                "--device", "cuda"},
+               1, {"cuda"});
+}
