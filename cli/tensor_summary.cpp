@@ -1,5 +1,6 @@
 #include "cli/tensor_summary.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -65,7 +66,7 @@ void TensorSummary::add(const std::string& name, const std::string& dtype_name, 
   stats->parameters += numel;
   stats->bytes += nbytes;
   const auto p = split(name);
-  if (p.size() >= 2 && p[0] == "blocks" && is_index(p[1])) blocks = std::max(blocks, std::stoll(p[1]) + 1);
+  if (p.size() >= 2 && p[0] == "blocks" && is_index(p[1])) blocks = std::max<int64_t>(blocks, std::stoll(p[1]) + 1);
 }
 
 nlohmann::json to_json(const TensorSummary& s) {
