@@ -48,9 +48,17 @@ nlohmann::json inspect_file(const InspectArgs& a, TensorSummary& s) {
                       {"file", a.file},
                       {"file_bytes", file->file_size()},
                       {"metadata", file->metadata()},
-                      {"model", probe.is_anima ? "anima" : "unknown"},
+                      {"model", probe.is_anima ? "anima" : probe.has_dit ? "anima-dit" : "unknown"},
                       {"prefix", probe.prefix}};
-  if (probe.config) j["config"] = anima::config_to_json(*probe.config);
+  if (probe.has_dit) {
+    j["config"] = anima::config_to_json(probe.inferred);
+    j["config_from_metadata"] = probe.config_from_metadata;
+    j["dropped_foreign"] = probe.dropped_foreign;
+    j["dropped_non_model"] = probe.dropped_non_model;
+    j["scaled_weights"] = probe.scaled_weights;
+  } else {
+    j["reason"] = probe.reason;
+  }
   return j;
 }
 
@@ -70,6 +78,7 @@ int run_inspect(const InspectArgs& a) {
   }
   std::cout << "model       " << j["model"].get<std::string>();
   if (j.contains("config")) std::cout << " (" << j["config"]["name"].get<std::string>() << ")";
+  if (j.contains("reason")) std::cout << " (" << j["reason"].get<std::string>() << ")";
   std::cout << "\n" << to_text(s);
   return 0;
 }
