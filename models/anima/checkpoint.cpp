@@ -40,19 +40,21 @@ bool has_key_with_prefix(const safetensors::File& f, const std::string& p) {
                      [&](const safetensors::TensorInfo& t) { return starts_with(t.name, p); });
 }
 
-// Number of "<group><n>." indices under a key prefix: max n + 1, 0 when none.
-int64_t count_indexed(const safetensors::File& f, const std::string& group) {
-  int64_t n = 0;
+// The "<group><n>." indices present under a key prefix: {lowest, highest + 1}, {0, 0} when none.
+std::pair<int64_t, int64_t> index_range(const safetensors::File& f, const std::string& group) {
+  int64_t lo = -1, hi = 0;
   for (const auto& t : f.tensors()) {
     if (!starts_with(t.name, group)) continue;
     const std::string rest = t.name.substr(group.size());
     const auto dot = rest.find('.');
-    if (dot == 0 || dot == std::string::npos) continue;
+    if (dot == 0 || dot == std::string::npos || dot > 6) continue;
     const std::string idx = rest.substr(0, dot);
-    if (!std::all_of(idx.begin(), idx.end(), ::isdigit) || idx.size() > 6) continue;
-    n = std::max<int64_t>(n, std::stoll(idx) + 1);
+    if (!std::all_of(idx.begin(), idx.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) continue;
+    const int64_t n = std::stoll(idx);
+    lo = lo < 0 ? n : std::min(lo, n);
+    hi = std::max(hi, n + 1);
   }
-  return n;
+  return {std::max<int64_t>(lo, 0), hi};
 }
 
 // Shape of `prefix + name`, or nullopt when absent.
@@ -77,18 +79,22 @@ void infer_from_shapes(const safetensors::File& f, const std::string& p, bool ha
     const int64_t patch = c.patch_spatial * c.patch_spatial * c.patch_temporal;
     if ((*fin)[0] % patch == 0) c.out_channels = (*fin)[0] / patch;
   }
-  c.num_blocks = std::max<int64_t>(1, count_indexed(f, p + "blocks."));
-  if (const auto qn = shape_of(f, p, "blocks.0.self_attn.q_norm.weight"); qn && qn->size() == 1 && (*qn)[0] > 0) {
+  // Block shapes are read from the first block present, so that a file missing block 0
+  // still gets the right widths and the strict check names block 0's keys as missing.
+  const auto [first_block, end_block] = index_range(f, p + "blocks.");
+  c.num_blocks = std::max<int64_t>(1, end_block);
+  const std::string b0 = "blocks." + std::to_string(first_block) + ".";
+  if (const auto qn = shape_of(f, p, b0 + "self_attn.q_norm.weight"); qn && qn->size() == 1 && (*qn)[0] > 0) {
     if (c.model_channels % (*qn)[0] == 0) c.num_heads = c.model_channels / (*qn)[0];
   }
-  if (const auto kp = shape_of(f, p, "blocks.0.cross_attn.k_proj.weight"); kp && kp->size() == 2) {
+  if (const auto kp = shape_of(f, p, b0 + "cross_attn.k_proj.weight"); kp && kp->size() == 2) {
     c.crossattn_emb_channels = (*kp)[1];
   }
-  if (const auto l1 = shape_of(f, p, "blocks.0.mlp.layer1.weight"); l1 && l1->size() == 2) {
+  if (const auto l1 = shape_of(f, p, b0 + "mlp.layer1.weight"); l1 && l1->size() == 2) {
     if ((*l1)[0] % c.model_channels == 0) c.mlp_ratio = (*l1)[0] / c.model_channels;
   }
-  const auto lora_up = shape_of(f, p, "blocks.0.adaln_modulation_self_attn.2.weight");
-  const auto lora_down = shape_of(f, p, "blocks.0.adaln_modulation_self_attn.1.weight");
+  const auto lora_up = shape_of(f, p, b0 + "adaln_modulation_self_attn.2.weight");
+  const auto lora_down = shape_of(f, p, b0 + "adaln_modulation_self_attn.1.weight");
   c.use_adaln_lora = lora_up.has_value();
   if (lora_up && lora_down && lora_down->size() == 2) c.adaln_lora_dim = (*lora_down)[0];
 
@@ -99,15 +105,17 @@ void infer_from_shapes(const safetensors::File& f, const std::string& p, bool ha
     a.vocab_size = (*e)[0];
     a.model_dim = (*e)[1];
   }
-  a.num_blocks = std::max<int64_t>(1, count_indexed(f, p + "llm_adapter.blocks."));
-  if (const auto qn = shape_of(f, p, "llm_adapter.blocks.0.self_attn.q_norm.weight");
+  const auto [first_ablock, end_ablock] = index_range(f, p + "llm_adapter.blocks.");
+  a.num_blocks = std::max<int64_t>(1, end_ablock);
+  const std::string a0 = "llm_adapter.blocks." + std::to_string(first_ablock) + ".";
+  if (const auto qn = shape_of(f, p, a0 + "self_attn.q_norm.weight");
       qn && qn->size() == 1 && (*qn)[0] > 0 && a.model_dim % (*qn)[0] == 0) {
     a.num_heads = a.model_dim / (*qn)[0];
   }
-  if (const auto kp = shape_of(f, p, "llm_adapter.blocks.0.cross_attn.k_proj.weight"); kp && kp->size() == 2) {
+  if (const auto kp = shape_of(f, p, a0 + "cross_attn.k_proj.weight"); kp && kp->size() == 2) {
     a.source_dim = (*kp)[1];
   }
-  if (const auto m = shape_of(f, p, "llm_adapter.blocks.0.mlp.0.weight");
+  if (const auto m = shape_of(f, p, a0 + "mlp.0.weight");
       m && m->size() == 2 && a.model_dim > 0 && (*m)[0] % a.model_dim == 0) {
     a.mlp_ratio = (*m)[0] / a.model_dim;
   }
