@@ -340,6 +340,9 @@ TEST_CASE("invalid configs are rejected at build time") {
   AnimaConfig c = preset("anima-tiny");
   c.num_heads = 8;  // head_dim 8: too small for 3D RoPE
   CHECK_THROWS_AS(AnimaModel(c, BuildOptions{at::kFloat, at::kMeta}), sluice::InvalidArgument);
+  // Norm scales are never fp8: fp8 storage is the engine's job, after building.
+  CHECK_THROWS_AS(AnimaModel(preset("anima-tiny"), BuildOptions{at::kFloat8_e4m3fn, at::kMeta}),
+                  sluice::InvalidArgument);
 }
 
 TEST_CASE("timestep sinusoid is [cos, sin] with freq_k = exp(-ln(1e4) k / half)") {

@@ -45,8 +45,13 @@ void require_compute_dtype(const at::Tensor& t, const char* name, at::ScalarType
 }  // namespace
 
 AnimaModelImpl::AnimaModelImpl(AnimaConfig config, BuildOptions options)
-    : config_(std::move(config)),
-      compute_dtype_(is_compute_dtype(options.dtype) ? options.dtype : at::kBFloat16) {
+    : config_(std::move(config)), compute_dtype_(options.dtype) {
+  if (!is_compute_dtype(options.dtype)) {
+    // Norm scales must not be stored in fp8 (DESIGN.md §2); fp8 storage is applied to the
+    // ManagedLayers after building.
+    throw InvalidArgument(std::string("model dtype must be Float, BFloat16 or Half, got ") +
+                          c10::toString(options.dtype));
+  }
   config_.validate();
   rope::split_3d(config_.head_dim());  // rejects head sizes 3D RoPE cannot split
   const auto topts = at::TensorOptions().dtype(options.dtype).device(options.device);

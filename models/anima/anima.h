@@ -32,15 +32,15 @@ class LLMAdapterImpl;
 
 // Options for building a model.
 struct BuildOptions {
-  at::ScalarType dtype = at::kFloat;  // dtype the weights are created in (and the compute dtype)
+  at::ScalarType dtype = at::kFloat;  // weights' and compute dtype: Float, BFloat16 or Half
   at::Device device = at::kCPU;       // at::kMeta builds shape-only (no allocation)
 };
 
 class AnimaModelImpl : public torch::nn::Module {
  public:
-  // Weights are uninitialised (at::empty) except norm scales (ones) and biases (zeros):
-  // load a checkpoint (checkpoint.h) or generate one (generator.h). Throws
-  // InvalidArgument when the config is invalid.
+  // Weights are uninitialised (at::empty, so untouched pages cost no RAM) except norm
+  // scales (ones) and biases (zeros): load a checkpoint (checkpoint.h) or generate one
+  // (generator.h). Throws InvalidArgument for an invalid config or dtype.
   AnimaModelImpl(AnimaConfig config, BuildOptions options);
   const AnimaConfig& config() const { return config_; }
 

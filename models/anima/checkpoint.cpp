@@ -296,6 +296,7 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
 }
 
 AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
+  if (options.device.is_meta()) throw InvalidArgument("load_anima: cannot load '" + path + "' onto the meta device");
   const auto file = safetensors::File::open(path);
   const CheckpointProbe probe = probe_checkpoint(*file);
   if (!probe.has_dit) throw CheckpointError("'" + path + "' is not an Anima checkpoint: " + probe.reason);
