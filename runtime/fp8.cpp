@@ -62,8 +62,15 @@ void gather(const uint8_t* in, T* out, int64_t n, const T* table) {
 }
 
 // Rounds the fp32 product to the output type the way ATen's .to() does (nearest even).
+// c10's round_to_nearest_even, written without a branch so the loop stays tight; the NaN
+// pattern is the same 0x7FC0 c10 produces.
 struct ToBf16 {
-  uint16_t operator()(float v) const { return c10::BFloat16(v).x; }
+  uint16_t operator()(float v) const {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    const auto rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return v != v ? uint16_t{0x7FC0} : rounded;
+  }
 };
 struct ToF16 {
   uint16_t operator()(float v) const { return c10::Half(v).x; }
