@@ -119,7 +119,7 @@ TEST_CASE("the real probe passes on CPU for every fp8 dtype and fails on meta") 
   CHECK_THROWS_AS(sluice::detail::probe_fp8_storage(at::kCPU, at::kBFloat16), sluice::InvalidArgument);
 }
 
-TEST_CASE("probe successes are cached per device and dtype; failures are not") {
+TEST_CASE("probe successes are cached per device and dtype, failures are not") {
   sluice::detail::reset_fp8_probe_cache();
   int calls = 0;
   sluice::detail::ScopedFp8ProbeOverride fake([&](at::Device d, at::ScalarType) {
