@@ -14,6 +14,7 @@
 #include "models/anima/checkpoint.h"
 #include "models/anima/generator.h"
 #include "runtime/error.h"
+#include "runtime/host_memory.h"
 #include "runtime/safetensors.h"
 
 using namespace sluice::anima;
@@ -129,7 +130,12 @@ TEST_CASE("loaded weights are owned copies, not views of the file") {
   write_random_checkpoint(preset("anima-tiny"), 5, at::kFloat, path);
   const auto f = st::File::open(path);
   AnimaModel model(preset("anima-tiny"), BuildOptions{});
+  const int64_t before = sluice::host_memory_stats().current_bytes();
   load_weights(*model, *f, "net.");
+  // Every weight is one copy in sluice's host memory (runtime/host_memory.h).
+  int64_t bytes = 0;
+  for (const auto& p : model->named_parameters()) bytes += p.value().nbytes();
+  CHECK(sluice::host_memory_stats().current_bytes() - before == bytes);
   const at::Tensor view = f->tensor("net.blocks.0.mlp.layer1.weight");
   const at::Tensor param = model->named_parameters()["blocks.0.mlp.layer1.weight"];
   CHECK(at::equal(param, view));

@@ -9,6 +9,7 @@
 
 #include "models/anima/generator.h"
 #include "runtime/error.h"
+#include "runtime/host_memory.h"
 #include "runtime/logging.h"
 #include "runtime/safetensors.h"
 
@@ -151,15 +152,6 @@ at::Tensor source_tensor(const safetensors::File& f, const TensorSource& src, co
   return t.to(at::kFloat) * scale;
 }
 
-// One owned, contiguous copy of a mapped view in `dtype` on the host.
-// TODO(host_memory): use sluice::to_host_owned (runtime/host_memory.h) once it lands on
-// main, so loaded weights live in (and are counted as) sluice's host memory.
-at::Tensor owned_host_copy(const at::Tensor& view, at::ScalarType dtype) {
-  at::Tensor out = at::empty(view.sizes(), at::TensorOptions().dtype(dtype));
-  out.copy_(view);
-  return out;
-}
-
 }  // namespace
 
 std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& f, const std::string& prefix) {
@@ -287,8 +279,9 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
     const TensorSource& src = sources.at(item.key());
     const at::Tensor view = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
     if (param.device().is_cpu()) {
-      // Swap in an owned copy; the (untouched) storage the model was built with is freed.
-      param.set_data(owned_host_copy(view, param.scalar_type()));
+      // Swap in one owned copy in sluice's host memory (counted by host_memory_stats());
+      // the untouched storage the model was built with is freed, the mapped view dropped.
+      param.set_data(to_host_owned(view, param.scalar_type()));
     } else {
       param.copy_(view);
     }
