@@ -275,9 +275,10 @@ StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const s
 
 at::Tensor upcast(const at::Tensor& stored, at::ScalarType compute, const at::Tensor& scale) {
   if (!scale.defined() && stored.scalar_type() == compute) return stored;
-  check_compute_dtype(compute);
+  if (is_fp8(compute)) check_compute_dtype(compute);  // throws: fp8 is storage-only
   check_scale(stored, scale);
-  if (!is_fp8(stored.scalar_type())) return aten_upcast(stored, compute, scale);
+  // Non-fp8 storage, or a compute dtype without a fast path (float64), is a plain ATen cast.
+  if (!is_fp8(stored.scalar_type()) || !is_compute_dtype(compute)) return aten_upcast(stored, compute, scale);
   at::Tensor out = at::empty(stored.sizes(), stored.options().dtype(compute));
   upcast_into(stored, scale, out);
   return out;
