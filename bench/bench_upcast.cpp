@@ -12,7 +12,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <cstring>
 #include <vector>
 
@@ -105,7 +107,7 @@ void BM_upcast_vs_memcpy(benchmark::State& state) {
   Buffers& b = buffers(n);
   const int before = at::get_num_threads();
   at::set_num_threads(1);
-  double t_upcast = 0, t_memcpy = 0;
+  double t_upcast = 0, t_memcpy = 0, best_upcast = 1e30, best_memcpy = 1e30;
   using clock = std::chrono::steady_clock;
   for (auto _ : state) {
     auto t0 = clock::now();
@@ -115,14 +117,20 @@ void BM_upcast_vs_memcpy(benchmark::State& state) {
     std::memcpy(b.dst.data(), b.src.data(), b.src.size());
     benchmark::ClobberMemory();
     auto t2 = clock::now();
-    t_upcast += std::chrono::duration<double>(t1 - t0).count();
-    t_memcpy += std::chrono::duration<double>(t2 - t1).count();
+    const double u = std::chrono::duration<double>(t1 - t0).count();
+    const double m = std::chrono::duration<double>(t2 - t1).count();
+    t_upcast += u;
+    t_memcpy += m;
+    best_upcast = std::min(best_upcast, u);
+    best_memcpy = std::min(best_memcpy, m);
   }
   at::set_num_threads(before);
   const double moved = 3.0 * static_cast<double>(n) * static_cast<double>(state.iterations());
   state.counters["upcast_GBps"] = moved / t_upcast / 1e9;
   state.counters["memcpy_GBps"] = moved / t_memcpy / 1e9;
-  state.counters["ratio"] = t_memcpy / t_upcast;
+  state.counters["ratio_mean"] = t_memcpy / t_upcast;
+  // Best-of ratio: on a shared machine preemption inflates the means, not the minima.
+  state.counters["ratio"] = best_memcpy / best_upcast;
 }
 
 }  // namespace

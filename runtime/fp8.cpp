@@ -42,7 +42,9 @@ Fp8Tables build_tables() {
 constexpr int64_t kGrain = int64_t{1} << 18;
 
 // The unscaled upcast is a table gather. Eight input bytes are read with one load and the
-// eight lookups are independent, so the loop runs at the load ports' rate.
+// eight lookups are independent, so the loop runs at the load ports' rate. x86 has no 16-bit
+// gather; an AVX2 32-bit vpgatherdd + pack variant measured slower than this scalar loop
+// (Zen 3: 5.4 vs 8.3 GB/s moved), as did non-temporal stores, so the portable loop stays.
 template <typename T>
 void gather(const uint8_t* in, T* out, int64_t n, const T* table) {
   int64_t i = 0;
