@@ -60,7 +60,8 @@ at::ScalarType parse_compute_dtype(std::string_view name);
 void check_storage_dtype(at::ScalarType t);
 void check_compute_dtype(at::ScalarType t);
 
-// The resolver. See Note [dtype resolution] for the rules.
+// The resolver. `device` is the compute device, where stored bytes are upcast. See
+// Note [dtype resolution] for the rules.
 DtypePair resolve_dtypes(std::optional<at::ScalarType> storage, std::optional<at::ScalarType> compute,
                          at::Device device);
 

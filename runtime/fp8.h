@@ -57,7 +57,8 @@ StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const s
 
 // Returns `stored` as `compute` dtype on the same device, multiplied by `scale` when it
 // is defined (per tensor [] / [1], or per output channel [size(0)]). Returns `stored`
-// itself, not a copy, when no conversion is needed. See Note [fp8 upcast paths].
+// itself, not a copy, when no conversion is needed. A float8 `compute` throws
+// InvalidArgument. See Note [fp8 upcast paths].
 at::Tensor upcast(const at::Tensor& stored, at::ScalarType compute, const at::Tensor& scale);
 
 // As upcast(), into a preallocated `out` (the streaming engine reuses scratch buffers):

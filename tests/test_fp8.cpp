@@ -121,6 +121,10 @@ TEST_CASE("upcast returns the stored tensor itself when no conversion is needed"
   CHECK(at::equal(f, w.to(at::kFloat)));
   CHECK_THROWS_AS(sluice::upcast(random_fp8({4}, at::kFloat8_e4m3fn, 1), at::kFloat8_e5m2, at::Tensor()),
                   sluice::InvalidArgument);
+  CHECK_THROWS_AS(sluice::upcast(w, at::kFloat8_e4m3fn, at::Tensor()), sluice::InvalidArgument);
+  // No fast path for float64: ATen answers.
+  const at::Tensor x = random_fp8({5}, at::kFloat8_e5m2, 4);
+  CHECK(same_values(sluice::upcast(x, at::kDouble, at::Tensor()).to(at::kFloat), x.to(at::kFloat)));
 }
 
 TEST_CASE("scaled CPU upcast equals (stored.to(float) * scale).to(compute) exactly") {
