@@ -88,31 +88,53 @@ void check_min_size(uint64_t size, const std::string& origin) {
   }
 }
 
-// Parses the JSON header, rejecting duplicate keys at any level (nlohmann would keep the
-// last one silently) and nesting deeper than the format uses, before any DOM is built
-// for it.
+// Most list entries accepted in a shape (and data_offsets has two). Real tensors have a
+// handful of dimensions; the cap keeps a hostile header from building huge arrays.
+constexpr size_t kMaxListItems = 64;
+
+// Parses the JSON header with a callback that sees every event before the DOM is built.
+// It rejects what the DOM cannot show or would cost too much to build:
+//  - duplicate keys at any level (nlohmann keeps the last one silently);
+//  - structure the format never uses, as soon as it opens: a non-object root, an entry
+//    that is a list, nesting below shape/data_offsets, lists longer than kMaxListItems.
+// Everything else (types, values, ranges) is checked on the DOM afterwards.
 json parse_json(const char* begin, const char* end, const std::string& origin) {
   std::vector<std::unordered_set<std::string>> keys;  // one set per open object
   std::string entry;                                   // current top-level key
-  const auto too_deep = [&] {
+  size_t list_items = 0;                               // entries of the open depth-2 list
+  const auto reject = [&](const std::string& what) {
     if (entry.empty()) {
-      fail(origin, "header nests deeper than the format allows");
+      fail(origin, what);
     }
-    fail_tensor(origin, entry, "header entry nests deeper than the format allows");
+    fail_tensor(origin, entry, what);
   };
   auto callback = [&](int depth, json::parse_event_t event, json& parsed) {
+    // depth: 0 = root, 1 = entry or __metadata__, 2 = a field of an entry, 3 = list item
     switch (event) {
       case json::parse_event_t::object_start:
-        // root object (0) and entry/metadata objects (1) only
         if (depth > 1) {
-          too_deep();
+          reject("header nests deeper than the format allows");
         }
         keys.emplace_back();
         break;
       case json::parse_event_t::array_start:
-        // shape / data_offsets arrays live at depth 2
+        if (depth == 0) {
+          fail(origin, "header is not a JSON object");
+        }
+        if (depth == 1 && entry == "__metadata__") {
+          fail(origin, "__metadata__ is not an object");
+        }
+        if (depth == 1) {
+          reject("header entry is not an object");
+        }
         if (depth > 2) {
-          too_deep();
+          reject("header nests deeper than the format allows");
+        }
+        list_items = 0;
+        break;
+      case json::parse_event_t::value:
+        if (depth == 3 && ++list_items > kMaxListItems) {
+          reject(c10::str("a list in the header entry has more than ", kMaxListItems, " items"));
         }
         break;
       case json::parse_event_t::object_end:
@@ -129,7 +151,7 @@ json parse_json(const char* begin, const char* end, const std::string& origin) {
           if (depth == 1) {
             fail_tensor(origin, k, "name appears twice in the header");
           }
-          fail_tensor(origin, entry, "key '" + printable(k) + "' appears twice");
+          reject("key '" + printable(k) + "' appears twice");
         }
         if (depth == 1) {
           entry = k;

@@ -35,7 +35,8 @@ struct Header {
 
 // Parses and validates a whole file image held in memory (also used by the fuzz target):
 // header length, JSON, every entry, and that the tensors' byte ranges tile the data
-// section exactly. Reads only the first 8 + header-length bytes of `data`. Throws
+// section exactly. Reads only the first 8 + header-length bytes of `data`; rejects NUL
+// bytes in the header, headers over kMaxHeaderBytes and shapes of more than 64 dims. Throws
 // FileError naming `origin` and, where there is one, the tensor.
 Header parse_header(const uint8_t* data, uint64_t size, const std::string& origin);
 
@@ -54,6 +55,7 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // is undefined; in practice it faults, and it never reaches the file), and a tensor whose
 // bytes are not aligned to its element size is returned as a copy instead of a view.
 // The file must not be truncated by anyone while mapped (that raises SIGBUS on access).
+// A File is immutable once open: its const methods may be called from several threads.
 class File {
  public:
   static std::shared_ptr<File> open(const std::string& path);  // throws FileError

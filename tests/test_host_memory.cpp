@@ -1,5 +1,4 @@
 #include <catch2/catch.hpp>
-#include <mimalloc.h>
 
 #include <cstdint>
 #include <thread>
@@ -20,9 +19,9 @@ TEST_CASE("host_empty returns 64-byte aligned mimalloc memory of the right shape
     CHECK(t.sizes() == at::IntArrayRef({3, 5, 7}));
     CHECK(t.is_contiguous());
     CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 64 == 0);
-    // Weak on its own: Debian's libmimalloc.so also replaces malloc process-wide, so any
-    // heap pointer passes. The exact byte accounting below is what proves the path.
-    CHECK(mi_is_in_heap_region(t.data_ptr()));
+    // No mi_is_in_heap_region check: it is true for any heap pointer when Debian's
+    // libmimalloc.so replaces malloc, and false under ASan. The exact byte accounting in
+    // the next test is what shows the memory comes from host_empty's allocator.
   }
   // 0-d and zero-size tensors are valid too.
   CHECK(host_empty({}, at::kFloat).numel() == 1);
@@ -109,7 +108,7 @@ TEST_CASE("to_host_owned copies and converts into owned mimalloc memory") {
     CHECK(out.sizes() == src.sizes());
     CHECK(out.scalar_type() == at::kBFloat16);
     CHECK(at::equal(out, src));
-    CHECK(mi_is_in_heap_region(out.data_ptr()));
+    CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0);
     CHECK(stats.current_bytes() == base + 60 * 2);
     const at::Tensor before = out.clone();
     src.fill_(0);  // src is a temporary view of its own storage; the copy must not follow

@@ -217,6 +217,18 @@ TEST_CASE("every dtype round-trips bit-exactly, including 0-d and zero-size shap
   }
 }
 
+TEST_CASE("a 64-dimensional tensor is accepted") {
+  std::string dims = "[1";
+  for (int i = 1; i < 64; ++i) {
+    dims += i == 10 ? ",2" : ",1";
+  }
+  const Bytes img = make_image("{" + entry("w", "U8", dims + "]", "[0,2]") + "}", 2);
+  const st::Header h = st::parse_header(img.data(), img.size(), "many-dims");
+  REQUIRE(h.tensors.size() == 1);
+  CHECK(h.tensors[0].shape.size() == 64);
+  CHECK(h.tensors[0].numel() == 2);
+}
+
 TEST_CASE("dtype names map both ways") {
   for (const auto& [name, dtype] : kDtypes) {
     CHECK(st::dtype_name(dtype) == name);
@@ -482,7 +494,11 @@ TEST_CASE("invalid: header is not JSON") {
   SECTION("empty header") { check_rejected("", 0, {"not valid JSON"}); }
   SECTION("NUL bytes") { check_rejected(std::string("{}\0\0", 4), 0, {"NUL"}); }
   SECTION("NUL hiding garbage") { check_rejected(std::string("{}\0 garbage", 10), 0, {"NUL"}); }
-  SECTION("deep nesting") { check_rejected(std::string(100000, '[') + std::string(100000, ']'), 0, {"nests deeper"}); }
+  SECTION("deep nesting") {
+    check_rejected("{\"blk.w\":{\"shape\":" + std::string(100000, '[') + std::string(100000, ']') + "}}", 0,
+                   {"blk.w", "nests deeper"});
+  }
+  SECTION("deeply nested root list") { check_rejected(std::string(100000, '['), 0, {"not a JSON object"}); }
 }
 
 TEST_CASE("invalid: header is not an object") {
@@ -514,6 +530,13 @@ TEST_CASE("invalid: bad shape") {
     check_rejected("{" + entry("blk.w", "U8", "[18446744073709551615]", "[0,1]") + "}", 1, {"blk.w", "integers"});
   }
   SECTION("not a list") { check_rejected("{" + entry("blk.w", "F32", "2", "[0,8]") + "}", 8, {"blk.w", "shape"}); }
+  SECTION("too many dimensions") {
+    std::string dims = "[1";
+    for (int i = 1; i < 65; ++i) {
+      dims += ",1";
+    }
+    check_rejected("{" + entry("blk.w", "U8", dims + "]", "[0,1]") + "}", 1, {"blk.w", "more than 64"});
+  }
   SECTION("overflowing product") {
     check_rejected("{" + entry("blk.w", "F32", "[4294967296,4294967296]", "[0,8]") + "}", 8, {"blk.w", "overflow"});
   }
