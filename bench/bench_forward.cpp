@@ -10,7 +10,7 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
-#include <filesystem>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <unistd.h>
@@ -21,14 +21,12 @@
 
 namespace {
 
-namespace fs = std::filesystem;
-
-// One generated checkpoint per preset for the whole run, removed at exit.
+// One generated checkpoint per preset for the whole run, removed at exit. (POSIX calls:
+// the torch wheel's exported std::filesystem symbols crash when called from here.)
 struct Fixture {
-  fs::path path;
+  std::string path;
   ~Fixture() {
-    std::error_code ec;
-    fs::remove(path, ec);
+    if (!path.empty()) ::unlink(path.c_str());
   }
 };
 
@@ -36,12 +34,14 @@ std::string checkpoint_for(const std::string& preset) {
   static std::map<std::string, Fixture> fixtures;
   auto it = fixtures.find(preset);
   if (it == fixtures.end()) {
-    Fixture f;
-    f.path = fs::temp_directory_path() / (preset + "_bench_" + std::to_string(getpid()) + ".safetensors");
-    sluice::anima::write_random_checkpoint(sluice::anima::preset(preset), /*seed=*/1, at::kFloat, f.path.string());
-    it = fixtures.emplace(preset, std::move(f)).first;
+    const char* tmp = std::getenv("TMPDIR");
+    const std::string path = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/" + preset + "_bench_" +
+                             std::to_string(getpid()) + ".safetensors";
+    sluice::anima::write_random_checkpoint(sluice::anima::preset(preset), /*seed=*/1, at::kFloat, path);
+    it = fixtures.emplace(preset, Fixture{}).first;
+    it->second.path = path;
   }
-  return it->second.path.string();
+  return it->second.path;
 }
 
 // The runner calls a benchmark function several times while it sizes the iteration

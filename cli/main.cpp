@@ -66,7 +66,23 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i)
       for (const auto& c : commands)
         if (where == "sluice" && c.app->get_name() == argv[i]) where += " " + c.app->get_name();
-    return fail(kUsageError, std::string(e.what()) + "; run '" + where + " --help'");
+    std::string message = e.what();
+    if (where == "sluice") {
+      // CLI11 reports a misspelt subcommand as a missing one; name the word instead.
+      for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        if (arg == "--log-level") {
+          ++i;
+          continue;
+        }
+        if (arg.empty() || arg[0] == '-') continue;
+        std::string known;
+        for (const auto& c : commands) known += (known.empty() ? "" : ", ") + c.app->get_name();
+        message = "unknown subcommand '" + arg + "' (expected one of: " + known + ")";
+        break;
+      }
+    }
+    return fail(kUsageError, message + "; run '" + where + " --help'");
   }
 
   try {

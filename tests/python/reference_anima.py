@@ -50,13 +50,34 @@ def check_supported(cfg):
             problems.append("adapter.source_dim != adapter.model_dim")
         if a["mlp_ratio"] != 4:
             problems.append("adapter.mlp_ratio != 4")
+        if a["rope_theta"] != 10000.0:
+            problems.append("adapter.rope_theta != 10000")
     if problems:
         raise SystemExit("reference_anima: config not expressible in the reference: " + ", ".join(problems))
 
 
+class _NoInit:
+    """Skips the reference's random parameter init (every parameter is then assigned from
+    the checkpoint): torch.empty pages are never touched, so even anima-2b costs nothing
+    here. (A meta-device build would be the usual tool, but the reference computes its
+    RoPE buffers in __init__, which on meta pulls in torch's slow decomposition imports.)"""
+
+    CLASSES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm)
+
+    def __enter__(self):
+        self.saved = [(c, c.reset_parameters) for c in self.CLASSES]
+        for c in self.CLASSES:
+            c.reset_parameters = lambda self: None
+        return self
+
+    def __exit__(self, *exc):
+        for c, f in self.saved:
+            c.reset_parameters = f
+
+
 def build_models(ref, cfg):
-    """Builds the DiT and adapter on the meta device (no memory, no random init)."""
-    with torch.device("meta"):
+    """Builds the DiT and adapter with uninitialized parameters (see _NoInit)."""
+    with _NoInit():
         dit = ref.MiniTrainDIT(
             in_channels=cfg["in_channels"],
             out_channels=cfg["out_channels"],
@@ -82,26 +103,12 @@ def build_models(ref, cfg):
             adapter = ref.LLMAdapter(
                 vocab_size=a["vocab_size"], dim=a["model_dim"], num_layers=a["num_blocks"], num_heads=a["num_heads"]
             )
-    # Non-persistent buffers are not in checkpoints: rebuild those modules for real on the
-    # CPU (in fp32, as the reference computes them) after the meta build.
-    dit.pos_embedder = ref.VideoRopePosition3DEmb(
-        head_dim=cfg["model_channels"] // cfg["num_heads"],
-        len_h=dit.max_img_h // cfg["patch_spatial"],
-        len_w=dit.max_img_w // cfg["patch_spatial"],
-        len_t=dit.max_frames // cfg["patch_temporal"],
-        h_extrapolation_ratio=cfg["rope_h_extrapolation_ratio"],
-        w_extrapolation_ratio=cfg["rope_w_extrapolation_ratio"],
-        t_extrapolation_ratio=cfg["rope_t_extrapolation_ratio"],
-    )
-    if adapter is not None:
-        adapter.rotary_emb = ref.LLMAdapterRotaryEmbedding(
-            cfg["adapter"]["model_dim"] // cfg["adapter"]["num_heads"], theta=cfg["adapter"]["rope_theta"]
-        )
     return dit, adapter
 
 
 def load_weights(dit, adapter, checkpoint, dtype):
-    """Strict load, one tensor at a time, converted to `dtype` (keeps peak RAM ~ 1 model)."""
+    """Strict load, converted to `dtype` one tensor at a time (peak RAM ~ one model in
+    `dtype`); assign=True replaces the never-touched uninitialized parameters."""
     dit_sd, adapter_sd = {}, {}
     with safe_open(checkpoint, framework="pt", device="cpu") as f:
         for key in f.keys():
@@ -119,9 +126,7 @@ def load_weights(dit, adapter, checkpoint, dtype):
     for m in (dit, adapter):
         if m is None:
             continue
-        for n, p in m.named_parameters():
-            if p.device.type == "meta":
-                raise SystemExit(f"reference_anima: parameter {n} was not loaded")
+        for p in m.parameters():
             p.requires_grad_(False)
         m.eval()
 

@@ -14,6 +14,7 @@ every output is within tolerance, 1 otherwise (2 for a broken setup).
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -70,7 +71,9 @@ def run(cmd, what, env=None):
         raise Fail(f"{what} failed with exit code {p.returncode}: {' '.join(cmd)}")
     if p.stderr.strip():
         sys.stderr.write(p.stderr)
-    print(f"  {what}: {dt:.2f}s")
+    # ru_maxrss of children: the largest peak of any step so far (KiB on Linux).
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / (1024 * 1024)
+    print(f"  {what}: {dt:.2f}s (largest child peak RSS so far {peak:.2f} GiB)")
     return p.stdout
 
 
