@@ -112,6 +112,30 @@ uint64_t select(const PlanInput& in, const std::vector<size_t>& candidates, uint
   return taken;
 }
 
+// Plans with the k largest streamable layers forced resident; returns the resident
+// streamable bytes. `resident` starts with the required layers marked.
+uint64_t plan_with_forced(const PlanInput& in, const Prepared& p, size_t k, std::vector<bool>& resident) {
+  for (size_t j = 0; j < k; ++j) resident[p.by_size[j]] = true;
+  uint64_t taken = p.prefix[k];
+  uint64_t slot = in.layers[p.by_size[k]].slot_size();
+  for (;;) {
+    const uint64_t fixed = p.required + in.scratch_bytes + static_cast<uint64_t>(in.ring_slots) * slot + taken;
+    TORCH_INTERNAL_ASSERT(fixed <= in.weight_budget, "plan_residency: forced set over budget");
+    const uint64_t limit = std::min(in.weight_budget - fixed, p.cap - taken);
+    std::vector<size_t> candidates;
+    for (size_t i : p.streamable) {
+      if (!resident[i]) candidates.push_back(i);
+    }
+    taken += select(in, candidates, limit, resident);
+    uint64_t new_slot = 0;
+    for (size_t i : p.streamable) {
+      if (!resident[i]) new_slot = std::max(new_slot, in.layers[i].slot_size());
+    }
+    if (new_slot >= slot || new_slot == 0) return taken;
+    slot = new_slot;  // a smaller ring frees budget for another pass
+  }
+}
+
 }  // namespace
 
 uint64_t minimum_weight_budget(const PlanInput& input) { return minimum(input, prepare(input)); }
@@ -147,29 +171,27 @@ ResidencyPlan plan_residency(const PlanInput& in) {
     for (size_t i : p.streamable) plan.resident[i] = true;
     resident_streamable = p.streamable_bytes;
   } else {
-    // Keep the k largest layers resident when that is what makes the ring fit at all.
-    size_t k = 0;
-    while (k < n && !(p.prefix[k] <= p.cap && cost_with_forced(in, p, k) <= in.weight_budget)) ++k;
-    TORCH_INTERNAL_ASSERT(k < n, "plan_residency: no feasible plan above the minimum");
-    for (size_t j = 0; j < k; ++j) plan.resident[p.by_size[j]] = true;
-    resident_streamable = p.prefix[k];
-    uint64_t slot = in.layers[p.by_size[k]].slot_size();
-    for (;;) {
-      const uint64_t fixed = p.required + in.scratch_bytes + static_cast<uint64_t>(in.ring_slots) * slot + resident_streamable;
-      TORCH_INTERNAL_ASSERT(fixed <= in.weight_budget, "plan_residency: forced set over budget");
-      const uint64_t limit = std::min(in.weight_budget - fixed, p.cap - resident_streamable);
-      std::vector<size_t> candidates;
-      for (size_t i : p.streamable) {
-        if (!plan.resident[i]) candidates.push_back(i);
+    // Keeping the k largest layers resident shrinks the ring to the (k+1)-th largest. Try
+    // every k at which the ring size changes and keep the plan with the most resident
+    // bytes (ties: the smaller k, i.e. the policy's own choice).
+    std::vector<bool> best;
+    uint64_t best_resident = 0;
+    bool found = false;
+    for (size_t k = 0; k < n; ++k) {
+      if (p.prefix[k] > p.cap) break;
+      if (k > 0 && in.layers[p.by_size[k]].slot_size() == in.layers[p.by_size[k - 1]].slot_size()) continue;
+      if (cost_with_forced(in, p, k) > in.weight_budget) continue;
+      std::vector<bool> resident = plan.resident;
+      const uint64_t r = plan_with_forced(in, p, k, resident);
+      if (!found || r > best_resident) {
+        best = std::move(resident);
+        best_resident = r;
+        found = true;
       }
-      resident_streamable += select(in, candidates, limit, plan.resident);
-      uint64_t new_slot = 0;
-      for (size_t i : p.streamable) {
-        if (!plan.resident[i]) new_slot = std::max(new_slot, in.layers[i].slot_size());
-      }
-      if (new_slot >= slot || new_slot == 0) break;
-      slot = new_slot;  // a smaller ring frees budget for another pass
     }
+    TORCH_INTERNAL_ASSERT(found, "plan_residency: no feasible plan above the minimum");
+    plan.resident = std::move(best);
+    resident_streamable = best_resident;
   }
 
   plan.resident_bytes = p.required + resident_streamable;
