@@ -138,8 +138,12 @@ class CpuDevice final : public DeviceBackend {
       double target_us = latency_us;
       if (rate > 0) target_us += static_cast<double>(n) / rate * 1e6;
       if (target_us > 0) {
-        std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
-                                                  std::chrono::duration<double, std::micro>(target_us)));
+        // Short waits spin (yielding): a sleep can overshoot by a scheduler tick, which would
+        // make many small slowed copies far slower than asked.
+        const auto until = start + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double, std::micro>(target_us));
+        if (until - Clock::now() > std::chrono::milliseconds(2)) std::this_thread::sleep_until(until - std::chrono::milliseconds(1));
+        while (Clock::now() < until) std::this_thread::yield();
       }
     });
   }

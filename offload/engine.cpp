@@ -259,7 +259,7 @@ void StreamingEngine::restore_to_host() noexcept {
       unpin_host(r);
       r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
       r.layer->set_weight_scale(r.host_s);
-      if (r.layer->provider() == this) r.layer->set_provider(nullptr);
+      r.layer->set_provider(nullptr);  // ours while attached, even if a wrapper was installed
       r.dev_w = r.dev_b = r.dev_s = at::Tensor();
       r.resident = false;
     } catch (const std::exception& e) {
@@ -481,6 +481,7 @@ int64_t StreamingEngine::replan(uint64_t weight_budget, std::optional<double> ma
   weight_budget_ = weight_budget;
   max_resident_ = max_resident;
   apply_plan(plan);
+  budget_->reset_peak();  // the budget may have shrunk: peaks count from the new plan on
   check_invariants("residency change");
   return static_cast<int64_t>(budget_->current()) - before;
 }
