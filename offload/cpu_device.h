@@ -11,6 +11,9 @@
 //  - Events are completion counters with the wall-clock time they completed; elapsed
 //    times between them are wall-clock.
 //  - pin() is a no-op (the engine's pinned-bytes cap accounting still runs).
+// The copy worker needs a core of its own: with OpenMP intra-op threads on every core,
+// their spin-waiting between parallel regions starves it (tests and benches on small
+// machines run with at::set_num_threads(1)).
 #include <cstdint>
 #include <memory>
 

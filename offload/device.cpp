@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
+#include "offload/cpu_device.h"
+#include "offload/torch_device.h"
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
 
@@ -133,6 +135,28 @@ uint64_t physical_ram_bytes() {
   const long page = sysconf(_SC_PAGE_SIZE);
   if (pages <= 0 || page <= 0) return 0;
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+}
+
+std::unique_ptr<DeviceBackend> make_device(std::string_view spec, uint64_t total_memory, const std::string& flag) {
+  if (spec == "cpu") {
+    CpuDeviceOptions o;
+    o.total_memory = total_memory;
+    return make_cpu_device(o);
+  }
+  std::optional<c10::Device> device;
+  try {
+    device = c10::Device(std::string(spec));
+  } catch (const c10::Error&) {
+    throw InvalidArgument(flag + ": unknown device '" + std::string(spec) + "' (use cpu, cuda or cuda:N)");
+  }
+  if (device->is_cpu()) return make_device("cpu", total_memory, flag);
+  TorchDeviceOptions o;
+  o.total_memory = total_memory;
+  try {
+    return make_torch_device(*device, o);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(flag + ": " + e.what());
+  }
 }
 
 }  // namespace sluice::offload

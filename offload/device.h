@@ -21,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "offload/stats.h"
 
@@ -127,5 +128,12 @@ class DeviceBackend {
 
 // Physical RAM of this machine (sysconf), 0 if unknown.
 uint64_t physical_ram_bytes();
+
+// The backend for a --device value: "cpu" is the CPU device (cpu_device.h), anything else
+// c10 parses ("cuda", "cuda:1") the torch device (torch_device.h). `total_memory` (0:
+// query) is the device memory to report. Throws InvalidArgument naming `flag` for a value
+// that is malformed or a device that is not available.
+std::unique_ptr<DeviceBackend> make_device(std::string_view spec, uint64_t total_memory = 0,
+                                           const std::string& flag = "--device");
 
 }  // namespace sluice::offload

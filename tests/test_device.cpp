@@ -139,3 +139,12 @@ TEST_CASE("cpu device: pinning is a no-op and total memory defaults to RAM") {
   opt.total_memory = 12345;
   CHECK(make_cpu_device(opt)->total_memory() == 12345);
 }
+
+TEST_CASE("make_device: cpu and errors naming the flag") {
+  auto cpu = make_device("cpu", 4096);
+  CHECK(cpu->device().is_cpu());
+  CHECK(cpu->total_memory() == 4096);
+  CHECK_THROWS_WITH(make_device("tpu:x", 0, "--dev"), Catch::Contains("--dev") && Catch::Contains("tpu:x"));
+  // No accelerator here: asking for one fails with the flag named, it does not crash.
+  if (!at::hasCUDA()) CHECK_THROWS_AS(make_device("cuda:0"), sluice::InvalidArgument);
+}
