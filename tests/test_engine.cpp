@@ -89,7 +89,7 @@ uint64_t minimum_from(const std::string& msg) {
 
 }  // namespace
 
-TEST_CASE("engine: outputs are bit-identical to the plain model for every depth, cap and policy") {
+TEST_CASE("engine: outputs are bit-identical to the plain model for every depth and cap and policy") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -554,7 +554,7 @@ TEST_CASE("engine: stats JSON carries the documented fields") {
   CHECK(j["forwards"][1]["wall_ms"].get<double>() >= 0);
 }
 
-TEST_CASE("engine: trace JSON has copy, upcast and compute tracks") {
+TEST_CASE("engine: trace JSON has copy and upcast and compute tracks") {
   ToyModel model;
   const at::Tensor x = input();
   EngineOptions o = options(slowed_cpu());
