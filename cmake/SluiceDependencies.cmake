@@ -3,6 +3,12 @@
 
 # libtorch: from the PyPI wheel (CMAKE_PREFIX_PATH = torch.utils.cmake_prefix_path,
 # which scripts/setup.sh passes) or any libtorch >= 2.11 through Torch_DIR.
+# A CUDA libtorch turns TORCH_CUDA_ARCH_LIST into -gencode flags in CMAKE_CUDA_FLAGS and
+# forces CMAKE_CUDA_ARCHITECTURES off. Unset, it probes the GPU and, with none (CI), picks a
+# list starting at sm_50, which nvcc 13 refuses. So sluice names its architectures here.
+if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+  set(TORCH_CUDA_ARCH_LIST "8.0;8.6;8.9;9.0+PTX")
+endif()
 find_package(Torch 2.11 REQUIRED)
 if(NOT TARGET torch)
   message(FATAL_ERROR "find_package(Torch) did not define the 'torch' target")
@@ -35,6 +41,7 @@ if(NOT SLUICE_WITH_CUDA STREQUAL "OFF")
   endif()
 endif()
 if(SLUICE_HAS_CUDA)
+  # Only reached when torch did not force it off (it does whenever it adds its -gencode flags).
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
     set(CMAKE_CUDA_ARCHITECTURES 80-real 86-real 89-real 90-real 90-virtual)
   endif()

@@ -1,13 +1,308 @@
 #include "runtime/fp8.h"
 
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e4m3fnuz.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Float8_e5m2fnuz.h>
+#include <c10/util/Half.h>
+
+#include <array>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
 namespace sluice {
+namespace {
+
+// ---- tables -------------------------------------------------------------------------
+
+template <typename F8>
+Fp8Tables build_tables() {
+  Fp8Tables t{};
+  for (int b = 0; b < 256; ++b) {
+    const float f = static_cast<float>(F8(static_cast<uint8_t>(b), F8::from_bits()));
+    t.f32[b] = f;
+    t.bf16[b] = c10::BFloat16(f).x;  // exact: every fp8 value is a bfloat16
+    t.f16[b] = c10::Half(f).x;       // exact: every fp8 value is a float16
+  }
+  return t;
+}
+
+// ---- CPU kernels --------------------------------------------------------------------
+
+// Elements per at::parallel_for chunk: large enough that thread start-up is noise, small
+// enough that a 2048x2048 weight (4 Mi elements) is split across cores.
+constexpr int64_t kGrain = int64_t{1} << 18;
+
+// The unscaled upcast is a table gather. Eight input bytes are read with one load and the
+// eight lookups are independent, so the loop runs at the load ports' rate.
+template <typename T>
+void gather(const uint8_t* in, T* out, int64_t n, const T* table) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, in + i, sizeof w);
+    out[i + 0] = table[w & 0xFF];
+    out[i + 1] = table[(w >> 8) & 0xFF];
+    out[i + 2] = table[(w >> 16) & 0xFF];
+    out[i + 3] = table[(w >> 24) & 0xFF];
+    out[i + 4] = table[(w >> 32) & 0xFF];
+    out[i + 5] = table[(w >> 40) & 0xFF];
+    out[i + 6] = table[(w >> 48) & 0xFF];
+    out[i + 7] = table[(w >> 56) & 0xFF];
+  }
+  for (; i < n; ++i) out[i] = table[in[i]];
+}
+
+// Rounds the fp32 product to the output type the way ATen's .to() does (nearest even).
+// c10's round_to_nearest_even, written without a branch so the loop stays tight; the NaN
+// pattern is the same 0x7FC0 c10 produces.
+struct ToBf16 {
+  uint16_t operator()(float v) const {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    const auto rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return v != v ? uint16_t{0x7FC0} : rounded;
+  }
+};
+struct ToF16 {
+  uint16_t operator()(float v) const { return c10::Half(v).x; }
+};
+struct ToF32 {
+  float operator()(float v) const { return v; }
+};
+
+// out[i] = round(f32[in[i]] * scale[row(i)]) over [begin, end); a per-tensor scale is one
+// row as long as the tensor.
+template <typename T, typename Round>
+void scaled_range(const uint8_t* in, T* out, int64_t begin, int64_t end, const float* f32, const float* scale,
+                  int64_t row_len, Round round) {
+  int64_t row = begin / row_len;
+  int64_t i = begin;
+  while (i < end) {
+    const int64_t stop = std::min(end, (row + 1) * row_len);
+    const float s = scale[row];
+    for (; i < stop; ++i) out[i] = round(f32[in[i]] * s);
+    ++row;
+  }
+}
+
+template <typename T, typename Round>
+void cpu_scaled(const uint8_t* in, T* out, int64_t n, const float* f32, const float* scale, int64_t row_len,
+                Round round) {
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) { scaled_range(in, out, b, e, f32, scale, row_len, round); });
+}
+
+template <typename T>
+void cpu_gather(const uint8_t* in, T* out, int64_t n, const T* table) {
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) { gather(in + b, out + b, e - b, table); });
+}
+
+// src: fp8, contiguous, CPU. scale: undefined or fp32 contiguous CPU. out: contiguous CPU.
+void cpu_upcast(const at::Tensor& src, const at::Tensor& scale, const at::Tensor& out) {
+  const Fp8Tables& tab = fp8_tables(src.scalar_type());
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  const auto* in = static_cast<const uint8_t*>(src.data_ptr());
+  const at::ScalarType compute = out.scalar_type();
+  if (!scale.defined()) {
+    switch (compute) {
+      case at::kBFloat16: return cpu_gather(in, static_cast<uint16_t*>(out.data_ptr()), n, tab.bf16);
+      case at::kHalf: return cpu_gather(in, static_cast<uint16_t*>(out.data_ptr()), n, tab.f16);
+      case at::kFloat: return cpu_gather(in, static_cast<float*>(out.data_ptr()), n, tab.f32);
+      default: TORCH_INTERNAL_ASSERT(false, "cpu_upcast: unchecked compute dtype ", compute);
+    }
+  }
+  const float* s = scale.data_ptr<float>();
+  const int64_t row_len = scale.numel() == 1 ? n : n / scale.numel();
+  switch (compute) {
+    case at::kBFloat16:
+      return cpu_scaled(in, static_cast<uint16_t*>(out.data_ptr()), n, tab.f32, s, row_len, ToBf16{});
+    case at::kHalf: return cpu_scaled(in, static_cast<uint16_t*>(out.data_ptr()), n, tab.f32, s, row_len, ToF16{});
+    case at::kFloat: return cpu_scaled(in, static_cast<float*>(out.data_ptr()), n, tab.f32, s, row_len, ToF32{});
+    default: TORCH_INTERNAL_ASSERT(false, "cpu_upcast: unchecked compute dtype ", compute);
+  }
+}
+
+// ---- helpers ------------------------------------------------------------------------
+
+bool is_compute_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
+
+// The scale shaped to broadcast against `stored`: [] per tensor, [out, 1, ...] per row.
+at::Tensor broadcastable_scale(const at::Tensor& scale, const at::Tensor& stored) {
+  if (scale.numel() == 1) return scale.reshape({});
+  std::vector<int64_t> shape(static_cast<size_t>(stored.dim()), 1);
+  shape[0] = stored.size(0);
+  return scale.reshape(shape);
+}
+
+void check_scale(const at::Tensor& stored, const at::Tensor& scale) {
+  if (!scale.defined()) return;
+  const bool per_tensor = scale.numel() == 1;
+  const bool per_row = stored.dim() >= 1 && scale.numel() == stored.size(0) && scale.dim() <= 1;
+  if (!per_tensor && !per_row) {
+    throw InvalidArgument(c10::str("upcast: scale of shape ", scale.sizes(), " fits neither per tensor ([] or [1]) nor ",
+                                   "per output channel of a stored tensor of shape ", stored.sizes()));
+  }
+  if (!scale.is_floating_point()) {
+    throw InvalidArgument(c10::str("upcast: scale must be floating point, got ", scale.scalar_type()));
+  }
+}
+
+// The reference path: ATen's conversion, scale applied in fp32.
+at::Tensor aten_upcast(const at::Tensor& stored, at::ScalarType compute, const at::Tensor& scale) {
+  if (!scale.defined()) return stored.to(compute);
+  const at::Tensor s = broadcastable_scale(scale.to(stored.device(), at::kFloat), stored);
+  return (stored.to(at::kFloat) * s).to(compute);
+}
+
+std::array<std::atomic<DeviceUpcastFn>, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
+device_kernels() {
+  static std::array<std::atomic<DeviceUpcastFn>, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+      table{};
+  return table;
+}
+
+}  // namespace
+
+const Fp8Tables& fp8_tables(at::ScalarType fp8) {
+  switch (fp8) {
+    case at::kFloat8_e4m3fn: {
+      static const Fp8Tables t = build_tables<c10::Float8_e4m3fn>();
+      return t;
+    }
+    case at::kFloat8_e5m2: {
+      static const Fp8Tables t = build_tables<c10::Float8_e5m2>();
+      return t;
+    }
+    case at::kFloat8_e4m3fnuz: {
+      static const Fp8Tables t = build_tables<c10::Float8_e4m3fnuz>();
+      return t;
+    }
+    case at::kFloat8_e5m2fnuz: {
+      static const Fp8Tables t = build_tables<c10::Float8_e5m2fnuz>();
+      return t;
+    }
+    default: throw InvalidArgument("fp8_tables: " + dtype_name(fp8) + " is not a float8 dtype");
+  }
+}
+
+void register_device_upcast(c10::DeviceType type, DeviceUpcastFn fn) {
+  const auto i = static_cast<size_t>(type);
+  TORCH_INTERNAL_ASSERT(i < device_kernels().size(), "register_device_upcast: bad device type");
+  device_kernels()[i].store(fn);
+}
+
+DeviceUpcastFn device_upcast(c10::DeviceType type) {
+  const auto i = static_cast<size_t>(type);
+  return i < device_kernels().size() ? device_kernels()[i].load() : nullptr;
+}
+
+StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const std::string& name,
+                            const Fp8Options& options) {
+  check_storage_dtype(storage);
+  if (!w.defined()) throw InvalidArgument("cast_to_storage: tensor '" + name + "' is undefined");
+  if (!w.is_floating_point()) {
+    throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' has dtype ", dtype_name(w.scalar_type()),
+                                   "; only floating-point tensors are cast to a storage dtype"));
+  }
+  at::NoGradGuard no_grad;
+  StorageCast r;
+  if (!is_fp8(storage) || w.numel() == 0) {
+    r.stored = w.to(storage);
+    return r;
+  }
+  // fp8 input (re-encoding, e.g. e5m2 -> e4m3fn, which can overflow) goes through fp32,
+  // which is exact; ATen has no abs/amax for fp8.
+  const at::Tensor x = is_fp8(w.scalar_type()) ? w.to(at::kFloat) : w;
+
+  const double max_finite = fp8_max_finite(storage);
+  // One reduction answers both questions: NaN propagates through amax, inf is its own max.
+  const double amax = x.abs().amax().item<double>();
+  if (!std::isfinite(amax)) {
+    const int64_t nans = at::isnan(x).sum().item<int64_t>();
+    const int64_t infs = at::isinf(x).sum().item<int64_t>();
+    throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' holds ", nans, " NaN and ", infs,
+                                   " inf values; refusing to store it as ", dtype_name(storage)));
+  }
+
+  const bool scaled = options.scale_mode != ScaleMode::none && x.dim() >= 2;
+  if (!scaled) {
+    at::Tensor src = x;
+    if (amax > max_finite) {
+      r.clipped = x.abs().gt(max_finite).sum().item<int64_t>();
+      if (options.out_of_range == OutOfRangePolicy::refuse) {
+        throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' has ", r.clipped, " of ", x.numel(),
+                                       " values beyond +-", max_finite, " (max |w| = ", amax, "), the range of ",
+                                       dtype_name(storage), "; use scaled storage or out_of_range=saturate"));
+      }
+      log::warn(c10::str("fp8: tensor '", name, "': ", r.clipped, " of ", x.numel(), " values beyond +-", max_finite,
+                         " (max |w| = ", amax, ") saturated to +-", max_finite, " for ", dtype_name(storage)));
+      src = x.clamp(-max_finite, max_finite);
+    }
+    r.stored = src.to(storage);
+    return r;
+  }
+
+  // Scaled: scale = amax / max_finite, floored at FLT_MIN so that the division below cannot
+  // overflow (amax / FLT_MIN <= max_finite holds whenever that floor applies), and 1 for
+  // an all-zero tensor or row.
+  const at::Tensor wf = x.to(at::kFloat);
+  at::Tensor scale;
+  if (options.scale_mode == ScaleMode::per_tensor) {
+    float s = static_cast<float>(amax / max_finite);
+    if (amax == 0.0) s = 1.0f;
+    s = std::max(s, FLT_MIN);
+    scale = at::full({}, s, wf.options());
+  } else {
+    std::vector<int64_t> dims;
+    for (int64_t d = 1; d < x.dim(); ++d) dims.push_back(d);
+    const at::Tensor row_amax = wf.abs().amax(dims);
+    scale = at::where(row_amax.eq(0), at::ones_like(row_amax), (row_amax / max_finite).clamp_min(FLT_MIN));
+  }
+  // The clamp only guards rounding of w / scale at the very top of the range.
+  r.stored = (wf / broadcastable_scale(scale, wf)).clamp(-max_finite, max_finite).to(storage);
+  r.scale = scale;
+  return r;
+}
 
 at::Tensor upcast(const at::Tensor& stored, at::ScalarType compute, const at::Tensor& scale) {
-  if (!scale.defined()) {
-    return stored.scalar_type() == compute ? stored : stored.to(compute);
+  if (!scale.defined() && stored.scalar_type() == compute) return stored;
+  check_compute_dtype(compute);
+  check_scale(stored, scale);
+  if (!is_fp8(stored.scalar_type())) return aten_upcast(stored, compute, scale);
+  at::Tensor out = at::empty(stored.sizes(), stored.options().dtype(compute));
+  upcast_into(stored, scale, out);
+  return out;
+}
+
+void upcast_into(const at::Tensor& stored, const at::Tensor& scale, const at::Tensor& out) {
+  if (!out.defined() || !out.is_contiguous() || out.device() != stored.device() || out.numel() != stored.numel() ||
+      !is_compute_dtype(out.scalar_type())) {
+    throw InvalidArgument(c10::str("upcast_into: output must be a contiguous bfloat16/float16/float32 tensor of ",
+                                   stored.numel(), " elements on ", stored.device(), "; got ",
+                                   out.defined() ? c10::str(dtype_name(out.scalar_type()), " ", out.sizes(), " on ",
+                                                            out.device(), out.is_contiguous() ? "" : " (strided)")
+                                                 : std::string("an undefined tensor")));
   }
-  at::Tensor s = scale.dim() == 0 ? scale : scale.reshape({-1, 1});
-  return (stored.to(at::kFloat) * s.to(stored.device(), at::kFloat)).to(compute);
+  check_scale(stored, scale);
+  at::NoGradGuard no_grad;
+  if (is_fp8(stored.scalar_type())) {
+    const at::Tensor src = stored.contiguous();
+    const at::Tensor s = scale.defined() ? scale.to(stored.device(), at::kFloat).contiguous() : scale;
+    if (stored.is_cpu()) return cpu_upcast(src, s, out);
+    if (DeviceUpcastFn fn = device_upcast(stored.device().type())) {
+      if (fn(src, s, out)) return;
+    }
+  }
+  out.view(stored.sizes()).copy_(aten_upcast(stored, out.scalar_type(), scale));
 }
 
 }  // namespace sluice

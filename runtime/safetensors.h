@@ -33,16 +33,27 @@ struct Header {
   uint64_t data_offset = 0;                        // 8 + header length
 };
 
-// Parses and validates a whole file image held in memory (also used by the fuzz target).
-// Throws FileError naming `origin` and, where there is one, the tensor.
+// Parses and validates a whole file image held in memory (also used by the fuzz target):
+// header length, JSON, every entry, and that the tensors' byte ranges tile the data
+// section exactly. Reads only the first 8 + header-length bytes of `data`. Throws
+// FileError naming `origin` and, where there is one, the tensor.
 Header parse_header(const uint8_t* data, uint64_t size, const std::string& origin);
 
 // Maps header dtype names to torch dtypes and back. Throws FileError for unknown names.
 at::ScalarType dtype_from_name(const std::string& name, const std::string& origin);
 std::string dtype_name(at::ScalarType t);  // throws InvalidArgument for unsupported dtypes
 
-// A read-only, memory-mapped safetensors file. tensor() returns zero-copy CPU views that
-// keep the mapping alive for as long as any of them lives.
+// Largest header parse_header accepts. Real checkpoints with thousands of tensors have
+// headers of a few hundred KB; the cap bounds the JSON parser's memory on hostile input.
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+
+// A read-only, memory-mapped safetensors file (POSIX mmap, PROT_READ, MAP_PRIVATE).
+// tensor() returns zero-copy CPU views that keep the mapping alive for as long as any of
+// them lives, so a 4 GB checkpoint costs page cache, not a second 4 GB of RAM.
+// See Note [safetensors views] in safetensors.cpp: views are read-only (writing to one
+// is undefined; in practice it faults, and it never reaches the file), and a tensor whose
+// bytes are not aligned to its element size is returned as a copy instead of a view.
+// The file must not be truncated by anyone while mapped (that raises SIGBUS on access).
 class File {
  public:
   static std::shared_ptr<File> open(const std::string& path);  // throws FileError
@@ -52,11 +63,16 @@ class File {
 
   const std::string& path() const { return path_; }
   uint64_t file_size() const { return size_; }
+  // Start of the whole mapped file image (size file_size()); tensor bytes start at
+  // data() + data_offset() + TensorInfo::begin. For diagnostics and host registration.
+  const uint8_t* data() const;
+  uint64_t data_offset() const { return header_.data_offset; }
   const std::vector<TensorInfo>& tensors() const { return header_.tensors; }
   const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
   const TensorInfo* find(const std::string& name) const;  // nullptr when absent
   bool contains(const std::string& name) const { return find(name) != nullptr; }
-  // Throws FileError naming the file and tensor when absent.
+  // A CPU view of the named tensor (a copy when unaligned or empty). Throws FileError
+  // naming the file and tensor when absent.
   at::Tensor tensor(const std::string& name) const;
 
  private:
@@ -69,9 +85,12 @@ class File {
   std::map<std::string, size_t> index_;
 };
 
-// Writes tensors (any device; copied to CPU contiguous) and metadata. The file is
-// written to a temporary name beside `path` and renamed into place, so a failed write
-// never leaves a truncated file behind. Throws FileError / InvalidArgument.
+// Writes tensors (any device; copied to CPU contiguous one at a time) and metadata. Data
+// is laid out in the order given, back to back. The file is written to
+// `<path>.tmp-<pid>`, fsynced and renamed into place, so a failed write never leaves a
+// truncated file behind. Throws InvalidArgument naming the tensor for an undefined
+// tensor, a repeated name, the reserved name "__metadata__" or an unsupported dtype, and
+// FileError for I/O failures.
 void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
           const std::map<std::string, std::string>& metadata = {});
 

@@ -39,7 +39,7 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
 fi
-"$VENV/bin/python" -c "import numpy, einops" 2>/dev/null || "$VENV/bin/pip" install -q numpy einops
+"$VENV/bin/python" -c "import numpy, einops, safetensors" 2>/dev/null || "$VENV/bin/pip" install -q numpy einops safetensors
 
 # 3. Configure and build.
 TORCH_ARGS=()

@@ -1,54 +1,91 @@
 #pragma once
-// Public face of the Anima model family: build, load, generate, run.
+// Public face of the Anima model family: build and run.
 //
 // The module tree mirrors the checkpoint exactly (DESIGN.md §1): named_parameters() of
 // an AnimaModel yields the key set of a real checkpoint minus its "net." prefix, e.g.
 // "x_embedder.proj.1.weight", "blocks.3.self_attn.q_proj.weight",
 // "llm_adapter.blocks.0.mlp.0.bias". Every Linear/Embedding is an offload::Linear /
 // offload::Embedding (offload/layer.h) so the fp8 and streaming machinery can manage it.
+// Modules are registered in execution order (DiT first, the LLM adapter last), so
+// offload::managed_layers() lists the DiT's layers in the order one forward uses them.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <cstdint>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "models/anima/config.h"
+#include "models/anima/rope.h"
 
 namespace sluice::anima {
 
-class AnimaDiTImpl;        // models/anima/dit.h
-class LLMAdapterImpl;      // models/anima/llm_adapter.h
+class PatchEmbedImpl;
+class TimestepEmbedderImpl;
+class RMSNormImpl;
+class DiTBlockImpl;
+class FinalLayerImpl;
+class LLMAdapterImpl;
 
-// Options for building / loading a model.
+// Options for building a model.
 struct BuildOptions {
-  at::ScalarType dtype = at::kFloat;    // dtype the weights are created/converted in
-  at::Device device = at::kCPU;         // at::kMeta builds shape-only (no allocation)
+  at::ScalarType dtype = at::kFloat;  // dtype the weights are created in (and the compute dtype)
+  at::Device device = at::kCPU;       // at::kMeta builds shape-only (no allocation)
 };
 
 class AnimaModelImpl : public torch::nn::Module {
  public:
+  // Weights are uninitialised (at::empty) except norm scales (ones) and biases (zeros):
+  // load a checkpoint (checkpoint.h) or generate one (generator.h). Throws
+  // InvalidArgument when the config is invalid.
   AnimaModelImpl(AnimaConfig config, BuildOptions options);
   const AnimaConfig& config() const { return config_; }
 
-  // DiT: x [B,C,T,H,W], timesteps [B] (sigma in [0,1]), context [B,S,crossattn] ->
-  // velocity, same shape as x. Pads T/H/W to patch multiples and crops back.
+  // DiT: x [B,C,T,H,W] (C = in_channels, dtype = compute_dtype()), timesteps [B]
+  // (sigma in [0,1]; any real dtype), context [B,S,crossattn_emb_channels] (cast to the
+  // compute dtype) -> velocity, same shape and dtype as x. Pads T/H/W to patch multiples
+  // and crops back. With fp16 compute the residual stream is kept in fp32. Throws
+  // InvalidArgument naming the offending input.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context);
 
-  // LLM adapter: qwen hidden [B,S,1024], t5 ids [B,S_t] int, optional weights [B,S_t]
-  // -> context [B, output_tokens(512), model_dim]. Throws if the model has no adapter.
+  // LLM adapter: qwen_hidden [B,S,source_dim] (dtype = compute_dtype()), t5_ids [B,S_t]
+  // int32/int64 in [0, vocab), optional per-token weights [B,S_t] or [B,S_t,1] ->
+  // context [B, output_tokens, model_dim], rows S_t.. zero. Throws InvalidArgument when
+  // the model has no adapter, when S_t > output_tokens, or on a bad shape/dtype/id.
   at::Tensor encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                          const std::optional<at::Tensor>& t5_weights = std::nullopt);
 
-  // Dotted names of the transformer blocks' root modules in execution order
-  // ("blocks.0" ... ), used by residency maps.
   int64_t num_blocks() const { return config_.num_blocks; }
+  bool has_adapter() const { return config_.adapter.enabled; }
+
+  // The dtype forward/encode_text compute in; sets it on every ManagedLayer (their
+  // leases then upcast stored weights to it). Must be fp32, bf16 or fp16.
+  void set_compute_dtype(at::ScalarType dtype);
+  at::ScalarType compute_dtype() const { return compute_dtype_; }
 
  private:
+  // 3D RoPE tables for a token grid, cached for the last grid/device seen.
+  rope::Tables rope_tables(int64_t T, int64_t H, int64_t W, at::Device device);
+
   AnimaConfig config_;
-  // submodules registered in checkpoint order (see anima_model.cpp)
-  std::shared_ptr<torch::nn::Module> dit_parts_;  // implementation detail
+  at::ScalarType compute_dtype_;
+  std::shared_ptr<PatchEmbedImpl> x_embedder_;
+  std::shared_ptr<TimestepEmbedderImpl> t_embedder_;
+  std::shared_ptr<RMSNormImpl> t_embedding_norm_;
+  std::vector<std::shared_ptr<DiTBlockImpl>> blocks_;
+  std::shared_ptr<FinalLayerImpl> final_layer_;
+  std::shared_ptr<LLMAdapterImpl> llm_adapter_;  // null when config.adapter.enabled is false
+
+  struct RopeCache {
+    int64_t T = -1, H = -1, W = -1;
+    at::Device device = at::kCPU;
+    rope::Tables tables;
+  };
+  std::mutex rope_mutex_;
+  RopeCache rope_cache_;
 };
 TORCH_MODULE(AnimaModel);
 

@@ -17,7 +17,7 @@ AnimaConfig tiny() {
   c.name = "anima-tiny";
   c.model_channels = 64;
   c.num_blocks = 2;
-  c.num_heads = 4;  // head_dim 16: rope split t 6, h 5*2=... see rope.cpp
+  c.num_heads = 4;  // head_dim 16: 3D RoPE split t 8, h 4, w 4
   c.crossattn_emb_channels = 32;
   c.adaln_lora_dim = 16;
   c.adapter.vocab_size = 128;
@@ -71,7 +71,8 @@ void AnimaConfig::validate() const {
   require(patch_spatial > 0 && patch_temporal > 0, o, "patch sizes must be positive");
   require(model_channels > 0 && num_heads > 0 && model_channels % num_heads == 0, o,
           "model_channels must be a positive multiple of num_heads");
-  require(head_dim() % 2 == 0 && head_dim() >= 6, o, "head_dim must be even and at least 6 (3D RoPE)");
+  // 3D RoPE gives h and w (head_dim/6)*2 dims each and needs at least two per axis.
+  require(head_dim() % 2 == 0 && head_dim() >= 12, o, "head_dim must be even and at least 12 (3D RoPE)");
   require(num_blocks > 0, o, "num_blocks must be positive");
   require(mlp_ratio > 0, o, "mlp_ratio must be positive");
   require(crossattn_emb_channels > 0, o, "crossattn_emb_channels must be positive");

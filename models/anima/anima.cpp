@@ -1,0 +1,231 @@
+#include "models/anima/anima.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/irange.h>
+
+#include <sstream>
+
+#include "models/anima/dit_block.h"
+#include "models/anima/embedders.h"
+#include "models/anima/llm_adapter.h"
+#include "models/anima/norms.h"
+#include "offload/layer.h"
+#include "runtime/error.h"
+
+namespace sluice::anima {
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+bool is_compute_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+void require_defined(const at::Tensor& t, const char* name) {
+  if (!t.defined()) throw InvalidArgument(std::string(name) + " is an undefined tensor");
+}
+
+void require_floating(const at::Tensor& t, const char* name) {
+  if (!at::isFloatingType(t.scalar_type())) {
+    throw InvalidArgument(std::string(name) + " must be a floating-point tensor, got " +
+                          c10::toString(t.scalar_type()));
+  }
+}
+
+void require_compute_dtype(const at::Tensor& t, const char* name, at::ScalarType compute) {
+  if (t.scalar_type() != compute) {
+    throw InvalidArgument(std::string(name) + " has dtype " + c10::toString(t.scalar_type()) +
+                          ", the model computes in " + c10::toString(compute) +
+                          " (convert the input or call set_compute_dtype)");
+  }
+}
+
+}  // namespace
+
+AnimaModelImpl::AnimaModelImpl(AnimaConfig config, BuildOptions options)
+    : config_(std::move(config)),
+      compute_dtype_(is_compute_dtype(options.dtype) ? options.dtype : at::kBFloat16) {
+  config_.validate();
+  rope::split_3d(config_.head_dim());  // rejects head sizes 3D RoPE cannot split
+  const auto topts = at::TensorOptions().dtype(options.dtype).device(options.device);
+  const AnimaConfig& c = config_;
+  const int64_t D = c.model_channels;
+  const int64_t lora = c.use_adaln_lora ? c.adaln_lora_dim : 0;
+
+  x_embedder_ = register_module(
+      "x_embedder", std::make_shared<PatchEmbedImpl>(c.in_channels + (c.concat_padding_mask ? 1 : 0), c.patch_spatial,
+                                                     c.patch_temporal, D, topts));
+  t_embedder_ = register_module("t_embedder", std::make_shared<TimestepEmbedderImpl>(D, c.use_adaln_lora, topts));
+  t_embedding_norm_ = register_module("t_embedding_norm", std::make_shared<RMSNormImpl>(D, c.norm_eps, topts));
+  DiTBlockOptions bo;
+  bo.dim = D;
+  bo.context_dim = c.crossattn_emb_channels;
+  bo.num_heads = c.num_heads;
+  bo.mlp_ratio = c.mlp_ratio;
+  bo.adaln_lora_dim = lora;
+  bo.norm_eps = c.norm_eps;
+  auto blocks = register_module("blocks", std::make_shared<torch::nn::Module>());
+  for (const auto i : c10::irange(c.num_blocks)) {
+    blocks_.push_back(blocks->register_module(std::to_string(i), std::make_shared<DiTBlockImpl>(bo, topts)));
+  }
+  const int64_t out_features = c.patch_spatial * c.patch_spatial * c.patch_temporal * c.out_channels;
+  final_layer_ = register_module("final_layer",
+                                 std::make_shared<FinalLayerImpl>(D, out_features, lora, c.norm_eps, topts));
+  if (c.adapter.enabled) {
+    llm_adapter_ = register_module("llm_adapter", std::make_shared<LLMAdapterImpl>(c.adapter, c.norm_eps, topts));
+  }
+
+  int64_t index = 0;
+  for (auto& [name, layer] : offload::managed_layers(*this)) {
+    layer->set_qualified_name(name);
+    layer->set_layer_index(index++);
+    layer->set_compute_dtype(compute_dtype_);
+  }
+}
+
+void AnimaModelImpl::set_compute_dtype(at::ScalarType dtype) {
+  if (!is_compute_dtype(dtype)) {
+    throw InvalidArgument(std::string("compute dtype must be Float, BFloat16 or Half, got ") + c10::toString(dtype));
+  }
+  compute_dtype_ = dtype;
+  for (auto& [name, layer] : offload::managed_layers(*this)) layer->set_compute_dtype(dtype);
+}
+
+rope::Tables AnimaModelImpl::rope_tables(int64_t T, int64_t H, int64_t W, at::Device device) {
+  std::lock_guard<std::mutex> lock(rope_mutex_);
+  RopeCache& cache = rope_cache_;
+  if (cache.T != T || cache.H != H || cache.W != W || cache.device != device) {
+    rope::Params3D p;
+    p.head_dim = config_.head_dim();
+    p.theta = config_.rope_theta;
+    p.t_ratio = config_.rope_t_extrapolation_ratio;
+    p.h_ratio = config_.rope_h_extrapolation_ratio;
+    p.w_ratio = config_.rope_w_extrapolation_ratio;
+    cache.tables = rope::tables_3d(T, H, W, p, device);
+    cache.T = T;
+    cache.H = H;
+    cache.W = W;
+    cache.device = device;
+  }
+  return cache.tables;
+}
+
+at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& timesteps, const at::Tensor& context) {
+  const AnimaConfig& c = config_;
+  require_defined(x_in, "x");
+  require_defined(timesteps, "timesteps");
+  require_defined(context, "context");
+  if (x_in.dim() != 5) {
+    throw InvalidArgument("x must be [B,C,T,H,W], got shape " + shape_str(x_in));
+  }
+  if (x_in.size(1) != c.in_channels) {
+    throw InvalidArgument("x has " + std::to_string(x_in.size(1)) + " channels, model expects " +
+                          std::to_string(c.in_channels) + " (x shape " + shape_str(x_in) + ")");
+  }
+  if (x_in.numel() == 0) throw InvalidArgument("x has an empty dimension: shape " + shape_str(x_in));
+  require_floating(x_in, "x");
+  require_compute_dtype(x_in, "x", compute_dtype_);
+  const int64_t B = x_in.size(0);
+  if (timesteps.dim() != 1 || timesteps.size(0) != B) {
+    throw InvalidArgument("timesteps has shape " + shape_str(timesteps) + ", expected [" + std::to_string(B) +
+                          "] (one per batch item of x " + shape_str(x_in) + ")");
+  }
+  if (timesteps.is_complex() || timesteps.scalar_type() == at::kBool) {
+    throw InvalidArgument("timesteps must be real numbers, got " + std::string(c10::toString(timesteps.scalar_type())));
+  }
+  if (context.dim() != 3 || context.size(0) != B || context.size(1) == 0 ||
+      context.size(2) != c.crossattn_emb_channels) {
+    throw InvalidArgument("context has shape " + shape_str(context) + ", model expects [" + std::to_string(B) +
+                          ", S, " + std::to_string(c.crossattn_emb_channels) + "]");
+  }
+  require_floating(context, "context");
+
+  at::NoGradGuard no_grad;
+  const at::ScalarType compute = compute_dtype_;
+  const at::Device device = x_in.device();
+  const at::Tensor ctx = context.to(device, compute);
+  const int64_t T0 = x_in.size(2), H0 = x_in.size(3), W0 = x_in.size(4);
+  const int64_t pt = c.patch_temporal, ps = c.patch_spatial;
+  const int64_t pad_t = (pt - T0 % pt) % pt, pad_h = (ps - H0 % ps) % ps, pad_w = (ps - W0 % ps) % ps;
+  at::Tensor x = (pad_t || pad_h || pad_w) ? at::constant_pad_nd(x_in, {0, pad_w, 0, pad_h, 0, pad_t}, 0) : x_in;
+  if (c.concat_padding_mask) {
+    x = at::cat({x, at::zeros({B, 1, x.size(2), x.size(3), x.size(4)}, x.options())}, 1);
+  }
+  const int64_t T = x.size(2) / pt, H = x.size(3) / ps, W = x.size(4) / ps;
+
+  at::Tensor tokens = x_embedder_->forward(x);  // [B, T*H*W, D]
+  const rope::Tables rope = rope_tables(T, H, W, device);
+  const at::Tensor sinusoid = timestep_sinusoid(timesteps.to(device), c.model_channels).to(tokens.scalar_type());
+  auto [sample, emb] = t_embedder_->forward(sinusoid);
+  const at::Tensor t_emb = t_embedding_norm_->forward(sample);
+  const at::Tensor& adaln_lora = emb;  // undefined without adaLN-LoRA
+  // fp16 cannot hold the residual stream's range over 28 blocks; the reference keeps it in fp32.
+  if (tokens.scalar_type() == at::kHalf) tokens = tokens.to(at::kFloat);
+  for (auto& block : blocks_) tokens = block->forward(tokens, t_emb, ctx, rope, adaln_lora);
+  const at::Tensor out = final_layer_->forward(tokens.to(compute), t_emb, adaln_lora);
+
+  // Unpatchify B (T H W) (p1 p2 t C) -> B C (T t) (H p1) (W p2): note the channel is the
+  // innermost factor here, unlike the patchify order (c r m n).
+  const int64_t C = c.out_channels;
+  const at::Tensor video = out.view({B, T, H, W, ps, ps, pt, C})
+                               .permute({0, 7, 1, 6, 2, 4, 3, 5})
+                               .reshape({B, C, T * pt, H * ps, W * ps});
+  return video.narrow(2, 0, T0).narrow(3, 0, H0).narrow(4, 0, W0).contiguous();
+}
+
+at::Tensor AnimaModelImpl::encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                       const std::optional<at::Tensor>& t5_weights) {
+  const AdapterConfig& a = config_.adapter;
+  if (!llm_adapter_) {
+    throw InvalidArgument("model '" + config_.name + "' has no LLM adapter (DiT-only); encode_text is unavailable");
+  }
+  require_defined(qwen_hidden, "qwen_hidden");
+  require_defined(t5_ids, "t5_ids");
+  if (qwen_hidden.dim() != 3 || qwen_hidden.size(1) == 0 || qwen_hidden.size(2) != a.source_dim) {
+    throw InvalidArgument("qwen_hidden has shape " + shape_str(qwen_hidden) + ", adapter expects [B, S, " +
+                          std::to_string(a.source_dim) + "]");
+  }
+  require_floating(qwen_hidden, "qwen_hidden");
+  require_compute_dtype(qwen_hidden, "qwen_hidden", compute_dtype_);
+  const int64_t B = qwen_hidden.size(0);
+  if (t5_ids.dim() != 2 || t5_ids.size(0) != B || t5_ids.size(1) == 0) {
+    throw InvalidArgument("t5_ids has shape " + shape_str(t5_ids) + ", expected [" + std::to_string(B) +
+                          ", S_t] (batch of qwen_hidden " + shape_str(qwen_hidden) + ")");
+  }
+  if (t5_ids.scalar_type() != at::kLong && t5_ids.scalar_type() != at::kInt) {
+    throw InvalidArgument("t5_ids must be int32 or int64, got " + std::string(c10::toString(t5_ids.scalar_type())));
+  }
+  const int64_t St = t5_ids.size(1);
+  if (St > a.output_tokens) {
+    throw InvalidArgument("t5_ids has " + std::to_string(St) + " tokens, more than the adapter's " +
+                          std::to_string(a.output_tokens) + " output tokens");
+  }
+  const int64_t lo = t5_ids.min().item<int64_t>(), hi = t5_ids.max().item<int64_t>();
+  if (lo < 0 || hi >= a.vocab_size) {
+    throw InvalidArgument("t5_ids contains id " + std::to_string(lo < 0 ? lo : hi) + ", outside the vocabulary [0, " +
+                          std::to_string(a.vocab_size) + ")");
+  }
+  at::Tensor weights;
+  if (t5_weights) {
+    weights = *t5_weights;
+    require_defined(weights, "t5_weights");
+    const bool ok = (weights.dim() == 2 || (weights.dim() == 3 && weights.size(2) == 1)) && weights.size(0) == B &&
+                    weights.size(1) == St;
+    if (!ok) {
+      throw InvalidArgument("t5_weights has shape " + shape_str(weights) + ", expected [" + std::to_string(B) + ", " +
+                            std::to_string(St) + "] like t5_ids");
+    }
+    require_floating(weights, "t5_weights");
+  }
+
+  at::NoGradGuard no_grad;
+  const at::Device device = qwen_hidden.device();
+  at::Tensor out = llm_adapter_->forward(qwen_hidden, t5_ids.to(device));  // [B, S_t, model_dim]
+  if (weights.defined()) out = out * weights.to(device, out.scalar_type()).reshape({B, St, 1});
+  if (St < a.output_tokens) out = at::constant_pad_nd(out, {0, 0, 0, a.output_tokens - St}, 0);
+  return out;
+}
+
+}  // namespace sluice::anima

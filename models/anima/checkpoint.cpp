@@ -1,0 +1,321 @@
+#include "models/anima/checkpoint.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "models/anima/generator.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+#include "runtime/safetensors.h"
+
+namespace sluice::anima {
+namespace {
+
+const char* const kPrefixes[] = {"model.diffusion_model.", "net.", ""};
+const char* const kDiTGroups[] = {"blocks.", "t_embedder.", "x_embedder.", "final_layer."};
+
+bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
+bool ends_with(const std::string& s, const std::string& x) {
+  return s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0;
+}
+
+// Keys under the prefix that are not model parameters (Note [checkpoint keys]).
+bool is_non_model(const std::string& key) {
+  return ends_with(key, ".inv_freq") || starts_with(key, "pos_embedder.") || starts_with(key, "model_sampling.") ||
+         ends_with(key, ".input_scale") || key == "scaled_fp8";
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+bool has_key_with_prefix(const safetensors::File& f, const std::string& p) {
+  return std::any_of(f.tensors().begin(), f.tensors().end(),
+                     [&](const safetensors::TensorInfo& t) { return starts_with(t.name, p); });
+}
+
+// The "<group><n>." indices present under a key prefix: {lowest, highest + 1}, {0, 0} when none.
+std::pair<int64_t, int64_t> index_range(const safetensors::File& f, const std::string& group) {
+  int64_t lo = -1, hi = 0;
+  for (const auto& t : f.tensors()) {
+    if (!starts_with(t.name, group)) continue;
+    const std::string rest = t.name.substr(group.size());
+    const auto dot = rest.find('.');
+    if (dot == 0 || dot == std::string::npos || dot > 6) continue;
+    const std::string idx = rest.substr(0, dot);
+    if (!std::all_of(idx.begin(), idx.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) continue;
+    const int64_t n = std::stoll(idx);
+    lo = lo < 0 ? n : std::min(lo, n);
+    hi = std::max(hi, n + 1);
+  }
+  return {std::max<int64_t>(lo, 0), hi};
+}
+
+// Shape of `prefix + name`, or nullopt when absent.
+std::optional<std::vector<int64_t>> shape_of(const safetensors::File& f, const std::string& prefix,
+                                             const std::string& name) {
+  const auto* t = f.find(prefix + name);
+  if (!t) return std::nullopt;
+  return t->shape;
+}
+
+// Fills the shape-derived fields of `c`; a field whose tensor is absent or oddly shaped
+// keeps its base value (the strict key check then reports the problem precisely).
+void infer_from_shapes(const safetensors::File& f, const std::string& p, bool has_adapter, AnimaConfig& c) {
+  const auto x_emb = shape_of(f, p, "x_embedder.proj.1.weight");
+  if (x_emb && x_emb->size() == 2) {
+    c.model_channels = (*x_emb)[0];
+    const int64_t patch = c.patch_spatial * c.patch_spatial * c.patch_temporal;
+    if ((*x_emb)[1] % patch == 0) c.in_channels = (*x_emb)[1] / patch - (c.concat_padding_mask ? 1 : 0);
+  }
+  const auto fin = shape_of(f, p, "final_layer.linear.weight");
+  if (fin && fin->size() == 2) {
+    const int64_t patch = c.patch_spatial * c.patch_spatial * c.patch_temporal;
+    if ((*fin)[0] % patch == 0) c.out_channels = (*fin)[0] / patch;
+  }
+  // Block shapes are read from the first block present, so that a file missing block 0
+  // still gets the right widths and the strict check names block 0's keys as missing.
+  const auto [first_block, end_block] = index_range(f, p + "blocks.");
+  c.num_blocks = std::max<int64_t>(1, end_block);
+  const std::string b0 = "blocks." + std::to_string(first_block) + ".";
+  if (const auto qn = shape_of(f, p, b0 + "self_attn.q_norm.weight"); qn && qn->size() == 1 && (*qn)[0] > 0) {
+    if (c.model_channels % (*qn)[0] == 0) c.num_heads = c.model_channels / (*qn)[0];
+  }
+  if (const auto kp = shape_of(f, p, b0 + "cross_attn.k_proj.weight"); kp && kp->size() == 2) {
+    c.crossattn_emb_channels = (*kp)[1];
+  }
+  if (const auto l1 = shape_of(f, p, b0 + "mlp.layer1.weight"); l1 && l1->size() == 2) {
+    if ((*l1)[0] % c.model_channels == 0) c.mlp_ratio = (*l1)[0] / c.model_channels;
+  }
+  const auto lora_up = shape_of(f, p, b0 + "adaln_modulation_self_attn.2.weight");
+  const auto lora_down = shape_of(f, p, b0 + "adaln_modulation_self_attn.1.weight");
+  c.use_adaln_lora = lora_up.has_value();
+  if (lora_up && lora_down && lora_down->size() == 2) c.adaln_lora_dim = (*lora_down)[0];
+
+  c.adapter.enabled = has_adapter;
+  if (!has_adapter) return;
+  AdapterConfig& a = c.adapter;
+  if (const auto e = shape_of(f, p, "llm_adapter.embed.weight"); e && e->size() == 2) {
+    a.vocab_size = (*e)[0];
+    a.model_dim = (*e)[1];
+  }
+  const auto [first_ablock, end_ablock] = index_range(f, p + "llm_adapter.blocks.");
+  a.num_blocks = std::max<int64_t>(1, end_ablock);
+  const std::string a0 = "llm_adapter.blocks." + std::to_string(first_ablock) + ".";
+  if (const auto qn = shape_of(f, p, a0 + "self_attn.q_norm.weight");
+      qn && qn->size() == 1 && (*qn)[0] > 0 && a.model_dim % (*qn)[0] == 0) {
+    a.num_heads = a.model_dim / (*qn)[0];
+  }
+  if (const auto kp = shape_of(f, p, a0 + "cross_attn.k_proj.weight"); kp && kp->size() == 2) {
+    a.source_dim = (*kp)[1];
+  }
+  if (const auto m = shape_of(f, p, a0 + "mlp.0.weight");
+      m && m->size() == 2 && a.model_dim > 0 && (*m)[0] % a.model_dim == 0) {
+    a.mlp_ratio = (*m)[0] / a.model_dim;
+  }
+}
+
+// "first, second, ... and N more" for a list of items.
+std::string list_some(const std::vector<std::string>& items, size_t shown = 10) {
+  std::string s;
+  for (size_t i = 0; i < items.size() && i < shown; ++i) s += (i ? ", " : "") + items[i];
+  if (items.size() > shown) s += " and " + std::to_string(items.size() - shown) + " more";
+  return s;
+}
+
+std::string plural(size_t n, const std::string& one, const std::string& many) {
+  return std::to_string(n) + " " + (n == 1 ? one : many);
+}
+
+// The tensor to copy into a parameter: the file's view, dequantized when scaled.
+at::Tensor source_tensor(const safetensors::File& f, const TensorSource& src, const std::string& name,
+                         int64_t out_rows) {
+  at::Tensor t = f.tensor(src.key);
+  if (src.scale_key.empty()) return t;
+  at::Tensor scale = f.tensor(src.scale_key).to(at::kFloat);
+  if (scale.numel() == 1) {
+    scale = scale.reshape({});
+  } else if (scale.numel() == out_rows && t.dim() == 2) {
+    scale = scale.reshape({out_rows, 1});
+  } else {
+    throw CheckpointError("checkpoint '" + f.path() + "': " + src.scale_key + " has shape " +
+                          shape_str(scale.sizes()) + ", expected a scalar or [" + std::to_string(out_rows) +
+                          "] for " + name);
+  }
+  return t.to(at::kFloat) * scale;
+}
+
+// One owned, contiguous copy of a mapped view in `dtype` on the host.
+// TODO(host_memory): use sluice::to_host_owned (runtime/host_memory.h) once it lands on
+// main, so loaded weights live in (and are counted as) sluice's host memory.
+at::Tensor owned_host_copy(const at::Tensor& view, at::ScalarType dtype) {
+  at::Tensor out = at::empty(view.sizes(), at::TensorOptions().dtype(dtype));
+  out.copy_(view);
+  return out;
+}
+
+}  // namespace
+
+std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& f, const std::string& prefix) {
+  std::map<std::string, TensorSource> out;
+  std::map<std::string, std::string> scales;  // model weight name -> scale key
+  for (const auto& t : f.tensors()) {
+    if (!starts_with(t.name, prefix)) continue;
+    const std::string key = t.name.substr(prefix.size());
+    if (is_non_model(key)) continue;
+    if (ends_with(key, ".comfy_quant")) {
+      throw CheckpointError("checkpoint '" + f.path() + "' uses ComfyUI quantization markers (" + t.name +
+                           "), which sluice cannot decode; use a bf16/fp16/fp32 or plain/scaled fp8 file");
+    }
+    if (ends_with(key, ".weight_scale")) {
+      scales[key.substr(0, key.size() - std::string(".weight_scale").size()) + ".weight"] = t.name;
+      continue;
+    }
+    out[key] = TensorSource{t.name, ""};
+  }
+  for (const auto& [weight, scale_key] : scales) {
+    auto it = out.find(weight);
+    if (it == out.end()) {
+      // A scale without its weight: report it as an unexpected key through the strict check.
+      out[scale_key.substr(prefix.size())] = TensorSource{scale_key, ""};
+      continue;
+    }
+    it->second.scale_key = scale_key;
+  }
+  return out;
+}
+
+CheckpointProbe probe_checkpoint(const safetensors::File& f) {
+  CheckpointProbe p;
+  for (const char* candidate : kPrefixes) {
+    const std::string pre = candidate;
+    const bool all = std::all_of(std::begin(kDiTGroups), std::end(kDiTGroups),
+                                 [&](const char* g) { return has_key_with_prefix(f, pre + g); });
+    if (all) {
+      p.has_dit = true;
+      p.prefix = pre;
+      break;
+    }
+  }
+  if (!p.has_dit) {
+    p.reason = "no blocks./t_embedder./x_embedder./final_layer. tensors under any of the prefixes "
+               "'model.diffusion_model.', 'net.' or none";
+    return p;
+  }
+  p.has_adapter = has_key_with_prefix(f, p.prefix + "llm_adapter.");
+  p.is_anima = p.has_adapter;
+  if (!p.has_adapter) p.reason = "no llm_adapter. tensors: a DiT-only (Cosmos-Predict2) checkpoint";
+
+  AnimaConfig base;
+  const auto meta = f.metadata().find(kMetaConfig);
+  if (meta != f.metadata().end()) {
+    try {
+      base = config_from_json(nlohmann::json::parse(meta->second), f.path());
+      p.config_from_metadata = true;
+    } catch (const std::exception& e) {
+      log::warn("checkpoint '" + f.path() + "': ignoring unreadable " + kMetaConfig + " metadata: " + e.what());
+      base = AnimaConfig{};
+    }
+  }
+  base.name = f.path();
+  infer_from_shapes(f, p.prefix, p.has_adapter, base);
+  p.inferred = base;
+
+  for (const auto& t : f.tensors()) {
+    if (!starts_with(t.name, p.prefix)) {
+      ++p.dropped_foreign;
+    } else if (is_non_model(t.name.substr(p.prefix.size()))) {
+      ++p.dropped_non_model;
+    } else if (ends_with(t.name, ".weight_scale")) {
+      ++p.scaled_weights;
+    } else {
+      ++p.tensors;
+      p.tensors_by_dtype[c10::toString(t.dtype)] += 1;
+    }
+  }
+  return p;
+}
+
+void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::string& prefix) {
+  const auto sources = model_tensor_sources(f, prefix);
+  const auto params = model.named_parameters(/*recurse=*/true);
+
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> names;
+  for (const auto& item : params) {
+    names.insert(item.key());
+    auto it = sources.find(item.key());
+    if (it == sources.end()) {
+      missing.push_back(prefix + item.key());
+      continue;
+    }
+    const auto* info = f.find(it->second.key);
+    if (at::IntArrayRef(info->shape) != item.value().sizes()) {
+      mismatched.push_back(it->second.key + " file " + shape_str(info->shape) + " vs model " +
+                           shape_str(item.value().sizes()));
+    }
+  }
+  for (const auto& [name, src] : sources) {
+    if (!names.count(name)) unexpected.push_back(src.key);
+  }
+  if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
+    std::string msg = "checkpoint '" + f.path() + "' does not match model config '" + model.config().name + "':";
+    std::string sep = " ";
+    if (!missing.empty()) {
+      msg += sep + plural(missing.size(), "missing key", "missing keys") + ": " + list_some(missing);
+      sep = "; ";
+    }
+    if (!unexpected.empty()) {
+      msg += sep + plural(unexpected.size(), "unexpected key", "unexpected keys") + ": " + list_some(unexpected);
+      sep = "; ";
+    }
+    if (!mismatched.empty()) {
+      msg += sep + plural(mismatched.size(), "shape mismatch", "shape mismatches") + ": " + list_some(mismatched);
+    }
+    throw CheckpointError(msg);
+  }
+
+  at::NoGradGuard no_grad;
+  for (const auto& item : params) {
+    at::Tensor param = item.value();
+    const TensorSource& src = sources.at(item.key());
+    const at::Tensor view = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
+    if (param.device().is_cpu()) {
+      // Swap in an owned copy; the (untouched) storage the model was built with is freed.
+      param.set_data(owned_host_copy(view, param.scalar_type()));
+    } else {
+      param.copy_(view);
+    }
+  }
+}
+
+AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
+  const auto file = safetensors::File::open(path);
+  const CheckpointProbe probe = probe_checkpoint(*file);
+  if (!probe.has_dit) throw CheckpointError("'" + path + "' is not an Anima checkpoint: " + probe.reason);
+  AnimaConfig config = options.config ? *options.config : probe.inferred;
+  if (!probe.has_adapter) {
+    log::warn("checkpoint '" + path + "' has no llm_adapter tensors; loading the DiT only (encode_text unavailable)");
+  }
+  AnimaModel model{nullptr};
+  try {
+    model = AnimaModel(config, BuildOptions{options.dtype, options.device});
+  } catch (const InvalidArgument& e) {
+    throw CheckpointError("checkpoint '" + path + "': cannot build a model for it: " + e.what());
+  }
+  load_weights(*model, *file, probe.prefix);
+  std::ostringstream s;
+  s << "loaded " << probe.tensors << " tensors from '" << path << "' (prefix '" << probe.prefix << "', "
+    << config.num_blocks << " blocks, " << (config.adapter.enabled ? "with" : "without") << " LLM adapter) as "
+    << options.dtype << " on " << options.device;
+  log::info(s.str());
+  return model;
+}
+
+}  // namespace sluice::anima

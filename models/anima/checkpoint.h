@@ -1,0 +1,81 @@
+#pragma once
+// Reading Anima checkpoints: detection, config inference and strict loading.
+//
+// Note [checkpoint keys]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Official files prefix every key with "net."; ComfyUI bundles use
+// "model.diffusion_model." and also carry other models' tensors (VAE, text encoders,
+// "model.model_sampling.*"), which are dropped as foreign. Under the prefix, keys ending in
+// ".inv_freq" and keys under "pos_embedder." or "model_sampling." are non-persistent
+// buffers some exporters write anyway: dropped. Scaled-fp8 redistributions add
+// "<layer>.weight_scale" (applied to the weight while loading: per tensor or per output
+// row), "<layer>.input_scale" and a "scaled_fp8" marker (both dropped); files with
+// ".comfy_quant" markers use layouts we do not decode and are rejected. Every remaining
+// key must name a model parameter and vice versa, with equal shapes.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/anima/anima.h"
+#include "models/anima/config.h"
+
+namespace sluice::safetensors {
+class File;
+}
+
+namespace sluice::anima {
+
+// What a safetensors file holds, as far as the Anima loader is concerned.
+struct CheckpointProbe {
+  bool is_anima = false;     // DiT keys plus llm_adapter keys (the DESIGN.md detection rule)
+  bool has_dit = false;      // blocks./t_embedder./x_embedder./final_layer. keys under `prefix`
+  bool has_adapter = false;  // llm_adapter. keys under `prefix`
+  std::string prefix;        // "net.", "model.diffusion_model." or "" (meaningful when has_dit)
+  // Shape-derived fields (block count, widths, head_dim, adaLN-LoRA, adapter dims) from
+  // the tensors; the rest (RoPE ratios/theta, norm eps, patch sizes, output_tokens) from
+  // the file's "sluice.config" metadata when present, else anima-2b's defaults.
+  AnimaConfig inferred;
+  bool config_from_metadata = false;  // the metadata supplied the non-inferable fields
+  int64_t tensors = 0;                // model tensors (after dropping the keys below)
+  int64_t dropped_foreign = 0;        // keys outside `prefix` (other models of a bundle)
+  int64_t dropped_non_model = 0;      // inv_freq / pos_embedder / model_sampling / fp8 markers
+  int64_t scaled_weights = 0;         // weights with a ".weight_scale" companion
+  std::map<std::string, int64_t> tensors_by_dtype;  // storage dtype name -> model tensors
+  std::string reason;                 // why has_dit / is_anima is false
+};
+
+// Never throws for a non-Anima file: it reports has_dit = false and a reason.
+CheckpointProbe probe_checkpoint(const safetensors::File& file);
+
+// One model tensor of a file: its key in the file and, for scaled fp8, its scale's key.
+struct TensorSource {
+  std::string key;
+  std::string scale_key;  // empty when unscaled
+};
+// Model parameter name -> source, for every model tensor under `prefix` (Note
+// [checkpoint keys]). Throws CheckpointError for undecodable quantization markers.
+std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& file, const std::string& prefix);
+
+// Options for load_anima.
+struct LoadOptions {
+  std::optional<AnimaConfig> config;  // overrides the inferred config; must match the file
+  at::ScalarType dtype = at::kFloat;  // weights are converted to this dtype
+  at::Device device = at::kCPU;       // where the weights end up
+};
+
+// Opens, probes, builds and strictly loads. Throws FileError (unreadable file),
+// CheckpointError naming the file (not Anima, missing/unexpected keys, shape mismatches).
+// A DiT-only file (no llm_adapter keys) loads with adapter.enabled = false.
+AnimaModel load_anima(const std::string& path, const LoadOptions& options = {});
+
+// Strictly copies a file's tensors into an existing model's parameters, converting to
+// each parameter's dtype and device. CPU parameters get one owned copy each (the mapped
+// view is never kept). Throws CheckpointError listing missing, unexpected and mismatched
+// keys (first 10 of each and the count) before touching any parameter.
+void load_weights(AnimaModelImpl& model, const safetensors::File& file, const std::string& prefix);
+
+}  // namespace sluice::anima

@@ -1,0 +1,21 @@
+#include "models/anima/norms.h"
+
+namespace sluice::anima {
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, at::TensorOptions options) : eps_(eps) {
+  // Ones is the identity scale; a meta build allocates nothing here.
+  weight_ = register_parameter("weight", at::ones({dim}, options), /*requires_grad=*/false);
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  const at::Tensor w = weight_.scalar_type() == x.scalar_type() && weight_.device() == x.device()
+                           ? weight_
+                           : weight_.to(x.device(), x.scalar_type());
+  return at::rms_norm(x, {x.size(-1)}, w, eps_);
+}
+
+at::Tensor layer_norm_no_affine(const at::Tensor& x, double eps) {
+  return at::layer_norm(x, {x.size(-1)}, /*weight=*/{}, /*bias=*/{}, eps);
+}
+
+}  // namespace sluice::anima

@@ -1,0 +1,119 @@
+#include "runtime/host_memory.h"
+
+#include <ATen/EmptyTensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/DispatchKeySet.h>
+#include <mimalloc.h>
+
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "runtime/error.h"
+
+namespace sluice {
+namespace {
+
+// Note [host block prefix]
+// The deleter must know the block's size to keep the byte counters exact (mimalloc's
+// usable size may be larger than what was asked). Each block therefore starts with one
+// alignment unit holding the requested size; the tensor's data begins right after it, so
+// it stays 64-byte aligned. The DataPtr's context is the block start, passed to mi_free.
+constexpr size_t kPrefix = kHostAlignment;
+static_assert(kPrefix >= sizeof(uint64_t), "prefix must hold the size");
+
+void free_block(void* block) {
+  uint64_t nbytes = 0;
+  std::memcpy(&nbytes, block, sizeof nbytes);
+  host_memory_stats().record_free(static_cast<int64_t>(nbytes));
+  mi_free(block);
+}
+
+class MimallocHostAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    if (n > std::numeric_limits<size_t>::max() - kPrefix ||
+        n > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+      throw ResourceError(c10::str("host memory: cannot allocate ", n, " bytes"));
+    }
+    void* block = mi_malloc_aligned(n + kPrefix, kHostAlignment);
+    if (block == nullptr) {
+      throw ResourceError(c10::str("host memory: out of memory allocating ", n, " bytes (",
+                                   host_memory_stats().current_bytes(), " bytes in use)"));
+    }
+    const uint64_t size = n;
+    std::memcpy(block, &size, sizeof size);
+    host_memory_stats().record_alloc(static_cast<int64_t>(n));
+    void* data = static_cast<uint8_t*>(block) + kPrefix;
+    return {data, block, &free_block, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+MimallocHostAllocator& host_allocator() {
+  static MimallocHostAllocator allocator;
+  return allocator;
+}
+
+}  // namespace
+
+void HostMemoryStats::reset_peak() {
+  peak_.store(current_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
+void HostMemoryStats::reset_accumulated() {
+  allocated_.store(0, std::memory_order_relaxed);
+  freed_.store(0, std::memory_order_relaxed);
+  count_.store(0, std::memory_order_relaxed);
+}
+
+void HostMemoryStats::record_alloc(int64_t nbytes) {
+  const int64_t now = current_.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
+  allocated_.fetch_add(nbytes, std::memory_order_relaxed);
+  count_.fetch_add(1, std::memory_order_relaxed);
+  int64_t peak = peak_.load(std::memory_order_relaxed);
+  while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+void HostMemoryStats::record_free(int64_t nbytes) {
+  current_.fetch_sub(nbytes, std::memory_order_relaxed);
+  freed_.fetch_add(nbytes, std::memory_order_relaxed);
+}
+
+HostMemoryStats& host_memory_stats() {
+  static HostMemoryStats stats;
+  return stats;
+}
+
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  // Checked here so a bad shape is a typed error, not a c10::Error from deep inside ATen.
+  uint64_t bytes = c10::elementSize(dtype);
+  // Zero dims are skipped so that [huge, huge, 0] is still rejected as ATen would.
+  for (const int64_t d : sizes) {
+    if (d < 0) {
+      throw InvalidArgument(c10::str("host_empty: negative size in ", sizes));
+    }
+    if (d != 0 && (__builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes) ||
+               bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
+      throw InvalidArgument(c10::str("host_empty: size ", sizes, " of ", dtype, " overflows"));
+    }
+  }
+  return at::detail::empty_generic(sizes, &host_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   dtype, std::nullopt);
+}
+
+at::Tensor to_host_owned(const at::Tensor& t, at::ScalarType dtype) {
+  if (!t.defined()) {
+    throw InvalidArgument("to_host_owned: undefined tensor");
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor out = host_empty(t.sizes(), dtype);
+  out.copy_(t);
+  return out;
+}
+
+}  // namespace sluice

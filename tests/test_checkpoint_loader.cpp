@@ -1,0 +1,422 @@
+// Checkpoint probe, strict loader and random-checkpoint generator, on small generated files.
+#include <ATen/ATen.h>
+#include <dirent.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "models/anima/anima.h"
+#include "models/anima/checkpoint.h"
+#include "models/anima/generator.h"
+#include "runtime/error.h"
+#include "runtime/safetensors.h"
+
+using namespace sluice::anima;
+namespace st = sluice::safetensors;
+using Tensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+namespace {
+
+// A scratch directory per test case, removed afterwards. POSIX calls, not
+// std::filesystem: libtorch.so exports its own std::filesystem symbols, and the dynamic
+// linker binds remove_all to that copy, which crashes.
+struct Scratch {
+  std::string dir;
+  Scratch() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/sluice_ckpt_test_XXXXXX";
+    REQUIRE(::mkdtemp(templ.data()) != nullptr);
+    dir = templ;
+  }
+  ~Scratch() {
+    if (DIR* d = ::opendir(dir.c_str())) {
+      while (const dirent* e = ::readdir(d)) {
+        const std::string name = e->d_name;
+        if (name != "." && name != "..") ::unlink((dir + "/" + name).c_str());
+      }
+      ::closedir(d);
+    }
+    ::rmdir(dir.c_str());
+  }
+  std::string path(const std::string& name) const { return dir + "/" + name; }
+};
+
+Tensors read_all(const std::string& path) {
+  const auto f = st::File::open(path);
+  Tensors out;
+  for (const auto& ti : f->tensors()) out.emplace_back(ti.name, f->tensor(ti.name).clone());
+  return out;
+}
+
+Tensors renamed(const Tensors& in, const std::string& from, const std::string& to) {
+  Tensors out;
+  for (const auto& [k, v] : in) out.emplace_back(to + k.substr(from.size()), v);
+  return out;
+}
+
+Tensors without(const Tensors& in, const std::string& prefix) {
+  Tensors out;
+  for (const auto& kv : in)
+    if (kv.first.rfind(prefix, 0) != 0) out.push_back(kv);
+  return out;
+}
+
+at::Tensor& find(Tensors& ts, const std::string& key) {
+  for (auto& kv : ts)
+    if (kv.first == key) return kv.second;
+  FAIL("no tensor " << key);
+  throw;
+}
+
+std::string load_error(const std::string& path, const LoadOptions& o = {}) {
+  try {
+    load_anima(path, o);
+  } catch (const sluice::CheckpointError& e) {
+    return e.what();
+  }
+  return "<no CheckpointError thrown>";
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Every model parameter equals the file's tensor `prefix + name` converted to its dtype.
+void check_equal_to_file(AnimaModel& model, const Tensors& file, const std::string& prefix) {
+  std::map<std::string, at::Tensor> by_key(file.begin(), file.end());
+  const auto params = model->named_parameters();
+  for (const auto& p : params) {
+    INFO(p.key());
+    REQUIRE(by_key.count(prefix + p.key()) == 1);
+    const at::Tensor& src = by_key.at(prefix + p.key());
+    CHECK(at::equal(p.value(), src.to(p.value().scalar_type())));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("generator -> loader round trip is bitwise") {
+  Scratch s;
+  const AnimaConfig c = preset("anima-tiny");
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    const std::string path = s.path("tiny.safetensors");
+    write_random_checkpoint(c, 123, dtype, path);
+    const Tensors file = read_all(path);
+    AnimaModel shapes(c, BuildOptions{at::kFloat, at::kMeta});
+    CHECK(file.size() == shapes->named_parameters().size());
+    for (const auto& [k, v] : file) {
+      CHECK(k.rfind("net.", 0) == 0);
+      CHECK(v.scalar_type() == dtype);
+    }
+    LoadOptions o;
+    o.dtype = dtype;
+    AnimaModel model = load_anima(path, o);
+    check_equal_to_file(model, file, "net.");
+    for (const auto& p : model->named_parameters()) CHECK(p.value().scalar_type() == dtype);
+    // Converting on load: a bf16/fp32 file into the other dtype.
+    o.dtype = dtype == at::kFloat ? at::kBFloat16 : at::kFloat;
+    AnimaModel converted = load_anima(path, o);
+    check_equal_to_file(converted, file, "net.");
+  }
+}
+
+TEST_CASE("loaded weights are owned copies, not views of the file") {
+  Scratch s;
+  const std::string path = s.path("tiny.safetensors");
+  write_random_checkpoint(preset("anima-tiny"), 5, at::kFloat, path);
+  const auto f = st::File::open(path);
+  AnimaModel model(preset("anima-tiny"), BuildOptions{});
+  load_weights(*model, *f, "net.");
+  const at::Tensor view = f->tensor("net.blocks.0.mlp.layer1.weight");
+  const at::Tensor param = model->named_parameters()["blocks.0.mlp.layer1.weight"];
+  CHECK(at::equal(param, view));
+  CHECK(param.data_ptr() != view.data_ptr());
+  CHECK(param.is_contiguous());
+}
+
+TEST_CASE("generator is deterministic per seed and records its config") {
+  Scratch s;
+  const AnimaConfig c = preset("anima-tiny");
+  write_random_checkpoint(c, 7, at::kBFloat16, s.path("a.safetensors"));
+  write_random_checkpoint(c, 7, at::kBFloat16, s.path("b.safetensors"));
+  write_random_checkpoint(c, 8, at::kBFloat16, s.path("c.safetensors"));
+  auto bytes = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  CHECK(bytes(s.path("a.safetensors")) == bytes(s.path("b.safetensors")));
+  const Tensors a = read_all(s.path("a.safetensors")), cc = read_all(s.path("c.safetensors"));
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO(a[i].first);
+    CHECK_FALSE(at::equal(a[i].second, cc[i].second));
+  }
+  const auto f = st::File::open(s.path("a.safetensors"));
+  REQUIRE(f->metadata().count(kMetaConfig) == 1);
+  CHECK(nlohmann::json::parse(f->metadata().at(kMetaConfig)) == config_to_json(c));
+  CHECK(f->metadata().at(kMetaSeed) == "7");
+  // Init scales (Note [random checkpoint init]): norms around 1, biases small, linears ~1/sqrt(fan_in).
+  std::map<std::string, at::Tensor> t(a.begin(), a.end());
+  const at::Tensor norm = t.at("net.blocks.0.self_attn.q_norm.weight").to(at::kFloat);
+  CHECK(norm.mean().item<float>() == Approx(1.0).margin(0.1));
+  CHECK(norm.std().item<float>() > 0.02);
+  CHECK(t.at("net.llm_adapter.out_proj.bias").to(at::kFloat).abs().max().item<float>() < 0.2);
+  const at::Tensor w = t.at("net.blocks.0.mlp.layer2.weight").to(at::kFloat);  // fan_in 256
+  CHECK(w.std().item<float>() == Approx(1.0 / 16.0).epsilon(0.1));
+}
+
+TEST_CASE("generated weights keep activations finite at anima-2b depth") {
+  // anima-2b's depth (28 blocks, 6 adapter blocks) and head sizes at a narrow width.
+  AnimaConfig c = preset("anima-2b");
+  c.model_channels = 128;
+  c.num_heads = 1;  // head_dim 128 as on the real model
+  c.crossattn_emb_channels = 128;
+  c.adaln_lora_dim = 32;
+  c.adapter.vocab_size = 300;
+  c.adapter.model_dim = 128;
+  c.adapter.source_dim = 128;
+  c.adapter.num_heads = 2;  // head_dim 64
+  c.adapter.output_tokens = 32;
+  AnimaModel model(c, BuildOptions{});
+  auto params = model->named_parameters();
+  for (const auto& [k, v] : random_weights(c, 99, at::kFloat)) params[k].set_data(v);
+  at::manual_seed(9);
+  const at::Tensor ctx = model->encode_text(at::randn({1, 20, 128}), at::randint(0, 300, {1, 12}, at::kLong));
+  CHECK(at::isfinite(ctx).all().item<bool>());
+  const at::Tensor x = at::randn({1, 16, 1, 8, 8});
+  const at::Tensor y = model->forward(x, at::full({1}, 0.5), ctx);
+  CHECK(at::isfinite(y).all().item<bool>());
+  const float rms = y.pow(2).mean().sqrt().item<float>();
+  CHECK(rms > 0.05f);
+  CHECK(rms < 50.0f);
+  model->set_compute_dtype(at::kHalf);
+  const at::Tensor y16 = model->forward(x.to(at::kHalf), at::full({1}, 0.5), ctx);
+  CHECK(at::isfinite(y16).all().item<bool>());
+}
+
+TEST_CASE("prefixes: net., model.diffusion_model. with foreign keys, none") {
+  Scratch s;
+  const AnimaConfig c = preset("anima-tiny");
+  write_random_checkpoint(c, 1, at::kFloat, s.path("net.safetensors"));
+  const Tensors net = read_all(s.path("net.safetensors"));
+
+  const auto fnet = st::File::open(s.path("net.safetensors"));
+  CheckpointProbe p = probe_checkpoint(*fnet);
+  CHECK(p.is_anima);
+  CHECK(p.prefix == "net.");
+  CHECK(p.tensors == static_cast<int64_t>(net.size()));
+  CHECK(p.dropped_foreign == 0);
+  CHECK(p.tensors_by_dtype.at("Float") == p.tensors);
+
+  Tensors comfy = renamed(net, "net.", "model.diffusion_model.");
+  comfy.emplace_back("first_stage_model.decoder.conv_in.weight", at::ones({4, 4}));
+  comfy.emplace_back("model.model_sampling.sigmas", at::ones({10}));
+  comfy.emplace_back("text_encoders.qwen3_06b.transformer.model.norm.weight", at::ones({8}));
+  st::save(s.path("comfy.safetensors"), comfy);
+  p = probe_checkpoint(*st::File::open(s.path("comfy.safetensors")));
+  CHECK(p.is_anima);
+  CHECK(p.prefix == "model.diffusion_model.");
+  CHECK(p.dropped_foreign == 3);
+  CHECK(p.tensors == static_cast<int64_t>(net.size()));
+  AnimaModel m1 = load_anima(s.path("comfy.safetensors"));
+  check_equal_to_file(m1, comfy, "model.diffusion_model.");
+
+  const Tensors bare = renamed(net, "net.", "");
+  st::save(s.path("bare.safetensors"), bare);
+  p = probe_checkpoint(*st::File::open(s.path("bare.safetensors")));
+  CHECK(p.is_anima);
+  CHECK(p.prefix.empty());
+  AnimaModel m2 = load_anima(s.path("bare.safetensors"));
+  check_equal_to_file(m2, bare, "");
+}
+
+TEST_CASE("non-model keys are dropped") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-tiny"), 2, at::kFloat, s.path("a.safetensors"));
+  Tensors t = read_all(s.path("a.safetensors"));
+  t.emplace_back("net.pos_embedder.dim_spatial_range", at::arange(2, at::kFloat));
+  t.emplace_back("net.pos_embedder.dim_temporal_range", at::arange(4, at::kFloat));
+  t.emplace_back("net.llm_adapter.rotary_emb.inv_freq", at::ones({4}));
+  st::save(s.path("b.safetensors"), t);
+  const CheckpointProbe p = probe_checkpoint(*st::File::open(s.path("b.safetensors")));
+  CHECK(p.dropped_non_model == 3);
+  CHECK(p.tensors == static_cast<int64_t>(t.size()) - 3);
+  AnimaModel m = load_anima(s.path("b.safetensors"));
+  check_equal_to_file(m, t, "net.");
+}
+
+TEST_CASE("config inference from shapes (tiny, small, no adaLN-LoRA)") {
+  Scratch s;
+  AnimaConfig nolora = preset("anima-tiny");
+  nolora.use_adaln_lora = false;
+  nolora.name = "nolora";
+  for (const AnimaConfig& c : {preset("anima-tiny"), preset("anima-small"), nolora}) {
+    INFO(c.name);
+    write_random_checkpoint(c, 3, at::kBFloat16, s.path("m.safetensors"));
+    // Without the generator's metadata only the shapes speak.
+    st::save(s.path("plain.safetensors"), read_all(s.path("m.safetensors")));
+    const CheckpointProbe p = probe_checkpoint(*st::File::open(s.path("plain.safetensors")));
+    CHECK_FALSE(p.config_from_metadata);
+    const AnimaConfig& g = p.inferred;
+    CHECK(g.name == s.path("plain.safetensors"));
+    CHECK(g.in_channels == c.in_channels);
+    CHECK(g.out_channels == c.out_channels);
+    CHECK(g.model_channels == c.model_channels);
+    CHECK(g.num_blocks == c.num_blocks);
+    CHECK(g.num_heads == c.num_heads);
+    CHECK(g.mlp_ratio == c.mlp_ratio);
+    CHECK(g.crossattn_emb_channels == c.crossattn_emb_channels);
+    CHECK(g.use_adaln_lora == c.use_adaln_lora);
+    if (c.use_adaln_lora) CHECK(g.adaln_lora_dim == c.adaln_lora_dim);
+    CHECK(g.adapter.enabled);
+    CHECK(g.adapter.vocab_size == c.adapter.vocab_size);
+    CHECK(g.adapter.model_dim == c.adapter.model_dim);
+    CHECK(g.adapter.source_dim == c.adapter.source_dim);
+    CHECK(g.adapter.num_blocks == c.adapter.num_blocks);
+    CHECK(g.adapter.num_heads == c.adapter.num_heads);
+    CHECK(g.adapter.mlp_ratio == c.adapter.mlp_ratio);
+    // Not in the shapes: anima-2b's values.
+    const AnimaConfig d = preset("anima-2b");
+    CHECK(g.rope_h_extrapolation_ratio == d.rope_h_extrapolation_ratio);
+    CHECK(g.rope_t_extrapolation_ratio == d.rope_t_extrapolation_ratio);
+    CHECK(g.adapter.output_tokens == d.adapter.output_tokens);
+    CHECK_NOTHROW(load_anima(s.path("plain.safetensors")));
+
+    // With the metadata, the whole config comes back.
+    const CheckpointProbe pm = probe_checkpoint(*st::File::open(s.path("m.safetensors")));
+    CHECK(pm.config_from_metadata);
+    nlohmann::json got = config_to_json(pm.inferred), want = config_to_json(c);
+    got.erase("name");
+    want.erase("name");
+    CHECK(got == want);
+  }
+}
+
+TEST_CASE("missing, unexpected and mismatched keys are CheckpointErrors naming them") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-tiny"), 4, at::kFloat, s.path("good.safetensors"));
+  const Tensors good = read_all(s.path("good.safetensors"));
+
+  st::save(s.path("missing.safetensors"), without(good, "net.blocks.1.mlp.layer2.weight"));
+  std::string m = load_error(s.path("missing.safetensors"));
+  CHECK(has(m, s.path("missing.safetensors")));
+  CHECK(has(m, "1 missing key: net.blocks.1.mlp.layer2.weight"));
+
+  Tensors extra = good;
+  extra.emplace_back("net.blocks.0.extra_proj.weight", at::ones({2, 2}));
+  st::save(s.path("extra.safetensors"), extra);
+  m = load_error(s.path("extra.safetensors"));
+  CHECK(has(m, "1 unexpected key: net.blocks.0.extra_proj.weight"));
+  CHECK_FALSE(has(m, "missing"));
+
+  Tensors bad = good;
+  find(bad, "net.blocks.1.cross_attn.v_proj.weight") = at::zeros({64, 16});
+  st::save(s.path("bad.safetensors"), bad);
+  m = load_error(s.path("bad.safetensors"));
+  INFO(m);
+  CHECK(has(m, "1 shape mismatch: net.blocks.1.cross_attn.v_proj.weight file [64, 16] vs model [64, 32]"));
+  CHECK_FALSE(has(m, "missing"));
+
+  // Many (block 0 gone; the shapes are read from block 1): the first ten, then a count.
+  st::save(s.path("many.safetensors"), without(good, "net.blocks.0."));
+  m = load_error(s.path("many.safetensors"));
+  INFO(m);
+  CHECK(has(m, "20 missing keys: net.blocks.0."));
+  CHECK(has(m, " and 10 more"));
+
+  // All three kinds in one message.
+  Tensors all3 = without(bad, "net.final_layer.linear.weight");
+  all3.emplace_back("net.extra", at::ones({1}));
+  st::save(s.path("all3.safetensors"), all3);
+  m = load_error(s.path("all3.safetensors"));
+  INFO(m);
+  CHECK(has(m, "1 missing key: net.final_layer.linear.weight; 1 unexpected key: net.extra; 1 shape mismatch: "));
+}
+
+TEST_CASE("non-Anima files are rejected") {
+  Scratch s;
+  st::save(s.path("vae.safetensors"), {{"encoder.conv_in.weight", at::ones({4, 3})}, {"decoder.norm.bias", at::ones({4})}});
+  const CheckpointProbe p = probe_checkpoint(*st::File::open(s.path("vae.safetensors")));
+  CHECK_FALSE(p.has_dit);
+  CHECK_FALSE(p.is_anima);
+  CHECK_FALSE(p.reason.empty());
+  const std::string m = load_error(s.path("vae.safetensors"));
+  CHECK(has(m, "is not an Anima checkpoint"));
+  CHECK(has(m, s.path("vae.safetensors")));
+  CHECK_THROWS_AS(load_anima(s.path("does-not-exist.safetensors")), sluice::FileError);
+}
+
+TEST_CASE("a DiT-only file loads without adapter") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-tiny"), 6, at::kFloat, s.path("a.safetensors"));
+  const Tensors dit = without(read_all(s.path("a.safetensors")), "net.llm_adapter.");
+  st::save(s.path("dit.safetensors"), dit);
+  const CheckpointProbe p = probe_checkpoint(*st::File::open(s.path("dit.safetensors")));
+  CHECK(p.has_dit);
+  CHECK_FALSE(p.has_adapter);
+  CHECK_FALSE(p.is_anima);
+  CHECK_FALSE(p.inferred.adapter.enabled);
+  AnimaModel m = load_anima(s.path("dit.safetensors"));
+  CHECK_FALSE(m->has_adapter());
+  check_equal_to_file(m, dit, "net.");
+  CHECK_THROWS_AS(m->encode_text(at::zeros({1, 2, 32}), at::zeros({1, 2}, at::kLong)), sluice::InvalidArgument);
+  // Asking for the adapter explicitly reports what is missing.
+  LoadOptions o;
+  o.config = preset("anima-tiny");
+  CHECK(has(load_error(s.path("dit.safetensors"), o), "missing keys: net.llm_adapter."));
+}
+
+TEST_CASE("a --config override must match the file") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-tiny"), 9, at::kFloat, s.path("tiny.safetensors"));
+  LoadOptions o;
+  o.config = preset("anima-small");
+  const std::string m = load_error(s.path("tiny.safetensors"), o);
+  CHECK(has(m, "does not match model config 'anima-small'"));
+  CHECK(has(m, "shape mismatches: net.x_embedder.proj.1.weight file [64, 68] vs model [256, 68]"));
+  CHECK(has(m, "missing keys"));  // small has 8 blocks, the file 2
+
+  // Fields the shapes do not fix may be overridden.
+  AnimaConfig c = preset("anima-tiny");
+  c.rope_h_extrapolation_ratio = 2.0;
+  c.adapter.output_tokens = 40;
+  o.config = c;
+  AnimaModel model = load_anima(s.path("tiny.safetensors"), o);
+  CHECK(model->config().rope_h_extrapolation_ratio == 2.0);
+  CHECK(model->encode_text(at::randn({1, 3, 32}), at::zeros({1, 3}, at::kLong)).size(1) == 40);
+}
+
+TEST_CASE("scaled fp8 weights are dequantized, quantization markers rejected") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-tiny"), 10, at::kFloat, s.path("a.safetensors"));
+  Tensors t = read_all(s.path("a.safetensors"));
+  const at::Tensor w = find(t, "net.blocks.0.mlp.layer1.weight").clone();  // [256, 64]
+  const at::Tensor q_tensor = (w / 0.01).to(at::kFloat8_e4m3fn);
+  find(t, "net.blocks.0.mlp.layer1.weight") = q_tensor;
+  t.emplace_back("net.blocks.0.mlp.layer1.weight_scale", at::full({}, 0.01, at::kFloat));
+  const at::Tensor w2 = find(t, "net.blocks.1.self_attn.q_proj.weight").clone();  // [64, 64], per row
+  const at::Tensor row_scale = w2.abs().amax(1) / 400.0;
+  const at::Tensor q_row = (w2 / row_scale.unsqueeze(1)).to(at::kFloat8_e4m3fn);
+  find(t, "net.blocks.1.self_attn.q_proj.weight") = q_row;
+  t.emplace_back("net.blocks.1.self_attn.q_proj.weight_scale", row_scale);
+  t.emplace_back("net.blocks.0.mlp.layer1.input_scale", at::ones({}));
+  t.emplace_back("net.scaled_fp8", at::empty({0}, at::kFloat8_e4m3fn));
+  st::save(s.path("fp8.safetensors"), t);
+
+  const CheckpointProbe p = probe_checkpoint(*st::File::open(s.path("fp8.safetensors")));
+  CHECK(p.scaled_weights == 2);
+  CHECK(p.dropped_non_model == 2);
+  CHECK(p.tensors_by_dtype.at("Float8_e4m3fn") == 2);
+  AnimaModel m = load_anima(s.path("fp8.safetensors"));
+  auto params = m->named_parameters();
+  const at::Tensor got = params["blocks.0.mlp.layer1.weight"];
+  CHECK(at::equal(got, q_tensor.to(at::kFloat) * 0.01f));
+  CHECK(at::allclose(got, w, 0.07, 1e-3));  // e4m3 keeps ~3 mantissa bits
+  CHECK(at::equal(params["blocks.1.self_attn.q_proj.weight"], q_row.to(at::kFloat) * row_scale.unsqueeze(1)));
+
+  t.emplace_back("net.blocks.0.mlp.layer2.comfy_quant", at::zeros({4}, at::kByte));
+  st::save(s.path("comfy_quant.safetensors"), t);
+  CHECK(has(load_error(s.path("comfy_quant.safetensors")), "quantization markers"));
+}
