@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include "offload/cpu_device.h"
+#include "offload/upcast_registry.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "runtime/logging.h"
@@ -19,18 +20,6 @@ namespace sluice::offload {
 namespace {
 
 constexpr size_t kNone = static_cast<size_t>(-1);
-
-// Upcast `stored` (times `scale` when defined) into the preallocated `out`.
-// TODO: call sluice::upcast_into (runtime/fp8.h) once it lands; this keeps the same
-// values: an unscaled upcast is ATen's exact dtype conversion, a scaled one goes through
-// sluice::upcast.
-void upcast_into_compat(const at::Tensor& stored, const at::Tensor& scale, const at::Tensor& out) {
-  if (!scale.defined()) {
-    out.copy_(stored);
-  } else {
-    out.copy_(sluice::upcast(stored, out.scalar_type(), scale));
-  }
-}
 
 at::Tensor typed_view(const at::Tensor& bytes, uint64_t offset, at::ScalarType dtype, at::IntArrayRef sizes) {
   int64_t numel = 1;
@@ -71,6 +60,7 @@ PinMode parse_pin_mode(std::string_view text, const std::string& flag) {
 
 StreamingEngine::StreamingEngine(EngineOptions options) : options_(std::move(options)) {
   device_ = options_.device ? options_.device : std::shared_ptr<DeviceBackend>(make_cpu_device());
+  if (device_->device().is_cuda()) register_cuda_kernels();  // fp8 upcast kernel, where built
   if (options_.max_resident && !(*options_.max_resident >= 0.0 && *options_.max_resident <= 1.0)) {
     throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*options_.max_resident));
   }
@@ -864,11 +854,11 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
       std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
       if (r.upcast_w) {
         out.weight = typed_view(buf, 0, r.compute, w.sizes());
-        upcast_into_compat(w, s, out.weight);
+        sluice::upcast_into(w, s, out.weight);
       }
       if (r.upcast_b) {
         out.bias = typed_view(buf, r.scratch_off_b, r.compute, b.sizes());
-        upcast_into_compat(b, at::Tensor(), out.bias);
+        sluice::upcast_into(b, at::Tensor(), out.bias);
       }
       if (a) add_span(acc_cur_, TraceTrack::upcast, 2, id, std::move(a), mark());
     }
