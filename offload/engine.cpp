@@ -756,8 +756,8 @@ int StreamingEngine::issue(int64_t id, uint64_t epoch, bool demand) {
   if (r.host_s.defined()) parts.push_back({r.host_s, r.off_s});
   std::unique_ptr<DeviceEvent> a, b;
   if (timing()) {
-    a = device_->create_event();
-    b = device_->create_event();
+    a = take_event();
+    b = take_event();
   }
   ring_->fill(s, id, epoch, parts, a.get(), b.get());
   ForwardAcc& acc = epoch == epoch_ ? acc_cur_ : acc_next_;
@@ -782,14 +782,15 @@ int StreamingEngine::take_scratch(uint64_t bytes) {
   return static_cast<int>(scratch_.size()) - 1;
 }
 
+std::unique_ptr<DeviceEvent> StreamingEngine::take_event() {
+  if (event_pool_.empty()) return device_->create_event();
+  std::unique_ptr<DeviceEvent> e = std::move(event_pool_.back());
+  event_pool_.pop_back();
+  return e;
+}
+
 std::unique_ptr<DeviceEvent> StreamingEngine::mark() {
-  std::unique_ptr<DeviceEvent> e;
-  if (!event_pool_.empty()) {
-    e = std::move(event_pool_.back());
-    event_pool_.pop_back();
-  } else {
-    e = device_->create_event();
-  }
+  std::unique_ptr<DeviceEvent> e = take_event();
   device_->record(*e, StreamKind::compute);
   return e;
 }
@@ -941,10 +942,8 @@ void StreamingEngine::resolve(bool wait_all) {
         const std::string& name = layers_[static_cast<size_t>(sp.layer)].name;
         trace_.add_span(sp.track, sp.kind == 1 ? "wait " + name : name, ts, ms * 1000.0);
       }
-      if (sp.kind != 0) {  // compute-stream markers come from the pool
-        event_pool_.push_back(std::move(sp.a));
-        event_pool_.push_back(std::move(sp.b));
-      }
+      event_pool_.push_back(std::move(sp.a));  // done: reusable
+      event_pool_.push_back(std::move(sp.b));
     }
     rec.wall_ms = device_->elapsed_ms(*u.begin->event, *u.end);
     rec.h2d_gbps = copy_ms > 0 ? static_cast<double>(rec.bytes_streamed) / (copy_ms * 1e6) : 0.0;

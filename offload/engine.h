@@ -205,7 +205,8 @@ class StreamingEngine final : public WeightProvider {
   void top_up(size_t pos, bool at_end);
   int issue(int64_t id, uint64_t epoch, bool demand);
   int take_scratch(uint64_t bytes);
-  std::unique_ptr<DeviceEvent> mark();
+  std::unique_ptr<DeviceEvent> take_event();  // from the pool of finished events
+  std::unique_ptr<DeviceEvent> mark();        // take_event() recorded on the compute stream
   void add_span(ForwardAcc& acc, TraceTrack track, int kind, int64_t layer, std::unique_ptr<DeviceEvent> a,
                 std::unique_ptr<DeviceEvent> b);
   void resolve(bool wait_all);
