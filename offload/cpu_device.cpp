@@ -1,0 +1,212 @@
+#include "offload/cpu_device.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "runtime/logging.h"
+
+namespace sluice::offload {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Shared between an event and the worker jobs that complete or wait on it, so a job never
+// outlives what it touches.
+struct CpuEventState {
+  mutable std::mutex mutex;
+  mutable std::condition_variable cv;
+  uint64_t recorded = 0;   // sequence number of the latest record
+  uint64_t completed = 0;  // highest sequence number completed
+  Clock::time_point done_at{};
+
+  uint64_t next_record() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return ++recorded;
+  }
+  uint64_t latest_record() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return recorded;
+  }
+  void complete(uint64_t seq) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (seq > completed) {
+        completed = seq;
+        done_at = Clock::now();
+      }
+    }
+    cv.notify_all();
+  }
+  void wait_for(uint64_t seq) const {
+    std::unique_lock<std::mutex> lock(mutex);
+    cv.wait(lock, [&] { return completed >= seq; });
+  }
+};
+
+class CpuEvent final : public DeviceEvent {
+ public:
+  bool query() const override {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    return state->completed >= state->recorded;
+  }
+  void synchronize() const override { state->wait_for(state->latest_record()); }
+
+  std::shared_ptr<CpuEventState> state = std::make_shared<CpuEventState>();
+};
+
+const CpuEventState& state_of(const DeviceEvent& e) {
+  const auto* ce = dynamic_cast<const CpuEvent*>(&e);
+  TORCH_INTERNAL_ASSERT(ce, "CPU device given an event it did not create");
+  return *ce->state;
+}
+
+class CpuDevice final : public DeviceBackend {
+ public:
+  explicit CpuDevice(const CpuDeviceOptions& options) : options_(options) {
+    worker_ = std::thread([this] { run(); });
+  }
+
+  ~CpuDevice() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  uint64_t total_memory() const override {
+    return options_.total_memory ? options_.total_memory : physical_ram_bytes();
+  }
+  bool pins_memory() const override { return false; }
+
+  std::unique_ptr<DeviceEvent> create_event() override { return std::make_unique<CpuEvent>(); }
+
+  void record(DeviceEvent& event, StreamKind stream) override {
+    auto state = static_cast<CpuEvent&>(event).state;  // only CpuEvents reach here (see state_of)
+    (void)state_of(event);
+    const uint64_t seq = state->next_record();
+    if (stream == StreamKind::compute) {
+      state->complete(seq);  // the compute stream is the caller: its work so far is done
+    } else {
+      enqueue([state, seq] { state->complete(seq); });
+    }
+  }
+
+  void wait(StreamKind stream, const DeviceEvent& event) override {
+    auto state = static_cast<const CpuEvent&>(event).state;
+    (void)state_of(event);
+    const uint64_t target = state->latest_record();  // as recorded now, like cudaStreamWaitEvent
+    if (stream == StreamKind::compute) {
+      state->wait_for(target);
+    } else {
+      enqueue([state, target] { state->wait_for(target); });
+    }
+  }
+
+  double elapsed_ms(const DeviceEvent& from, const DeviceEvent& to) const override {
+    const auto& a = state_of(from);
+    const auto& b = state_of(to);
+    std::lock_guard<std::mutex> la(a.mutex);
+    TORCH_INTERNAL_ASSERT(a.recorded > 0 && a.completed >= a.recorded, "elapsed_ms: 'from' event not done");
+    const auto ta = a.done_at;
+    std::lock_guard<std::mutex> lb(b.mutex);
+    TORCH_INTERNAL_ASSERT(b.recorded > 0 && b.completed >= b.recorded, "elapsed_ms: 'to' event not done");
+    return std::chrono::duration<double, std::milli>(b.done_at - ta).count();
+  }
+
+  void copy_to_device(const at::Tensor& dst, const at::Tensor& src, std::function<void()> before) override {
+    TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy_to_device: tensors must be contiguous");
+    TORCH_CHECK(dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel(),
+                "copy_to_device: dtype/numel mismatch: ", dst.scalar_type(), "[", dst.numel(), "] <- ",
+                src.scalar_type(), "[", src.numel(), "]");
+    const double latency_us = options_.copy_latency_us;
+    const double rate = options_.copy_bytes_per_second;
+    enqueue([dst, src, before = std::move(before), latency_us, rate] {
+      if (before) before();
+      const auto start = Clock::now();
+      const size_t n = src.nbytes();
+      if (n) std::memcpy(dst.data_ptr(), src.data_ptr(), n);
+      double target_us = latency_us;
+      if (rate > 0) target_us += static_cast<double>(n) / rate * 1e6;
+      if (target_us > 0) {
+        // Short waits spin (yielding): a sleep can overshoot by a scheduler tick, which would
+        // make many small slowed copies far slower than asked.
+        const auto until = start + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double, std::micro>(target_us));
+        if (until - Clock::now() > std::chrono::milliseconds(2)) std::this_thread::sleep_until(until - std::chrono::milliseconds(1));
+        while (Clock::now() < until) std::this_thread::yield();
+      }
+    });
+  }
+
+  void synchronize() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_cv_.wait(lock, [&] { return jobs_.empty() && !busy_; });
+  }
+
+  at::Tensor pin(const at::Tensor& src) override { return src; }
+
+ protected:
+  c10::DataPtr raw_allocate(size_t nbytes) override { return c10::GetCPUAllocator()->allocate(nbytes); }
+
+ private:
+  void enqueue(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) {
+        if (stop_) return;
+        continue;
+      }
+      std::function<void()> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      try {
+        job();
+      } catch (const std::exception& e) {
+        log::error(std::string("cpu device copy stream: job failed: ") + e.what());
+      }
+      job = nullptr;  // drop tensor references outside the lock
+      lock.lock();
+      busy_ = false;
+      if (jobs_.empty()) idle_cv_.notify_all();
+    }
+  }
+
+  CpuDeviceOptions options_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::condition_variable idle_cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceBackend> make_cpu_device(const CpuDeviceOptions& options) {
+  TORCH_CHECK(options.copy_latency_us >= 0 && options.copy_bytes_per_second >= 0,
+              "CpuDeviceOptions: copy slowdowns must be >= 0");
+  return std::make_unique<CpuDevice>(options);
+}
+
+}  // namespace sluice::offload

@@ -1,0 +1,162 @@
+#include "offload/device.h"
+
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include "offload/cpu_device.h"
+#include "offload/torch_device.h"
+#include "runtime/error.h"
+#include "runtime/size_parse.h"
+
+namespace sluice::offload {
+
+MemoryLedger::MemoryLedger(std::string name, std::optional<uint64_t> limit) : name_(std::move(name)), limit_(limit) {}
+
+void MemoryLedger::charge(MemoryKind kind, uint64_t bytes, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const uint64_t now = static_cast<uint64_t>(stats_.total.current);
+  if (limit_ && now + bytes > *limit_) {
+    throw ResourceError(name_ + ": cannot allocate " + format_mib(bytes) + " for " + what + ": " +
+                        format_mib(now) + " of " + format_mib(*limit_) + " already in use");
+  }
+  stats_.total.increase(static_cast<int64_t>(bytes));
+  stats_.by_kind[static_cast<size_t>(kind)].increase(static_cast<int64_t>(bytes));
+}
+
+void MemoryLedger::release(MemoryKind kind, uint64_t bytes) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.total.decrease(static_cast<int64_t>(bytes));
+  stats_.by_kind[static_cast<size_t>(kind)].decrease(static_cast<int64_t>(bytes));
+}
+
+void MemoryLedger::set_limit(std::optional<uint64_t> limit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  limit_ = limit;
+}
+
+std::optional<uint64_t> MemoryLedger::limit() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return limit_;
+}
+
+uint64_t MemoryLedger::current() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<uint64_t>(stats_.total.current);
+}
+
+DeviceMemoryStats MemoryLedger::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+void MemoryLedger::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.reset_peak();
+}
+
+namespace {
+
+// Owns one allocation's raw memory and gives its bytes back to the ledgers on free.
+struct AllocationContext {
+  c10::DataPtr raw;
+  std::shared_ptr<MemoryLedger> device_ledger;
+  std::shared_ptr<MemoryLedger> budget_ledger;
+  MemoryKind kind;
+  uint64_t bytes;
+};
+
+void free_allocation(void* ctx) {
+  auto* a = static_cast<AllocationContext*>(ctx);
+  a->device_ledger->release(a->kind, a->bytes);
+  if (a->budget_ledger) a->budget_ledger->release(a->kind, a->bytes);
+  delete a;  // frees `raw` through its own deleter
+}
+
+}  // namespace
+
+DeviceBackend::DeviceBackend() : ledger_(std::make_shared<MemoryLedger>("device")) {}
+
+DeviceBackend::~DeviceBackend() = default;
+
+void DeviceBackend::set_allocation_fault(AllocationFault fault) {
+  std::lock_guard<std::mutex> lock(fault_mutex_);
+  fault_ = std::move(fault);
+}
+
+at::Tensor DeviceBackend::allocate(at::IntArrayRef sizes, at::ScalarType dtype, MemoryKind kind, const std::string& what,
+                                   const std::shared_ptr<MemoryLedger>& budget) {
+  const auto options = at::TensorOptions().dtype(dtype).device(device());
+  int64_t numel = 1;
+  for (int64_t s : sizes) {
+    TORCH_CHECK(s >= 0, "allocate: negative size for ", what);
+    numel *= s;
+  }
+  const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
+  if (bytes == 0) return at::empty(sizes, options);
+
+  if (budget) budget->charge(kind, bytes, what);
+  bool injected = false;
+  {
+    std::lock_guard<std::mutex> lock(fault_mutex_);
+    injected = fault_ && fault_(bytes, kind);
+  }
+  if (injected) {
+    if (budget) budget->release(kind, bytes);
+    throw ResourceError(name() + ": out of memory allocating " + format_mib(bytes) + " for " + what +
+                        " (injected fault)");
+  }
+  try {
+    ledger_->charge(kind, bytes, what);
+  } catch (...) {
+    if (budget) budget->release(kind, bytes);
+    throw;
+  }
+  c10::DataPtr raw;
+  try {
+    raw = raw_allocate(bytes);
+  } catch (const c10::Error& e) {
+    ledger_->release(kind, bytes);
+    if (budget) budget->release(kind, bytes);
+    throw ResourceError(name() + ": out of memory allocating " + format_mib(bytes) + " for " + what + ": " +
+                        e.what_without_backtrace());
+  }
+  void* data = raw.get();
+  auto* ctx = new AllocationContext{std::move(raw), ledger_, budget, kind, bytes};
+  return at::for_blob(data, sizes)
+      .context(ctx, &free_allocation)
+      .options(options)
+      .target_device(device())
+      .make_tensor();
+}
+
+uint64_t physical_ram_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+}
+
+std::unique_ptr<DeviceBackend> make_device(std::string_view spec, uint64_t total_memory, const std::string& flag) {
+  if (spec == "cpu") {
+    CpuDeviceOptions o;
+    o.total_memory = total_memory;
+    return make_cpu_device(o);
+  }
+  std::optional<c10::Device> device;
+  try {
+    device = c10::Device(std::string(spec));
+  } catch (const c10::Error&) {
+    throw InvalidArgument(flag + ": unknown device '" + std::string(spec) + "' (use cpu, cuda or cuda:N)");
+  }
+  if (device->is_cpu()) return make_device("cpu", total_memory, flag);
+  TorchDeviceOptions o;
+  o.total_memory = total_memory;
+  try {
+    return make_torch_device(*device, o);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(flag + ": " + e.what());
+  }
+}
+
+}  // namespace sluice::offload

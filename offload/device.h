@@ -1,0 +1,139 @@
+#pragma once
+// DeviceBackend: the few device operations the streaming engine needs, behind one small
+// interface, so that the same engine runs on a real accelerator (torch_device.h) and on
+// the CPU playing both host and device (cpu_device.h), where every invariant is testable.
+//
+// Note [device accounting]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Every byte the runtime allocates on the device goes through DeviceBackend::allocate().
+// The tensor it returns owns its memory through a context that, when the last reference
+// goes, gives the bytes back to the ledgers that were charged: the backend's own (all
+// users of the device) and optionally a caller's (the engine's, whose limit is its budget
+// minus working memory). A charge that would pass a ledger's limit throws ResourceError
+// before anything is allocated, so a limit can never be exceeded, not even briefly.
+// Counted are requested bytes, not the allocator's rounding.
+#include <ATen/ATen.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "offload/stats.h"
+
+namespace sluice::offload {
+
+// The two streams the engine uses. On a GPU: the caller's current stream and a copy stream
+// from the pool. On the CPU device: the calling thread and a worker thread.
+enum class StreamKind : uint8_t { compute, copy };
+
+// A marker in a stream's work, like a CUDA event. A never-recorded event counts as done.
+class DeviceEvent {
+ public:
+  virtual ~DeviceEvent() = default;
+  // True when the work recorded before it (the latest record) has finished.
+  virtual bool query() const = 0;
+  // Blocks the host until query() would return true.
+  virtual void synchronize() const = 0;
+};
+
+// Byte counts by kind with an optional hard limit. Thread-safe: memory may be freed from
+// any thread (e.g. the CPU device's copy worker dropping the last reference).
+class MemoryLedger {
+ public:
+  explicit MemoryLedger(std::string name, std::optional<uint64_t> limit = std::nullopt);
+
+  // Adds `bytes` of `kind`; throws ResourceError naming `what` if the limit would be passed.
+  void charge(MemoryKind kind, uint64_t bytes, const std::string& what);
+  void release(MemoryKind kind, uint64_t bytes) noexcept;
+
+  void set_limit(std::optional<uint64_t> limit);
+  std::optional<uint64_t> limit() const;
+  uint64_t current() const;
+  DeviceMemoryStats stats() const;
+  void reset_peak();
+
+ private:
+  std::string name_;
+  mutable std::mutex mutex_;
+  std::optional<uint64_t> limit_;
+  DeviceMemoryStats stats_;
+};
+
+// Test hook: return true to make an allocation of `bytes` fail as if the device were full.
+using AllocationFault = std::function<bool(uint64_t bytes, MemoryKind kind)>;
+
+class DeviceBackend {
+ public:
+  DeviceBackend();
+  virtual ~DeviceBackend();
+  DeviceBackend(const DeviceBackend&) = delete;
+  DeviceBackend& operator=(const DeviceBackend&) = delete;
+
+  // Where device tensors live ("cpu" for the CPU device).
+  virtual c10::Device device() const = 0;
+  // "cpu", "cuda:0".
+  std::string name() const { return device().str(); }
+  // Device memory in bytes (the 100% of a "--budget 50%").
+  virtual uint64_t total_memory() const = 0;
+  // Whether pin() really page-locks memory (false: it is a no-op returning the input).
+  virtual bool pins_memory() const = 0;
+
+  // Uninitialized contiguous tensor on the device, accounted as `kind` in this backend's
+  // ledger and in `budget` when given. Throws ResourceError (naming `what`) when a limit
+  // would be passed, the device is out of memory or the fault hook fires.
+  // See Note [device accounting].
+  at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, MemoryKind kind, const std::string& what,
+                      const std::shared_ptr<MemoryLedger>& budget = nullptr);
+  // Everything allocate() handed out and not yet freed, on this backend.
+  DeviceMemoryStats memory_stats() const { return ledger_->stats(); }
+  void set_allocation_fault(AllocationFault fault);
+
+  virtual std::unique_ptr<DeviceEvent> create_event() = 0;
+  // Marks the current end of `stream`'s work with `event`.
+  virtual void record(DeviceEvent& event, StreamKind stream) = 0;
+  // Makes later work on `stream` wait until `event` (as recorded now) is done. For the
+  // compute stream of the CPU device this blocks the calling thread.
+  virtual void wait(StreamKind stream, const DeviceEvent& event) = 0;
+  // Milliseconds from `from` to `to`; both must have been recorded and be done.
+  virtual double elapsed_ms(const DeviceEvent& from, const DeviceEvent& to) const = 0;
+
+  // Enqueues a copy of host `src` into device `dst` (same dtype and numel, both
+  // contiguous) on the copy stream. The caller keeps `src` alive and `dst` unused until an
+  // event recorded on the copy stream after it is done. `before`, when given, runs right
+  // before the bytes move on backends whose copy stream is a host thread (the CPU device),
+  // and is ignored elsewhere; tests use it to check that a slot is not in use.
+  virtual void copy_to_device(const at::Tensor& dst, const at::Tensor& src, std::function<void()> before = {}) = 0;
+
+  // Blocks until both streams have finished everything enqueued so far.
+  virtual void synchronize() = 0;
+
+  // A page-locked copy of host tensor `src`, or an undefined tensor when pinning fails.
+  // On backends that do not pin (pins_memory() false) returns `src` itself.
+  virtual at::Tensor pin(const at::Tensor& src) = 0;
+
+ protected:
+  // Raw device bytes; may throw (c10::Error on out of memory).
+  virtual c10::DataPtr raw_allocate(size_t nbytes) = 0;
+
+ private:
+  std::shared_ptr<MemoryLedger> ledger_;
+  std::mutex fault_mutex_;
+  AllocationFault fault_;
+};
+
+// Physical RAM of this machine (sysconf), 0 if unknown.
+uint64_t physical_ram_bytes();
+
+// The backend for a --device value: "cpu" is the CPU device (cpu_device.h), anything else
+// c10 parses ("cuda", "cuda:1") the torch device (torch_device.h). `total_memory` (0:
+// query) is the device memory to report. Throws InvalidArgument naming `flag` for a value
+// that is malformed or a device that is not available.
+std::unique_ptr<DeviceBackend> make_device(std::string_view spec, uint64_t total_memory = 0,
+                                           const std::string& flag = "--device");
+
+}  // namespace sluice::offload

@@ -1,0 +1,1006 @@
+#include "offload/engine.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <regex>
+#include <sstream>
+#include <unordered_set>
+
+#include "offload/cpu_device.h"
+#include "offload/upcast_registry.h"
+#include "runtime/error.h"
+#include "runtime/fp8.h"
+#include "runtime/logging.h"
+#include "runtime/size_parse.h"
+
+namespace sluice::offload {
+
+namespace {
+
+constexpr size_t kNone = static_cast<size_t>(-1);
+
+at::Tensor typed_view(const at::Tensor& bytes, uint64_t offset, at::ScalarType dtype, at::IntArrayRef sizes) {
+  int64_t numel = 1;
+  for (int64_t d : sizes) numel *= d;
+  const int64_t n = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  return bytes.narrow(0, static_cast<int64_t>(offset), n).view(dtype).view(sizes);
+}
+
+// "blocks.3.mlp" -> ("blocks", 3); "llm_adapter.blocks.0.x" -> ("llm_adapter.blocks", 0).
+std::pair<std::string, int64_t> parse_block(const std::string& name) {
+  static const std::regex re(R"(^((?:.*?\.)?blocks)\.(\d{1,9})(?:\.|$))");
+  std::smatch m;
+  if (std::regex_search(name, m, re)) return {m[1].str(), std::stoll(m[2].str())};
+  return {"", -1};
+}
+
+at::Tensor host_alias(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  at::Tensor a = t.detach();
+  return a.is_contiguous() ? a : a.contiguous();
+}
+
+at::Tensor pageable_copy(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  at::Tensor out = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
+  out.copy_(t);
+  return out;
+}
+
+}  // namespace
+
+PinMode parse_pin_mode(std::string_view text, const std::string& flag) {
+  if (text == "auto") return PinMode::auto_;
+  if (text == "on") return PinMode::on;
+  if (text == "off") return PinMode::off;
+  throw InvalidArgument(flag + ": unknown pin mode '" + std::string(text) + "' (use auto, on or off)");
+}
+
+StreamingEngine::StreamingEngine(EngineOptions options) : options_(std::move(options)) {
+  device_ = options_.device ? options_.device : std::shared_ptr<DeviceBackend>(make_cpu_device());
+  if (device_->device().is_cuda()) register_cuda_kernels();  // fp8 upcast kernel, where built
+  if (options_.max_resident && !(*options_.max_resident >= 0.0 && *options_.max_resident <= 1.0)) {
+    throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*options_.max_resident));
+  }
+  if (!(options_.pin_cap_fraction >= 0.0 && options_.pin_cap_fraction <= 1.0)) {
+    throw InvalidArgument("pin cap fraction must be between 0 and 1, got " + std::to_string(options_.pin_cap_fraction));
+  }
+  if (options_.ring_slots == 0) options_.ring_slots = options_.prefetch_depth + 1;
+  max_resident_ = options_.max_resident;
+  want_pin_ = options_.pin == PinMode::on || (options_.pin == PinMode::auto_ && device_->pins_memory());
+  pin_cap_ = options_.pin_cap_bytes
+                 ? *options_.pin_cap_bytes
+                 : static_cast<uint64_t>(options_.pin_cap_fraction * static_cast<double>(physical_ram_bytes()));
+}
+
+StreamingEngine::~StreamingEngine() {
+  if (!attached_) return;
+  for (auto& r : layers_) r.leases.clear();
+  depth_ = 0;
+  restore_to_host();
+  clear_state();
+}
+
+double StreamingEngine::now_us() const {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - epoch0_).count();
+}
+
+// ---------------------------------------------------------------------------------------
+// attach / detach
+
+void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
+  if (attached_) throw InvalidArgument("engine already has model '" + model_name_ + "' attached");
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::regex> required;
+  for (const auto& p : options_.required_patterns) {
+    try {
+      required.emplace_back(p);
+    } catch (const std::regex_error& e) {
+      throw InvalidArgument("required layer pattern '" + p + "' is not a valid regex: " + e.what());
+    }
+  }
+  auto managed = managed_layers(model);
+  for (const auto& [name, layer] : managed) {
+    if (layer->provider()) {
+      throw InvalidArgument("layer '" + name + "' of model '" + model_name + "' already has a weight provider");
+    }
+    if (!layer->stored_weight().device().is_cpu() || (layer->has_bias() && !layer->stored_bias().device().is_cpu())) {
+      throw InvalidArgument("attach: layer '" + name + "' of model '" + model_name +
+                            "' is not on the host; attach a model loaded in RAM");
+    }
+  }
+  model_name_ = std::move(model_name);
+  try {
+    std::unordered_set<const c10::TensorImpl*> managed_impls;
+    layers_.reserve(managed.size());
+    for (const auto& [name, layer] : managed) {
+      LayerRec r;
+      r.layer = layer;
+      r.name = name;
+      r.host_w = host_alias(layer->stored_weight());
+      r.host_b = host_alias(layer->stored_bias());
+      r.host_s = host_alias(layer->weight_scale());
+      if (r.host_s.defined() && !r.host_s.device().is_cpu()) {
+        throw InvalidArgument("attach: weight scale of layer '" + name + "' is not on the host");
+      }
+      managed_impls.insert(layer->stored_weight().unsafeGetTensorImpl());
+      if (layer->has_bias()) managed_impls.insert(layer->stored_bias().unsafeGetTensorImpl());
+      r.stored_dtype = r.host_w.scalar_type();
+      r.compute = layer->compute_dtype();
+      r.upcast_w = r.stored_dtype != r.compute || r.host_s.defined();
+      r.upcast_b = r.host_b.defined() && r.host_b.scalar_type() != r.compute;
+      r.stored_bytes = static_cast<uint64_t>(layer->stored_bytes());
+      uint64_t end = r.host_w.nbytes();
+      if (r.host_b.defined()) {
+        r.off_b = align_up(end);
+        end = r.off_b + r.host_b.nbytes();
+      }
+      if (r.host_s.defined()) {
+        r.off_s = align_up(end);
+        end = r.off_s + r.host_s.nbytes();
+      }
+      r.slot_bytes = end;
+      const uint64_t csize = c10::elementSize(r.compute);
+      if (r.upcast_w) {
+        r.scratch_bytes = static_cast<uint64_t>(r.host_w.numel()) * csize;
+        r.scratch_off_b = align_up(r.scratch_bytes);
+      }
+      if (r.upcast_b) r.scratch_bytes = r.scratch_off_b + static_cast<uint64_t>(r.host_b.numel()) * csize;
+      r.required = layer->kind() == LayerKind::embedding || (options_.require_unconverted && !r.upcast_w);
+      for (const auto& re : required) r.required = r.required || std::regex_search(name, re);
+      std::tie(r.group, r.block) = parse_block(name);
+      index_[layer] = static_cast<int64_t>(layers_.size());
+      layers_.push_back(std::move(r));
+    }
+    for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+      if (managed_impls.count(item.value().unsafeGetTensorImpl())) continue;
+      extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
+    }
+    for (const auto& item : model.named_buffers(/*recurse=*/true)) {
+      extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
+    }
+    for (const auto& e : extras_) {
+      if (!e.host.device().is_cpu()) throw InvalidArgument("attach: a parameter of model '" + model_name_ + "' is not on the host");
+      extra_bytes_ += e.host.nbytes();
+    }
+    for (const auto& r : layers_) scratch_bytes_ = std::max(scratch_bytes_, r.scratch_bytes);
+
+    budget_bytes_ = options_.budget_bytes ? options_.budget_bytes : device_->total_memory();
+    if (budget_bytes_ == 0) {
+      throw InvalidArgument("the memory of device " + device_->name() + " is unknown: give the budget in bytes");
+    }
+    if (budget_bytes_ <= options_.working_memory_bytes) {
+      throw ResourceError("budget " + format_mib(budget_bytes_) + " for model '" + model_name_ +
+                          "' leaves nothing beside the working memory of " + format_mib(options_.working_memory_bytes));
+    }
+    weight_budget_ = budget_bytes_ - options_.working_memory_bytes;
+    const PlanInput input = plan_input(weight_budget_, max_resident_);
+    const uint64_t min_weights = minimum_weight_budget(input);
+    if (weight_budget_ < min_weights) {
+      const uint64_t min_budget = min_weights + options_.working_memory_bytes;
+      std::ostringstream msg;
+      msg << "budget " << format_mib(budget_bytes_) << " is too small for model '" << model_name_ << "' on "
+          << device_->name() << ": the minimum is " << format_mib(min_budget) << " (" << min_budget
+          << " bytes: always-resident layers and params, upcast scratch and the staging ring need "
+          << format_mib(min_weights) << ", working memory " << format_mib(options_.working_memory_bytes) << ")";
+      throw ResourceError(msg.str());
+    }
+    const ResidencyPlan plan = plan_residency(input);
+    budget_ = std::make_shared<MemoryLedger>("device budget of model '" + model_name_ + "'", weight_budget_);
+
+    for (auto& e : extras_) {
+      e.dev = device_->allocate(e.host.sizes(), e.host.scalar_type(), MemoryKind::params, "parameter", budget_);
+      device_->copy_to_device(e.dev, e.host);
+    }
+    device_->synchronize();
+    for (auto& e : extras_) e.handle.set_data(e.dev);
+    if (scratch_bytes_) {
+      scratch_.push_back({device_->allocate({static_cast<int64_t>(scratch_bytes_)}, at::kByte, MemoryKind::scratch,
+                                            "upcast scratch", budget_),
+                          false});
+    }
+    apply_plan(plan);
+    for (auto& r : layers_) r.layer->set_provider(this);
+    attached_ = true;
+  } catch (...) {
+    restore_to_host();
+    clear_state();
+    throw;
+  }
+
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  uint64_t total = extra_bytes_;
+  for (const auto& r : layers_) total += r.stored_bytes;
+  std::ostringstream line;
+  line.setf(std::ios::fixed);
+  line.precision(2);
+  line << "Loaded model '" << model_name_ << "' onto " << device_->name() << " in " << secs
+       << "s. Total model size: " << format_mib(total) << ", VRAM: " << format_mib(plan_.resident_bytes);
+  line.precision(1);
+  line << " (" << (total ? 100.0 * static_cast<double>(plan_.resident_bytes) / static_cast<double>(total) : 100.0)
+       << "%)";
+  log::info(line.str());
+  std::ostringstream map;
+  map << "Residency of '" << model_name_ << "' (" << residency_policy_name(plan_.policy) << "): "
+      << plan_.residency_map() << "; ring " << plan_.ring_slots << " x " << format_mib(plan_.slot_bytes)
+      << ", scratch " << format_mib(scratch_bytes_) << ", budget " << format_mib(budget_bytes_)
+      << " (working memory " << format_mib(options_.working_memory_bytes) << ")";
+  log::info(map.str());
+  if (log::enabled(log::Level::debug)) log::debug(plan_.to_string());
+}
+
+void StreamingEngine::detach() {
+  if (!attached_) return;
+  require_idle("detach");
+  restore_to_host();
+  clear_state();
+}
+
+void StreamingEngine::restore_to_host() noexcept {
+  try {
+    device_->synchronize();
+  } catch (const std::exception& e) {
+    log::error(std::string("detach: device synchronize failed: ") + e.what());
+  }
+  for (auto& r : layers_) {
+    try {
+      unpin_host(r);
+      r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
+      r.layer->set_weight_scale(r.host_s);
+      r.layer->set_provider(nullptr);  // ours while attached, even if a wrapper was installed
+      r.dev_w = r.dev_b = r.dev_s = at::Tensor();
+      r.resident = false;
+    } catch (const std::exception& e) {
+      log::error("detach: restoring layer '" + r.name + "' failed: " + e.what());
+    }
+  }
+  for (auto& e : extras_) {
+    try {
+      if (e.host.defined()) e.handle.set_data(e.host);
+      e.dev = at::Tensor();
+    } catch (const std::exception& ex) {
+      log::error(std::string("detach: restoring a parameter failed: ") + ex.what());
+    }
+  }
+}
+
+void StreamingEngine::clear_state() noexcept {
+  if (ring_) ring_violations_ += ring_->violations();
+  ring_.reset();
+  scratch_.clear();
+  layers_.clear();
+  index_.clear();
+  extras_.clear();
+  extra_bytes_ = scratch_bytes_ = 0;
+  kinds_.clear();
+  kind_ = nullptr;
+  acc_cur_ = ForwardAcc{};
+  acc_next_ = ForwardAcc{};
+  unresolved_.clear();
+  anchor_.reset();
+  plan_ = ResidencyPlan{};
+  if (budget_ && budget_->current() != 0) {
+    log::warn("model '" + model_name_ + "': " + format_mib(budget_->current()) +
+              " of device memory is still referenced outside the engine after detach");
+  }
+  budget_.reset();
+  pinned_ = Stat{};
+  depth_ = 0;
+  implicit_ = false;
+  attached_ = false;
+}
+
+// ---------------------------------------------------------------------------------------
+// residency
+
+PlanInput StreamingEngine::plan_input(uint64_t weight_budget, std::optional<double> max_resident) const {
+  PlanInput in;
+  in.layers.reserve(layers_.size());
+  for (const auto& r : layers_) {
+    PlanLayer l;
+    l.name = r.name;
+    l.stored_bytes = r.stored_bytes;
+    l.slot_bytes = r.slot_bytes;
+    l.group = r.group;
+    l.block = r.block;
+    l.required = r.required;
+    in.layers.push_back(std::move(l));
+  }
+  in.extra_required_bytes = extra_bytes_;
+  in.scratch_bytes = scratch_bytes_;
+  in.weight_budget = weight_budget;
+  in.max_resident = max_resident;
+  in.policy = options_.policy;
+  in.ring_slots = options_.ring_slots;
+  return in;
+}
+
+void StreamingEngine::make_resident(LayerRec& r) {
+  at::Tensor w = device_->allocate(r.host_w.sizes(), r.host_w.scalar_type(), MemoryKind::resident, r.name, budget_);
+  at::Tensor b, s;
+  if (r.host_b.defined()) b = device_->allocate(r.host_b.sizes(), r.host_b.scalar_type(), MemoryKind::resident, r.name, budget_);
+  if (r.host_s.defined()) s = device_->allocate(r.host_s.sizes(), r.host_s.scalar_type(), MemoryKind::resident, r.name, budget_);
+  device_->copy_to_device(w, r.host_w);
+  if (b.defined()) device_->copy_to_device(b, r.host_b);
+  if (s.defined()) device_->copy_to_device(s, r.host_s);
+  r.dev_w = w;
+  r.dev_b = b;
+  r.dev_s = s;
+  r.resident = true;
+  r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+  r.layer->set_weight_scale(s);
+  residency_h2d_.increase(static_cast<int64_t>(r.stored_bytes));
+}
+
+void StreamingEngine::make_streamed(LayerRec& r) {
+  r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
+  r.layer->set_weight_scale(r.host_s);
+  if (r.resident) residency_h2d_.decrease(static_cast<int64_t>(r.stored_bytes));
+  r.dev_w = r.dev_b = r.dev_s = at::Tensor();
+  r.resident = false;
+}
+
+void StreamingEngine::pin_host(LayerRec& r) {
+  if (!want_pin_ || r.pinned) return;
+  if (static_cast<uint64_t>(pinned_.current) + r.stored_bytes > pin_cap_) {
+    if (!pin_warned_) {
+      log::warn("pinned host memory cap of " + format_mib(pin_cap_) + " reached: further streamed layers of '" +
+                model_name_ + "' use pageable memory (slower copies)");
+      pin_warned_ = true;
+    }
+    return;
+  }
+  if (device_->pins_memory()) {
+    at::Tensor w = device_->pin(r.host_w);
+    at::Tensor b = r.host_b.defined() ? device_->pin(r.host_b) : at::Tensor();
+    at::Tensor s = r.host_s.defined() ? device_->pin(r.host_s) : at::Tensor();
+    if (!w.defined() || (r.host_b.defined() && !b.defined()) || (r.host_s.defined() && !s.defined())) {
+      if (!pin_warned_) {
+        log::warn("pinning host memory failed for layer '" + r.name + "' of '" + model_name_ +
+                  "': streamed layers use pageable memory (slower copies)");
+        pin_warned_ = true;
+      }
+      want_pin_ = false;
+      return;
+    }
+    // The pinned copy replaces the pageable one, so host RAM is not doubled.
+    r.host_w = w;
+    r.host_b = b;
+    r.host_s = s;
+    if (!r.resident) {
+      r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+      r.layer->set_weight_scale(s);
+    }
+  }
+  r.pinned = true;
+  pinned_.increase(static_cast<int64_t>(r.stored_bytes));
+}
+
+void StreamingEngine::unpin_host(LayerRec& r) {
+  if (!r.pinned) return;
+  if (device_->pins_memory()) {
+    r.host_w = pageable_copy(r.host_w);
+    r.host_b = pageable_copy(r.host_b);
+    r.host_s = pageable_copy(r.host_s);
+  }
+  r.pinned = false;
+  pinned_.decrease(static_cast<int64_t>(r.stored_bytes));
+}
+
+void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
+  TORCH_INTERNAL_ASSERT(plan.resident.size() == layers_.size(), "apply_plan: plan for another model");
+  device_->synchronize();
+  if (ring_) ring_violations_ += ring_->violations();
+  ring_.reset();
+  acc_next_ = ForwardAcc{};  // prefetches for the next forward went with the ring
+  while (scratch_.size() > 1) scratch_.pop_back();  // extra buffers from nested leases
+  std::vector<size_t> promoted;
+  try {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (layers_[i].resident && !plan.resident[i]) make_streamed(layers_[i]);
+    }
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (!layers_[i].resident && plan.resident[i]) {
+        make_resident(layers_[i]);
+        promoted.push_back(i);
+      }
+    }
+    device_->synchronize();
+    for (auto& r : layers_) {
+      if (!r.resident) pin_host(r);
+    }
+    if (plan.ring_slots) ring_ = std::make_unique<StagingRing>(*device_, budget_, plan.ring_slots, plan.slot_bytes);
+    plan_ = plan;
+  } catch (...) {
+    // Leave a consistent state: drop what this call made resident, and stream the rest
+    // through a ring sized for what is streamed now (if that still fits).
+    try {
+      device_->synchronize();
+    } catch (...) {
+    }
+    for (size_t i : promoted) make_streamed(layers_[i]);
+    plan_ = plan;
+    uint64_t slot = 0;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      plan_.resident[i] = layers_[i].resident;
+      if (!layers_[i].resident) slot = std::max(slot, layers_[i].slot_bytes);
+    }
+    plan_.slot_bytes = slot;
+    plan_.ring_slots = slot ? options_.ring_slots : 0;
+    if (slot && !ring_) {
+      try {
+        ring_ = std::make_unique<StagingRing>(*device_, budget_, options_.ring_slots, slot);
+      } catch (const std::exception& e) {
+        log::error("model '" + model_name_ + "': no staging ring after a failed residency change: " + e.what());
+      }
+    }
+    refresh_kinds();
+    throw;
+  }
+  refresh_kinds();
+}
+
+void StreamingEngine::require_idle(const char* what) const {
+  for (const auto& r : layers_) {
+    if (!r.leases.empty()) {
+      throw InvalidArgument(std::string(what) + ": layer '" + r.name + "' of model '" + model_name_ +
+                            "' is in use by a running forward");
+    }
+  }
+  if (depth_ > 0 && !implicit_) {
+    throw InvalidArgument(std::string(what) + ": called during a forward of model '" + model_name_ + "'");
+  }
+}
+
+int64_t StreamingEngine::replan(uint64_t weight_budget, std::optional<double> max_resident) {
+  TORCH_CHECK(attached_, "no model attached");
+  require_idle("residency change");
+  if (depth_ > 0) end_forward(false);  // an implicit forward
+  const PlanInput input = plan_input(weight_budget, max_resident);
+  const uint64_t min_weights = minimum_weight_budget(input);
+  if (weight_budget < min_weights) {
+    throw ResourceError("model '" + model_name_ + "' needs at least " + format_mib(min_weights + options_.working_memory_bytes) +
+                        " of budget (" + std::to_string(min_weights + options_.working_memory_bytes) + " bytes), got " +
+                        format_mib(weight_budget + options_.working_memory_bytes));
+  }
+  const ResidencyPlan plan = plan_residency(input);
+  const int64_t before = static_cast<int64_t>(budget_->current());
+  budget_->set_limit(weight_budget);
+  weight_budget_ = weight_budget;
+  max_resident_ = max_resident;
+  apply_plan(plan);
+  budget_->reset_peak();  // the budget may have shrunk: peaks count from the new plan on
+  check_invariants("residency change");
+  return static_cast<int64_t>(budget_->current()) - before;
+}
+
+uint64_t StreamingEngine::weight_budget_of(uint64_t budget) const {
+  return budget > options_.working_memory_bytes ? budget - options_.working_memory_bytes : 0;
+}
+
+int64_t StreamingEngine::partial_load(uint64_t bytes) {
+  TORCH_CHECK(attached_, "partial_load: no model attached");
+  const uint64_t full = weight_budget_of(budget_bytes_);
+  const uint64_t now = budget_->current();
+  const uint64_t target = bytes >= full - std::min(full, now) ? full : now + bytes;
+  return replan(std::max(weight_budget_, target), max_resident_);
+}
+
+int64_t StreamingEngine::partial_unload(uint64_t bytes) {
+  TORCH_CHECK(attached_, "partial_unload: no model attached");
+  const uint64_t now = budget_->current();
+  const uint64_t min_weights = minimum_weight_budget(plan_input(0, max_resident_));
+  const uint64_t target = now > bytes ? now - bytes : 0;
+  return replan(std::max(target, min_weights), max_resident_);
+}
+
+int64_t StreamingEngine::full_load() {
+  TORCH_CHECK(attached_, "full_load: no model attached");
+  const uint64_t full = weight_budget_of(budget_bytes_);
+  uint64_t all = extra_bytes_ + scratch_bytes_;
+  for (const auto& r : layers_) all += r.stored_bytes;
+  if (all > full) {
+    throw ResourceError("full_load: model '" + model_name_ + "' needs " + format_mib(all + options_.working_memory_bytes) +
+                        " of budget to be fully resident, the budget is " + format_mib(budget_bytes_));
+  }
+  return replan(full, std::nullopt);
+}
+
+int64_t StreamingEngine::full_unload() {
+  TORCH_CHECK(attached_, "full_unload: no model attached");
+  return replan(minimum_weight_budget(plan_input(0, max_resident_)), max_resident_);
+}
+
+void StreamingEngine::set_budget(uint64_t budget_bytes) {
+  TORCH_CHECK(attached_, "set_budget: no model attached");
+  if (budget_bytes <= options_.working_memory_bytes) {
+    throw ResourceError("budget " + format_mib(budget_bytes) + " for model '" + model_name_ +
+                        "' leaves nothing beside the working memory of " + format_mib(options_.working_memory_bytes));
+  }
+  const uint64_t old = budget_bytes_;
+  budget_bytes_ = budget_bytes;
+  try {
+    replan(budget_bytes - options_.working_memory_bytes, max_resident_);
+  } catch (...) {
+    budget_bytes_ = old;
+    throw;
+  }
+}
+
+bool StreamingEngine::is_resident(const std::string& layer_name) const {
+  for (const auto& r : layers_) {
+    if (r.name == layer_name) return r.resident;
+  }
+  throw InvalidArgument("model '" + model_name_ + "' has no managed layer '" + layer_name + "'");
+}
+
+uint64_t StreamingEngine::minimum_budget() const {
+  TORCH_CHECK(attached_, "minimum_budget: no model attached");
+  return minimum_weight_budget(plan_input(0, max_resident_)) + options_.working_memory_bytes;
+}
+
+uint64_t StreamingEngine::device_bytes() const { return budget_ ? budget_->current() : 0; }
+
+// ---------------------------------------------------------------------------------------
+// forwards
+
+void StreamingEngine::refresh_kind(ForwardKind& k) {
+  const size_t n = k.order.size();
+  k.next_streamed.assign(n + 1, n);
+  for (size_t i = n; i-- > 0;) {
+    k.next_streamed[i] = layers_[static_cast<size_t>(k.order[i])].resident ? k.next_streamed[i + 1] : i;
+  }
+  std::unordered_set<int64_t> seen;
+  k.duplicates = false;
+  for (int64_t id : k.order) k.duplicates = k.duplicates || !seen.insert(id).second;
+}
+
+void StreamingEngine::refresh_kinds() {
+  for (auto& [name, k] : kinds_) refresh_kind(k);
+}
+
+void StreamingEngine::begin_forward(std::string_view kind) {
+  if (!attached_) throw InvalidArgument("begin_forward: no model attached");
+  if (depth_ > 0) {
+    if (!implicit_) {
+      ++depth_;
+      return;
+    }
+    end_forward(false);
+  }
+  depth_ = 1;
+  implicit_ = false;
+  ++epoch_;
+  kind_name_ = std::string(kind);
+  acc_cur_ = std::move(acc_next_);
+  acc_next_ = ForwardAcc{};
+  if (forwards_ > 0 && kind_name_ != last_kind_name_) {
+    // Prefetches made for a forward of the other kind will not be read: free their slots
+    // and do not count them.
+    if (ring_) {
+      for (size_t i = 0; i < ring_->size(); ++i) {
+        auto& s = ring_->slot(i);
+        if (!s.consumed && s.epoch == epoch_) {
+          s.layer = -1;
+          s.consumed = true;
+        }
+      }
+    }
+    acc_cur_ = ForwardAcc{};
+  }
+  kind_ = &kinds_[kind_name_];
+  order_known_ = !kind_->order.empty();
+  cursor_ = 0;
+  diverged_ = false;
+  recording_.clear();
+  recording_overflow_ = false;
+  anchor_ = std::make_shared<Anchor>();
+  anchor_->event = device_->create_event();
+  device_->record(*anchor_->event, StreamKind::compute);
+  anchor_->host_us = now_us();
+}
+
+void StreamingEngine::end_forward(bool aborted) {
+  if (depth_ == 0) return;
+  if (depth_ > 1) {
+    --depth_;
+    return;
+  }
+  const bool explicit_forward = !implicit_;
+  depth_ = 0;
+  implicit_ = false;
+  for (auto& r : layers_) {
+    if (!r.leases.empty()) {
+      log::warn("end of forward: layer '" + r.name + "' of '" + model_name_ + "' still had " +
+                std::to_string(r.leases.size()) + " open lease(s); releasing them");
+      while (!r.leases.empty()) release(*r.layer);
+    }
+  }
+  if (order_known_ && !aborted && cursor_ != kind_->order.size()) diverged_ = true;
+  if (!aborted && !recording_overflow_ && (!order_known_ || diverged_ || recording_ != kind_->order)) {
+    kind_->order = recording_;
+    refresh_kind(*kind_);
+  }
+  order_known_ = !kind_->order.empty();
+
+  ForwardRecord rec;
+  rec.index = forwards_++;
+  rec.bytes_streamed = acc_cur_.bytes;
+  rec.copies = acc_cur_.copies;
+  rec.demand_copies = acc_cur_.demand;
+  rec.stalls = acc_cur_.stalls;
+  rec.diverged = diverged_;
+  rec.aborted = aborted;
+  // Each streamed layer is copied exactly once per forward (Note [prefetch order]).
+  uint64_t expected = rec.bytes_streamed;
+  if (!aborted && !diverged_ && !recording_overflow_) {
+    std::unordered_set<int64_t> seen;
+    bool dup = false;
+    expected = 0;
+    for (int64_t id : recording_) {
+      if (!seen.insert(id).second) {
+        dup = true;
+      } else if (!layers_[static_cast<size_t>(id)].resident) {
+        expected += layers_[static_cast<size_t>(id)].stored_bytes;
+      }
+    }
+    if (dup) expected = rec.bytes_streamed;
+  }
+  Unresolved u;
+  u.record = rec;
+  u.spans = std::move(acc_cur_.spans);
+  u.begin = anchor_;
+  u.end = device_->create_event();
+  device_->record(*u.end, StreamKind::compute);
+  unresolved_.push_back(std::move(u));
+  acc_cur_ = ForwardAcc{};
+  last_kind_name_ = kind_name_;
+  if (!aborted && explicit_forward) top_up(0, /*at_end=*/true);
+  resolve(false);
+  check_invariants("end of forward");
+  TORCH_INTERNAL_ASSERT(rec.bytes_streamed == expected, "forward ", rec.index, " of '", model_name_, "' streamed ",
+                        rec.bytes_streamed, " bytes, expected ", expected);
+}
+
+void StreamingEngine::end_forward_noexcept(bool aborted) noexcept {
+  try {
+    end_forward(aborted);
+  } catch (const c10::Error& e) {
+    log::error(std::string("end of forward: ") + e.what_without_backtrace());
+    deferred_error_ = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    log::error(std::string("end of forward: ") + e.what());
+    deferred_error_ = e.what();
+  }
+}
+
+size_t StreamingEngine::advance_cursor(int64_t id) {
+  if (!recording_overflow_) {
+    if (recording_.size() < 4 * layers_.size() + 16) {
+      recording_.push_back(id);
+    } else {
+      recording_overflow_ = true;  // no forward boundaries: stop recording, stop predicting
+      order_known_ = false;
+    }
+  }
+  if (!order_known_) return kNone;
+  const auto& order = kind_->order;
+  if (cursor_ < order.size() && order[cursor_] == id) return cursor_++;
+  diverged_ = true;
+  for (size_t j = std::min(cursor_, order.size()); j < order.size(); ++j) {
+    if (order[j] == id) {
+      cursor_ = j + 1;
+      return j;
+    }
+  }
+  for (size_t j = 0; j < std::min(cursor_, order.size()); ++j) {
+    if (order[j] == id) {
+      cursor_ = j + 1;
+      return j;
+    }
+  }
+  return kNone;
+}
+
+void StreamingEngine::top_up(size_t pos, bool at_end) {
+  if (!ring_ || options_.prefetch_depth == 0 || !order_known_ || !kind_) return;
+  const auto& k = *kind_;
+  const size_t n = k.order.size();
+  size_t i;
+  uint64_t epoch = epoch_;
+  bool wrapped = false;
+  if (at_end) {
+    i = 0;
+    epoch = epoch_ + 1;
+    wrapped = true;
+  } else {
+    if (pos == kNone) return;
+    i = pos + 1;
+  }
+  uint32_t count = 0;
+  while (count < options_.prefetch_depth) {
+    const size_t j = i <= n ? k.next_streamed[i] : n;
+    if (j >= n) {
+      if (wrapped || implicit_) break;
+      wrapped = true;  // the next forward's first streamed layers, during this one's tail
+      epoch = epoch_ + 1;
+      i = 0;
+      continue;
+    }
+    if (wrapped && !at_end && j >= pos) break;  // at most one full cycle ahead
+    const int64_t id = k.order[j];
+    if (!layers_[static_cast<size_t>(id)].resident && ring_->find(id, epoch) < 0) {
+      if (issue(id, epoch, /*demand=*/false) < 0) break;  // ring full
+    }
+    ++count;
+    i = j + 1;
+  }
+}
+
+int StreamingEngine::issue(int64_t id, uint64_t epoch, bool demand) {
+  int s = ring_->pick(epoch_, /*keep_unconsumed=*/true);
+  if (s < 0) {
+    if (!demand) return -1;
+    s = ring_->pick(epoch_, /*keep_unconsumed=*/false);
+    if (s < 0) {
+      ring_->grow();  // more leases open at once than slots: budget permitting
+      s = static_cast<int>(ring_->size()) - 1;
+    }
+  }
+  const LayerRec& r = layers_[static_cast<size_t>(id)];
+  std::vector<SlotPart> parts;
+  parts.push_back({r.host_w, 0});
+  if (r.host_b.defined()) parts.push_back({r.host_b, r.off_b});
+  if (r.host_s.defined()) parts.push_back({r.host_s, r.off_s});
+  std::unique_ptr<DeviceEvent> a, b;
+  if (timing()) {
+    a = take_event();
+    b = take_event();
+  }
+  ring_->fill(s, id, epoch, parts, a.get(), b.get());
+  ForwardAcc& acc = epoch == epoch_ ? acc_cur_ : acc_next_;
+  acc.bytes += r.stored_bytes;
+  acc.copies += 1;
+  if (demand) acc.demand += 1;
+  if (a) add_span(acc, TraceTrack::copy, 0, id, std::move(a), std::move(b));
+  return s;
+}
+
+int StreamingEngine::take_scratch(uint64_t bytes) {
+  for (size_t i = 0; i < scratch_.size(); ++i) {
+    if (!scratch_[i].in_use && scratch_[i].buffer.nbytes() >= bytes) {
+      scratch_[i].in_use = true;
+      return static_cast<int>(i);
+    }
+  }
+  // More leases open at once than planned for (one): another buffer, budget permitting.
+  scratch_.push_back({device_->allocate({static_cast<int64_t>(scratch_bytes_)}, at::kByte, MemoryKind::scratch,
+                                        "upcast scratch for a nested lease", budget_),
+                      true});
+  return static_cast<int>(scratch_.size()) - 1;
+}
+
+std::unique_ptr<DeviceEvent> StreamingEngine::take_event() {
+  if (event_pool_.empty()) return device_->create_event();
+  std::unique_ptr<DeviceEvent> e = std::move(event_pool_.back());
+  event_pool_.pop_back();
+  return e;
+}
+
+std::unique_ptr<DeviceEvent> StreamingEngine::mark() {
+  std::unique_ptr<DeviceEvent> e = take_event();
+  device_->record(*e, StreamKind::compute);
+  return e;
+}
+
+void StreamingEngine::add_span(ForwardAcc& acc, TraceTrack track, int kind, int64_t layer,
+                               std::unique_ptr<DeviceEvent> a, std::unique_ptr<DeviceEvent> b) {
+  acc.spans.push_back(Span{track, kind, layer, std::move(a), std::move(b), anchor_});
+}
+
+LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
+  if (!deferred_error_.empty()) {
+    std::string msg = std::move(deferred_error_);
+    deferred_error_.clear();
+    TORCH_INTERNAL_ASSERT(false, "streaming engine: an earlier forward ended with an error: ", msg);
+  }
+  const auto it = index_.find(&layer);
+  TORCH_CHECK(attached_ && it != index_.end(), "acquire: layer '", layer.qualified_name(),
+              "' is not attached to this engine");
+  const int64_t id = it->second;
+  LayerRec& r = layers_[static_cast<size_t>(id)];
+  if (depth_ == 0) {
+    begin_forward(kind_name_);
+    implicit_ = true;
+  }
+  const size_t pos = advance_cursor(id);
+  Lease lease;
+  at::Tensor w, b, s;
+  if (r.resident) {
+    top_up(pos, false);
+    w = r.dev_w;
+    b = r.dev_b;
+    s = r.dev_s;
+  } else {
+    TORCH_CHECK(ring_, "model '", model_name_, "' has no staging ring (a residency change failed); cannot stream '",
+                r.name, "'");
+    int slot = ring_->find(id, epoch_);
+    if (slot < 0) slot = issue(id, epoch_, /*demand=*/true);
+    top_up(pos, false);
+    StagingSlot& st = ring_->slot(static_cast<size_t>(slot));
+    if (!st.copy_done->query()) {
+      acc_cur_.stalls += 1;
+      std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
+      device_->wait(StreamKind::compute, *st.copy_done);
+      if (a) add_span(acc_cur_, TraceTrack::compute, 1, id, std::move(a), mark());
+    } else {
+      device_->wait(StreamKind::compute, *st.copy_done);
+    }
+    ring_->begin_use(slot);
+    st.consumed = true;
+    lease.slot = slot;
+    w = ring_->view(slot, 0, r.stored_dtype, r.host_w.sizes());
+    if (r.host_b.defined()) b = ring_->view(slot, r.off_b, r.host_b.scalar_type(), r.host_b.sizes());
+    if (r.host_s.defined()) s = ring_->view(slot, r.off_s, r.host_s.scalar_type(), r.host_s.sizes());
+  }
+  try {
+    LayerWeights out;
+    out.weight = w;
+    out.bias = b;
+    if (r.upcast_w || r.upcast_b) {
+      lease.scratch = take_scratch(r.scratch_bytes);
+      const at::Tensor& buf = scratch_[static_cast<size_t>(lease.scratch)].buffer;
+      std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
+      if (r.upcast_w) {
+        out.weight = typed_view(buf, 0, r.compute, w.sizes());
+        sluice::upcast_into(w, s, out.weight);
+      }
+      if (r.upcast_b) {
+        out.bias = typed_view(buf, r.scratch_off_b, r.compute, b.sizes());
+        sluice::upcast_into(b, at::Tensor(), out.bias);
+      }
+      if (a) add_span(acc_cur_, TraceTrack::upcast, 2, id, std::move(a), mark());
+    }
+    if (options_.trace) lease.start = mark();
+    r.leases.push_back(std::move(lease));
+    return out;
+  } catch (...) {
+    if (lease.scratch >= 0) scratch_[static_cast<size_t>(lease.scratch)].in_use = false;
+    if (lease.slot >= 0) ring_->end_use(lease.slot);
+    throw;
+  }
+}
+
+void StreamingEngine::release(ManagedLayerImpl& layer) noexcept {
+  const auto it = index_.find(&layer);
+  if (it == index_.end()) {
+    log::error("release: layer '" + layer.qualified_name() + "' is not attached to this engine");
+    return;
+  }
+  const int64_t id = it->second;
+  LayerRec& r = layers_[static_cast<size_t>(id)];
+  if (r.leases.empty()) {
+    log::error("release: layer '" + r.name + "' has no open lease");
+    return;
+  }
+  Lease lease = std::move(r.leases.back());
+  r.leases.pop_back();
+  if (lease.start) {
+    try {
+      add_span(acc_cur_, TraceTrack::compute, 3, id, std::move(lease.start), mark());
+    } catch (...) {
+    }
+  }
+  if (lease.scratch >= 0) scratch_[static_cast<size_t>(lease.scratch)].in_use = false;
+  if (lease.slot >= 0 && ring_) ring_->end_use(lease.slot);
+}
+
+// ---------------------------------------------------------------------------------------
+// invariants, stats, trace
+
+void StreamingEngine::check_invariants(const char* where) {
+  const uint64_t full = weight_budget_of(budget_bytes_);
+  const DeviceMemoryStats mem = budget_->stats();
+  TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(mem.total.peak) <= full, where, ": device peak ", mem.total.peak,
+                        " bytes over the budget minus working memory ", full);
+  TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(mem.total.current) <= weight_budget_, where, ": device use ",
+                        mem.total.current, " over the current limit ", weight_budget_);
+  for (const auto& r : layers_) {
+    const at::Tensor& w = r.layer->stored_weight();
+    TORCH_INTERNAL_ASSERT(w.scalar_type() == r.stored_dtype, where, ": stored dtype of '", r.name, "' changed to ",
+                          w.scalar_type());
+    const at::Tensor& expected = r.resident ? r.dev_w : r.host_w;
+    TORCH_INTERNAL_ASSERT(w.data_ptr() == expected.data_ptr(), where, ": stored weight of '", r.name,
+                          "' is not where the plan puts it");
+  }
+  if (ring_) {
+    TORCH_INTERNAL_ASSERT(ring_->violations() == 0, where, ": a staging slot was overwritten while in use");
+  }
+}
+
+void StreamingEngine::resolve(bool wait_all) {
+  while (!unresolved_.empty()) {
+    Unresolved& u = unresolved_.front();
+    if (!wait_all && unresolved_.size() == 1 && !u.end->query()) break;
+    u.end->synchronize();
+    ForwardRecord& rec = u.record;
+    double copy_ms = 0;
+    for (auto& sp : u.spans) {
+      sp.a->synchronize();
+      sp.b->synchronize();
+      const double ms = device_->elapsed_ms(*sp.a, *sp.b);
+      switch (sp.kind) {
+        case 0: copy_ms += ms; break;
+        case 1: rec.stall_ms += ms; break;
+        case 2: rec.upcast_ms += ms; break;
+        default: break;
+      }
+      if (options_.trace) {
+        const double ts = sp.anchor->host_us + device_->elapsed_ms(*sp.anchor->event, *sp.a) * 1000.0;
+        const std::string& name = layers_[static_cast<size_t>(sp.layer)].name;
+        trace_.add_span(sp.track, sp.kind == 1 ? "wait " + name : name, ts, ms * 1000.0);
+      }
+      event_pool_.push_back(std::move(sp.a));  // done: reusable
+      event_pool_.push_back(std::move(sp.b));
+    }
+    rec.wall_ms = device_->elapsed_ms(*u.begin->event, *u.end);
+    rec.h2d_gbps = copy_ms > 0 ? static_cast<double>(rec.bytes_streamed) / (copy_ms * 1e6) : 0.0;
+    if (log::enabled(log::Level::debug)) {
+      std::ostringstream line;
+      line.setf(std::ios::fixed);
+      line.precision(2);
+      line << "Forward " << rec.index << " of '" << model_name_ << "': streamed " << format_mib(rec.bytes_streamed)
+           << " in " << rec.copies << " copies (" << rec.demand_copies << " on demand) at " << rec.h2d_gbps
+           << " GB/s, " << rec.stalls << " stalls " << rec.stall_ms << " ms, upcast " << rec.upcast_ms
+           << " ms, wall " << rec.wall_ms << " ms" << (rec.diverged ? ", diverged" : "")
+           << (rec.aborted ? ", aborted" : "");
+      log::debug(line.str());
+    }
+    records_.push_back(rec);
+    while (records_.size() > options_.max_forward_records) records_.pop_front();
+    unresolved_.pop_front();
+  }
+  if (event_pool_.size() > 4096) event_pool_.resize(4096);
+}
+
+EngineStats StreamingEngine::stats() {
+  resolve(true);
+  EngineStats s;
+  s.model_name = model_name_;
+  s.device = device_->name();
+  s.budget_bytes = budget_bytes_;
+  s.working_memory_bytes = options_.working_memory_bytes;
+  s.model_total_bytes = extra_bytes_;
+  for (const auto& r : layers_) {
+    s.model_total_bytes += r.stored_bytes;
+    s.layers += 1;
+    (r.resident ? s.resident_layers : s.streamed_layers) += 1;
+  }
+  s.model_resident_bytes = plan_.resident_bytes;
+  s.residency = plan_.residency_map();
+  s.ring_slots = ring_ ? ring_->size() : 0;
+  s.slot_bytes = ring_ ? ring_->slot_bytes() : 0;
+  if (budget_) s.device_memory = budget_->stats();
+  s.pinned = pinned_;
+  s.residency_h2d = residency_h2d_;
+  s.forwards = forwards_;
+  s.slot_violations = ring_violations_ + (ring_ ? ring_->violations() : 0);
+  s.forward_records.assign(records_.begin(), records_.end());
+  return s;
+}
+
+TraceWriter& StreamingEngine::trace() {
+  resolve(true);
+  return trace_;
+}
+
+ForwardScope::ForwardScope(StreamingEngine& engine, std::string_view kind)
+    : engine_(engine), uncaught_(std::uncaught_exceptions()) {
+  engine_.begin_forward(kind);
+}
+
+ForwardScope::~ForwardScope() { engine_.end_forward_noexcept(std::uncaught_exceptions() > uncaught_); }
+
+}  // namespace sluice::offload

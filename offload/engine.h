@@ -1,0 +1,280 @@
+#pragma once
+// StreamingEngine: the WeightProvider that runs a model under a device-memory budget.
+//
+// attach() plans which managed layers stay resident on the device (residency_plan.h),
+// copies those there (host->device only) and moves the other parameters and buffers
+// (norms, RoPE tables) to the device; streamed layers stay on the host, pinned when
+// allowed. During a forward each layer's WeightLease calls acquire()/release():
+//  - resident layer: upcast its stored tensors on the device into a scratch buffer;
+//  - streamed layer: its stored bytes are copied into a staging slot on the copy stream
+//    (prefetched ahead of use, see Note [prefetch order]); compute waits on the copy's
+//    event, upcasts from the slot, and release() records the event that lets the slot be
+//    overwritten (Note [staging ring sizing]).
+// Registered parameters always hold the stored dtype. Weights never go device->host: the
+// host copy of every layer is kept in RAM for as long as the model is attached, so
+// unloading only drops device copies.
+//
+// Note [prefetch order]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The order in which layers are acquired is recorded during a forward (per forward kind,
+// see begin_forward()) and replayed by the next one: at each acquire the engine keeps the
+// next `prefetch_depth` streamed layers of the recorded order copied or in flight. A call
+// that differs from the prediction stays correct (the layer is copied on demand and
+// waited for, counted as a stall), the engine resynchronizes with the recorded order if
+// it can, and the new order is recorded at end_forward(). Near the end of a forward the
+// prefetch wraps around: the first streamed layers of the next forward are copied during
+// the tail of this one, and at end_forward() at the latest. Copies belong to the forward
+// that reads them: each streamed layer is copied exactly once per forward (unless a forward
+// calls a layer twice and its slot was reused in between, or diverges from the order), so
+// bytes_streamed == the stored bytes of the streamed layers.
+//
+// Not thread-safe: one forward at a time, from one thread.
+#include <torch/nn/module.h>
+
+#include <chrono>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "offload/device.h"
+#include "offload/layer.h"
+#include "offload/residency_plan.h"
+#include "offload/staging_ring.h"
+#include "offload/stats.h"
+#include "offload/trace.h"
+
+namespace sluice::offload {
+
+// Page-locked host memory for streamed layers. auto_: on where the device really pins
+// (CUDA; see Note [pinned memory on ROCm] for ROCm stalls), off on the CPU device.
+enum class PinMode { auto_, on, off };
+// "auto" | "on" | "off"; throws InvalidArgument naming `flag`.
+PinMode parse_pin_mode(std::string_view text, const std::string& flag = "--pin");
+
+struct EngineOptions {
+  std::shared_ptr<DeviceBackend> device;       // where resident layers live; null: a CPU device
+  uint64_t budget_bytes = 0;                   // device bytes for this model, working memory included; 0: all device memory
+  uint64_t working_memory_bytes = 0;           // part of the budget left free for activations
+  std::optional<double> max_resident;          // cap on resident streamable bytes, fraction 0..1; none: budget decides
+  uint32_t prefetch_depth = 2;                 // streamed layers kept copied/in flight ahead of compute
+  uint32_t ring_slots = 0;                     // staging slots; 0: prefetch_depth + 1 (Note [staging ring sizing])
+  ResidencyPolicy policy = ResidencyPolicy::spread;  // see Note [residency policy]
+  PinMode pin = PinMode::auto_;                // page-locked host copies of streamed layers
+  double pin_cap_fraction = 0.5;               // most pinned bytes, as a fraction of physical RAM
+  std::optional<uint64_t> pin_cap_bytes;       // most pinned bytes; overrides pin_cap_fraction
+  std::vector<std::string> required_patterns = {"^final_layer(\\.|$)"};  // regex search on layer names: always resident
+  bool require_unconverted = true;             // layers stored in their compute dtype (skip-listed) stay resident
+  bool timing = true;                          // device-timed stall/upcast/copy stats (a few events per layer)
+  bool trace = false;                          // record per-layer spans for trace() (implies timing)
+  size_t max_forward_records = 1024;           // per-forward records kept in stats()
+};
+
+class StreamingEngine final : public WeightProvider {
+ public:
+  explicit StreamingEngine(EngineOptions options = {});
+  ~StreamingEngine() override;
+  StreamingEngine(const StreamingEngine&) = delete;
+  StreamingEngine& operator=(const StreamingEngine&) = delete;
+
+  // Takes over every ManagedLayer of `model` (which must be on the host, and not attached
+  // elsewhere). Throws ResourceError naming the minimum budget when it is too small;
+  // leaves the model as it was on any error.
+  void attach(torch::nn::Module& model, std::string model_name);
+  // Gives the model back on the host (no device->host copies) and frees all device memory.
+  // Throws InvalidArgument while leases are open.
+  void detach();
+  bool attached() const { return attached_; }
+
+  // WeightProvider. The returned tensors are valid until release(); they may be views of
+  // a staging slot or of a scratch buffer that the next layer reuses.
+  LayerWeights acquire(ManagedLayerImpl& layer) override;
+  void release(ManagedLayerImpl& layer) noexcept override;
+
+  // Delimit one forward (for per-forward stats, the recorded order and wrap-around
+  // prefetch). `kind` names the forward's type ("dit", "adapter"): each kind has its own
+  // recorded order. Nested calls count once. Acquires outside any forward open an implicit
+  // one that ends at the next begin_forward().
+  void begin_forward(std::string_view kind = "");
+  // Throws (after closing the forward) if an engine invariant broke during it.
+  void end_forward(bool aborted = false);
+  // As end_forward(), for destructors: an error is logged and rethrown by the next acquire().
+  void end_forward_noexcept(bool aborted) noexcept;
+
+  // Residency changes between forwards (InvalidArgument while leases are open). Each
+  // replans under a changed device limit and returns the change in device bytes the engine
+  // holds (exact, from the accounting). Never copies device->host.
+  int64_t partial_load(uint64_t bytes);    // let the engine use up to `bytes` more
+  int64_t partial_unload(uint64_t bytes);  // free at least `bytes` (down to the minimum)
+  int64_t full_load();                     // every layer resident; ResourceError if it does not fit
+  int64_t full_unload();                   // the minimum: required layers, ring, scratch
+  // New budget (working memory unchanged); replans. ResourceError if too small.
+  void set_budget(uint64_t budget_bytes);
+
+  const ResidencyPlan& plan() const { return plan_; }
+  bool is_resident(const std::string& layer_name) const;
+  // Smallest budget (working memory included) the attached model runs under.
+  uint64_t minimum_budget() const;
+  // Device bytes the engine holds now (resident + params + ring + scratch).
+  uint64_t device_bytes() const;
+  // Resolves outstanding timings (may wait for the device) and returns a snapshot.
+  EngineStats stats();
+  // Spans recorded with options.trace (resolved like stats()).
+  TraceWriter& trace();
+  DeviceBackend& device() { return *device_; }
+  const EngineOptions& options() const { return options_; }
+
+ private:
+  struct Lease {
+    int slot = -1;     // staging slot read, -1 for resident layers
+    int scratch = -1;  // scratch buffer written, -1 when no upcast
+    std::unique_ptr<DeviceEvent> start;  // compute start marker (trace only)
+  };
+  struct LayerRec {
+    ManagedLayerImpl* layer = nullptr;
+    std::string name;
+    at::Tensor host_w, host_b, host_s;  // host copies, kept while attached
+    at::Tensor dev_w, dev_b, dev_s;     // device copies while resident
+    bool resident = false;
+    bool required = false;
+    bool pinned = false;                // host copies are pinned (and counted)
+    at::ScalarType stored_dtype = at::kFloat;
+    at::ScalarType compute = at::kFloat;
+    bool upcast_w = false, upcast_b = false;
+    uint64_t stored_bytes = 0;
+    uint64_t slot_bytes = 0, off_b = 0, off_s = 0;  // packed layout in a staging slot
+    uint64_t scratch_bytes = 0, scratch_off_b = 0;  // upcast outputs
+    std::string group;
+    int64_t block = -1;
+    std::vector<Lease> leases;
+  };
+  struct ExtraRec {
+    at::Tensor handle;  // the module's tensor (same impl), re-pointed with set_data
+    at::Tensor host;
+    at::Tensor dev;
+  };
+  struct Anchor {
+    std::unique_ptr<DeviceEvent> event;  // recorded on the compute stream
+    double host_us = 0;                  // host time it was recorded, since trace epoch
+  };
+  struct Span {
+    TraceTrack track;
+    int kind;  // 0 copy, 1 stall, 2 upcast, 3 compute
+    int64_t layer;
+    std::unique_ptr<DeviceEvent> a, b;
+    std::shared_ptr<Anchor> anchor;
+  };
+  struct ForwardAcc {
+    uint64_t bytes = 0, copies = 0, demand = 0, stalls = 0;
+    std::vector<Span> spans;
+  };
+  struct Unresolved {
+    ForwardRecord record;
+    std::vector<Span> spans;
+    std::shared_ptr<Anchor> begin;
+    std::unique_ptr<DeviceEvent> end;
+  };
+  struct ForwardKind {
+    std::vector<int64_t> order;        // layer ids in acquire order
+    std::vector<size_t> next_streamed; // index of first streamed position >= i
+    bool duplicates = false;
+  };
+  struct Scratch {
+    at::Tensor buffer;
+    bool in_use = false;
+  };
+
+  void clear_state() noexcept;
+  void restore_to_host() noexcept;
+  PlanInput plan_input(uint64_t weight_budget, std::optional<double> max_resident) const;
+  uint64_t weight_budget_of(uint64_t budget) const;
+  void apply_plan(const ResidencyPlan& plan);
+  void make_resident(LayerRec& r);
+  void make_streamed(LayerRec& r);
+  void pin_host(LayerRec& r);
+  void unpin_host(LayerRec& r);
+  int64_t replan(uint64_t weight_budget, std::optional<double> max_resident);
+  void require_idle(const char* what) const;
+  void refresh_kinds();
+  void refresh_kind(ForwardKind& k);
+  size_t advance_cursor(int64_t id);
+  void top_up(size_t pos, bool at_end);
+  int issue(int64_t id, uint64_t epoch, bool demand);
+  int take_scratch(uint64_t bytes);
+  std::unique_ptr<DeviceEvent> take_event();  // from the pool of finished events
+  std::unique_ptr<DeviceEvent> mark();        // take_event() recorded on the compute stream
+  void add_span(ForwardAcc& acc, TraceTrack track, int kind, int64_t layer, std::unique_ptr<DeviceEvent> a,
+                std::unique_ptr<DeviceEvent> b);
+  void resolve(bool wait_all);
+  void check_invariants(const char* where);
+  double now_us() const;
+  bool timing() const { return options_.timing || options_.trace; }
+
+  EngineOptions options_;
+  std::shared_ptr<DeviceBackend> device_;
+  std::shared_ptr<MemoryLedger> budget_;  // what this engine holds on the device, limited
+  bool attached_ = false;
+  std::string model_name_;
+  std::vector<LayerRec> layers_;
+  std::unordered_map<const ManagedLayerImpl*, int64_t> index_;
+  std::vector<ExtraRec> extras_;
+  uint64_t extra_bytes_ = 0;
+  uint64_t scratch_bytes_ = 0;
+  uint64_t budget_bytes_ = 0;
+  uint64_t weight_budget_ = 0;  // current limit: budget - working memory, or less after partial_unload
+  std::optional<double> max_resident_;
+  ResidencyPlan plan_;
+  std::unique_ptr<StagingRing> ring_;
+  std::vector<Scratch> scratch_;
+  uint64_t ring_violations_ = 0;  // from rings already dropped
+
+  // Pinning.
+  bool want_pin_ = false;
+  uint64_t pin_cap_ = 0;
+  bool pin_warned_ = false;
+  Stat pinned_;
+  Stat residency_h2d_;
+
+  // Forwards.
+  int depth_ = 0;                // nesting of begin_forward()
+  bool implicit_ = false;        // the open forward was opened by an acquire
+  uint64_t epoch_ = 0;           // current forward number (copies are tagged with it)
+  uint64_t forwards_ = 0;
+  std::string kind_name_;
+  std::string last_kind_name_;
+  std::map<std::string, ForwardKind> kinds_;
+  ForwardKind* kind_ = nullptr;
+  size_t cursor_ = 0;            // expected next position in kind_->order
+  bool order_known_ = false;
+  bool diverged_ = false;
+  std::vector<int64_t> recording_;
+  bool recording_overflow_ = false;
+  ForwardAcc acc_cur_, acc_next_;
+  std::shared_ptr<Anchor> anchor_;
+  std::deque<Unresolved> unresolved_;
+  std::deque<ForwardRecord> records_;
+  std::vector<std::unique_ptr<DeviceEvent>> event_pool_;
+  std::chrono::steady_clock::time_point epoch0_ = std::chrono::steady_clock::now();
+  TraceWriter trace_;
+  std::string deferred_error_;  // from end_forward_noexcept(), raised by the next acquire()
+};
+
+// Delimits one forward: begin_forward() now, end_forward() at scope exit (aborted when
+// leaving by an exception).
+class ForwardScope {
+ public:
+  explicit ForwardScope(StreamingEngine& engine, std::string_view kind = "");
+  ~ForwardScope();
+  ForwardScope(const ForwardScope&) = delete;
+  ForwardScope& operator=(const ForwardScope&) = delete;
+
+ private:
+  StreamingEngine& engine_;
+  int uncaught_;
+};
+
+}  // namespace sluice::offload

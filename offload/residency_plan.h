@@ -1,0 +1,103 @@
+#pragma once
+// Which managed layers stay on the device and which are streamed, under a byte budget.
+// A plain data structure: planned once at attach and again on every residency change,
+// printable, and tested on its own.
+//
+// Note [residency policy]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A budgeted forward costs at least max(compute time, streamed bytes / H2D bandwidth).
+// Reaching that floor needs the copy stream busy whenever there is something left to
+// copy. But the copy stream can run at most `ring slots` streamed layers ahead of
+// compute (Note [staging ring sizing]): once the ring is full it idles until compute
+// frees a slot. So a long stretch of resident layers hides only a ring's worth of copies,
+// and a long stretch of streamed layers runs at copy speed. Copies hide best when the
+// streamed layers are spread as evenly as possible through the execution order, so that
+// every streamed layer's copy runs under the compute of the resident layers just before it.
+//
+// `spread` (the default) therefore distributes residency at *layer* granularity, by bytes,
+// with a Bresenham walk over the streamable layers in execution order: with a resident
+// fraction f, layer i becomes resident when the resident bytes so far, plus half of its
+// own, stay within f times the bytes seen so far. Choosing at block granularity (whole
+// blocks resident, "RRSRRS") would leave the copy stream idle during each resident block
+// once the ring is full and then make the streamed block wait on all of its copies; it
+// only matches the layer-level plan with a ring as deep as a block. A first-fit pass then
+// fills what the walk left of the budget. Streamed bytes, and so the floor, are the same
+// for any plan that fills the budget; the spread only decides how close to it we get.
+// (Not modelled: compute per byte differs between layers, e.g. adaLN modulation runs on
+// one token. A plan weighted by measured per-layer compute time would do better.)
+//
+// `front_first` fills the budget in execution order (first fit), like InvokeAI's partial
+// load: the streamed layers then form one run at the end, the worst case for overlap.
+// It is kept for comparison and for the benchmarks.
+//
+// Required layers (skip-listed unconverted modules, embeddings, the final layer) and the
+// parameters outside managed layers (norms) are always resident.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace sluice::offload {
+
+enum class ResidencyPolicy { spread, front_first };
+
+// "spread" | "front_first" (also "front-first"); throws InvalidArgument naming `flag`.
+ResidencyPolicy parse_residency_policy(std::string_view text, const std::string& flag = "--policy");
+const char* residency_policy_name(ResidencyPolicy policy);
+
+// One managed layer as the planner sees it.
+struct PlanLayer {
+  std::string name;           // dotted module name
+  uint64_t stored_bytes = 0;  // device bytes when resident
+  uint64_t slot_bytes = 0;    // staging-slot bytes when streamed (packed, aligned); 0: stored_bytes
+  std::string group;          // block family ("blocks", "llm_adapter.blocks"); empty outside blocks
+  int64_t block = -1;         // block index within `group`; -1 outside blocks
+  bool required = false;      // always resident
+
+  uint64_t slot_size() const { return slot_bytes ? slot_bytes : stored_bytes; }
+};
+
+struct PlanInput {
+  std::vector<PlanLayer> layers;           // in execution order
+  uint64_t extra_required_bytes = 0;       // parameters/buffers outside managed layers
+  uint64_t scratch_bytes = 0;              // upcast scratch kept on the device
+  uint64_t weight_budget = 0;              // device bytes for everything above + resident + ring
+  std::optional<double> max_resident;      // cap on resident streamable bytes, fraction 0..1
+  ResidencyPolicy policy = ResidencyPolicy::spread;  // see Note [residency policy]
+  uint32_t ring_slots = 3;                 // staging slots needed when anything streams
+};
+
+struct ResidencyPlan {
+  std::vector<PlanLayer> layers;   // as given
+  std::vector<bool> resident;      // per layer
+  ResidencyPolicy policy = ResidencyPolicy::spread;
+  uint64_t weight_budget = 0;
+  uint64_t required_bytes = 0;     // required layers + extra_required_bytes
+  uint64_t resident_bytes = 0;     // every weight byte on the device (required included)
+  uint64_t streamed_bytes = 0;     // stored bytes of streamed layers
+  uint64_t scratch_bytes = 0;
+  uint32_t ring_slots = 0;         // 0 when nothing streams
+  uint64_t slot_bytes = 0;         // largest streamed layer's slot size
+  uint64_t ring_bytes() const { return static_cast<uint64_t>(ring_slots) * slot_bytes; }
+  // What the plan puts on the device: weights + ring + scratch.
+  uint64_t device_bytes() const { return resident_bytes + ring_bytes() + scratch_bytes; }
+  size_t streamed_count() const;
+
+  // One char per block of each group, in block order: R (all resident), S (all streamed),
+  // P (partly), then a summary of the layers outside blocks. E.g.
+  // "blocks: RRSRRSRRS; other: 3 resident (2 required), 1 streamed".
+  std::string residency_map() const;
+  // Multi-line description: totals, map, then one line per layer.
+  std::string to_string() const;
+};
+
+// Smallest weight_budget for which plan_residency(input) succeeds (everything else in
+// `input` as given).
+uint64_t minimum_weight_budget(const PlanInput& input);
+
+// Plans residency. Throws ResourceError naming the minimum weight budget (in MiB) when
+// input.weight_budget is below it, InvalidArgument for a max_resident outside 0..1.
+ResidencyPlan plan_residency(const PlanInput& input);
+
+}  // namespace sluice::offload

@@ -1,0 +1,75 @@
+#include "offload/stats.h"
+
+#include <nlohmann/json.hpp>
+
+namespace sluice::offload {
+
+const char* memory_kind_name(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::resident: return "resident";
+    case MemoryKind::params: return "params";
+    case MemoryKind::ring: return "ring";
+    case MemoryKind::scratch: return "scratch";
+  }
+  return "?";
+}
+
+void DeviceMemoryStats::reset_peak() {
+  total.reset_peak();
+  for (auto& s : by_kind) s.reset_peak();
+}
+
+void DeviceMemoryStats::reset_accumulated() {
+  total.reset_accumulated();
+  for (auto& s : by_kind) s.reset_accumulated();
+}
+
+namespace {
+
+nlohmann::json stat_json(const Stat& s) {
+  return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
+}
+
+}  // namespace
+
+std::string EngineStats::to_json(int indent) const {
+  nlohmann::json j;
+  j["model"] = {{"name", model_name},
+                {"total_bytes", model_total_bytes},
+                {"resident_bytes", model_resident_bytes},
+                {"residency", residency},
+                {"layers", layers},
+                {"resident_layers", resident_layers},
+                {"streamed_layers", streamed_layers}};
+  j["budget"] = {{"budget_bytes", budget_bytes}, {"working_memory_bytes", working_memory_bytes}};
+  nlohmann::json kinds = nlohmann::json::object();
+  for (size_t k = 0; k < kMemoryKinds; ++k) kinds[memory_kind_name(static_cast<MemoryKind>(k))] = stat_json(device_memory.by_kind[k]);
+  j["device"] = {{"name", device},
+                 {"peak_bytes", device_memory.total.peak},
+                 {"current_bytes", device_memory.total.current},
+                 {"by_kind", kinds},
+                 {"ring_slots", ring_slots},
+                 {"slot_bytes", slot_bytes}};
+  j["pinned"] = stat_json(pinned);
+  j["residency_h2d"] = stat_json(residency_h2d);
+  j["slot_violations"] = slot_violations;
+  j["forward_count"] = forwards;
+  nlohmann::json fw = nlohmann::json::array();
+  for (const auto& f : forward_records) {
+    fw.push_back({{"index", f.index},
+                  {"bytes_streamed", f.bytes_streamed},
+                  {"copies", f.copies},
+                  {"demand_copies", f.demand_copies},
+                  {"stalls", f.stalls},
+                  {"h2d_gbps", f.h2d_gbps},
+                  {"stall_ms", f.stall_ms},
+                  {"upcast_ms", f.upcast_ms},
+                  {"wall_ms", f.wall_ms},
+                  {"diverged", f.diverged},
+                  {"aborted", f.aborted}});
+  }
+  j["forwards"] = std::move(fw);
+  return j.dump(indent);
+}
+
+}  // namespace sluice::offload

@@ -1,0 +1,97 @@
+#pragma once
+// Counters the streaming engine keeps, modelled on c10's DeviceStats
+// (c10/core/CachingDeviceAllocator.h): every Stat has current and peak values plus
+// accumulated allocated/freed totals, with reset_peak() and reset_accumulated().
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sluice::offload {
+
+// One counter: what is held now, the most ever held, and the totals added and removed.
+struct Stat {
+  int64_t current = 0;
+  int64_t peak = 0;
+  int64_t allocated = 0;  // accumulated increases
+  int64_t freed = 0;      // accumulated decreases
+
+  void increase(int64_t amount) {
+    current += amount;
+    allocated += amount;
+    if (current > peak) peak = current;
+  }
+  void decrease(int64_t amount) {
+    current -= amount;
+    freed += amount;
+  }
+  void reset_peak() { peak = current; }
+  void reset_accumulated() {
+    allocated = 0;
+    freed = 0;
+  }
+};
+
+// What a device allocation is for. The budget covers all of them.
+enum class MemoryKind : uint8_t {
+  resident,  // stored tensors of resident managed layers
+  params,    // parameters and buffers outside managed layers (norms, RoPE tables)
+  ring,      // staging slots for streamed layers
+  scratch,   // upcast outputs (compute-dtype weights of the layer being run)
+};
+constexpr size_t kMemoryKinds = 4;
+const char* memory_kind_name(MemoryKind kind);
+
+// Device bytes, in total and by kind.
+struct DeviceMemoryStats {
+  Stat total;
+  std::array<Stat, kMemoryKinds> by_kind{};
+
+  const Stat& kind(MemoryKind k) const { return by_kind[static_cast<size_t>(k)]; }
+  void reset_peak();
+  void reset_accumulated();
+};
+
+// One forward between begin_forward() and end_forward().
+struct ForwardRecord {
+  uint64_t index = 0;           // 0-based count of forwards since attach
+  uint64_t bytes_streamed = 0;  // stored bytes copied host->device for this forward
+  uint64_t copies = 0;          // layer copies issued for this forward
+  uint64_t demand_copies = 0;   // of which issued when the layer was asked for (not prefetched)
+  uint64_t stalls = 0;          // acquires whose copy was not finished yet
+  double h2d_gbps = 0;          // bytes_streamed / time the copy stream spent copying (1e9 B/s)
+  double stall_ms = 0;          // compute stream waiting on copies
+  double upcast_ms = 0;         // storage -> compute dtype conversions
+  double wall_ms = 0;           // compute stream, begin to end of the forward
+  bool diverged = false;        // a layer was asked for out of the recorded order
+  bool aborted = false;         // the forward ended by an exception
+};
+
+// Everything the engine reports. See StreamingEngine::stats().
+struct EngineStats {
+  std::string model_name;
+  std::string device;             // "cpu", "cuda:0"
+  uint64_t model_total_bytes = 0;     // stored bytes of every parameter and buffer
+  uint64_t model_resident_bytes = 0;  // of which on the device (required + resident layers)
+  std::string residency;              // residency map, see ResidencyPlan::residency_map()
+  uint64_t budget_bytes = 0;          // device budget
+  uint64_t working_memory_bytes = 0;  // part of the budget left for activations
+  uint64_t layers = 0;                // managed layers
+  uint64_t resident_layers = 0;
+  uint64_t streamed_layers = 0;
+  uint64_t ring_slots = 0;
+  uint64_t slot_bytes = 0;
+  DeviceMemoryStats device_memory;  // what the engine holds on the device
+  Stat pinned;                      // pinned host bytes of streamed layers
+  Stat residency_h2d;               // bytes copied/dropped by attach and residency changes
+  uint64_t forwards = 0;
+  uint64_t slot_violations = 0;     // copies that started on a slot still in use (must be 0)
+  std::vector<ForwardRecord> forward_records;  // the most recent forwards, oldest first
+
+  // JSON text with the fields the CLI's --stats prints: model.{name,total_bytes,
+  // resident_bytes,residency}, budget.{budget_bytes,working_memory_bytes},
+  // device.{name,peak_bytes,current_bytes,by_kind}, pinned, forwards[].
+  std::string to_json(int indent = 2) const;
+};
+
+}  // namespace sluice::offload

@@ -1,0 +1,129 @@
+#include "offload/torch_device.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include "runtime/error.h"
+
+#ifdef SLUICE_HAS_CUDA
+#include "offload/cuda/cuda_memory.h"
+#endif
+
+namespace sluice::offload {
+
+namespace {
+
+class TorchEvent final : public DeviceEvent {
+ public:
+  explicit TorchEvent(c10::DeviceType type) : event(type, c10::EventFlag::BACKEND_DEFAULT) {}
+  bool query() const override { return event.query(); }
+  void synchronize() const override { event.synchronize(); }
+  c10::Event event;
+};
+
+c10::Event& event_of(DeviceEvent& e) {
+  auto* te = dynamic_cast<TorchEvent*>(&e);
+  TORCH_INTERNAL_ASSERT(te, "torch device given an event it did not create");
+  return te->event;
+}
+
+const c10::Event& event_of(const DeviceEvent& e) { return event_of(const_cast<DeviceEvent&>(e)); }
+
+uint64_t query_total_memory(c10::Device device) {
+#ifdef SLUICE_HAS_CUDA
+  if (device.is_cuda()) return cuda::total_memory(device.index());
+#endif
+  (void)device;
+  return 0;
+}
+
+class TorchDevice final : public DeviceBackend {
+ public:
+  TorchDevice(c10::Device device, const TorchDeviceOptions& options)
+      : impl_(device.type()),
+        device_(device.has_index() ? device : c10::Device(device.type(), impl_.getDevice().index())),
+        copy_stream_(impl_.getStreamFromGlobalPool(device_, options.high_priority_copy_stream)),
+        total_(options.total_memory ? options.total_memory : query_total_memory(device_)) {}
+
+  ~TorchDevice() override {
+    try {
+      synchronize();
+    } catch (...) {
+    }
+  }
+
+  c10::Device device() const override { return device_; }
+  uint64_t total_memory() const override { return total_; }
+  bool pins_memory() const override { return true; }
+
+  std::unique_ptr<DeviceEvent> create_event() override { return std::make_unique<TorchEvent>(device_.type()); }
+
+  void record(DeviceEvent& event, StreamKind stream) override { event_of(event).record(stream_of(stream)); }
+
+  void wait(StreamKind stream, const DeviceEvent& event) override { event_of(event).block(stream_of(stream)); }
+
+  double elapsed_ms(const DeviceEvent& from, const DeviceEvent& to) const override {
+    return event_of(from).elapsedTime(event_of(to));
+  }
+
+  void copy_to_device(const at::Tensor& dst, const at::Tensor& src, std::function<void()> /*before*/) override {
+    TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy_to_device: tensors must be contiguous");
+    TORCH_CHECK(dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel(),
+                "copy_to_device: dtype/numel mismatch");
+    c10::StreamGuard guard(copy_stream_);
+    // Asynchronous from pinned memory; from pageable memory the driver stages it (still
+    // correct, ordered on the copy stream).
+    dst.copy_(src, /*non_blocking=*/true);
+  }
+
+  void synchronize() override {
+    impl_.synchronizeStream(copy_stream_);
+    impl_.synchronizeStream(impl_.getStream(device_));
+  }
+
+  at::Tensor pin(const at::Tensor& src) override {
+    try {
+      at::Tensor pinned = at::empty(src.sizes(), at::TensorOptions().dtype(src.scalar_type()).pinned_memory(true));
+      pinned.copy_(src);
+      return pinned;
+    } catch (const c10::Error&) {
+      return at::Tensor();
+    }
+  }
+
+ protected:
+  c10::DataPtr raw_allocate(size_t nbytes) override {
+    c10::DeviceGuard guard(device_);
+    c10::Allocator* allocator = c10::GetAllocator(device_.type());
+    TORCH_CHECK(allocator, "no allocator registered for ", device_);
+    return allocator->allocate(nbytes);
+  }
+
+ private:
+  c10::Stream stream_of(StreamKind kind) const {
+    return kind == StreamKind::copy ? copy_stream_ : impl_.getStream(device_);
+  }
+
+  c10::impl::VirtualGuardImpl impl_;
+  c10::Device device_;
+  c10::Stream copy_stream_;
+  uint64_t total_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceBackend> make_torch_device(c10::Device device, const TorchDeviceOptions& options) {
+  if (device.is_cpu()) throw InvalidArgument("make_torch_device: use make_cpu_device for the CPU");
+  try {
+    return std::make_unique<TorchDevice>(device, options);
+  } catch (const c10::Error& e) {
+    throw InvalidArgument("device " + device.str() + " is not available: " + e.what_without_backtrace());
+  }
+}
+
+}  // namespace sluice::offload

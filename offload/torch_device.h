@@ -1,0 +1,36 @@
+#pragma once
+// A real accelerator through c10's device-generic interfaces (VirtualGuardImpl streams,
+// c10::Event, StreamGuard, non-blocking copy_). No CUDA headers: the same code serves
+// ROCm builds, which report device type "cuda".
+//  - Compute stream: the caller's current stream on the device, read at every call, so a
+//    host running the model under its own stream keeps working.
+//  - Copy stream: one stream from the global pool, fixed for the backend's life.
+//  - Events are created with timing enabled (EventFlag::BACKEND_DEFAULT), so elapsed_ms()
+//    gives device-side times.
+//  - pin() allocates page-locked memory through ATen (pinned_memory(true)) and copies into
+//    it; any failure returns an undefined tensor so the caller falls back to pageable.
+//
+// Note [pinned memory on ROCm]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Many ROCm stalls and hangs reported against other offloaders trace back to pinned host
+// memory. PinMode::auto_ pins on CUDA; ROCm users who see stalls or hangs should run with
+// pinning off (--pin off), which makes every copy go through pageable memory (slower,
+// correct).
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "offload/device.h"
+
+namespace sluice::offload {
+
+struct TorchDeviceOptions {
+  uint64_t total_memory = 0;               // device memory in bytes; 0: query (CUDA builds only)
+  bool high_priority_copy_stream = false;  // take the copy stream from the high-priority pool
+};
+
+// Throws InvalidArgument if `device` is the CPU or its backend is not available.
+std::unique_ptr<DeviceBackend> make_torch_device(c10::Device device, const TorchDeviceOptions& options = {});
+
+}  // namespace sluice::offload

@@ -1,0 +1,45 @@
+#pragma once
+// Chrome/Perfetto trace writer (the JSON "traceEvents" format that chrome://tracing and
+// ui.perfetto.dev open). One process, one track (tid) per stream of work: the copy
+// stream, upcasts, and compute; one "X" (complete) span per layer and per wait.
+//
+// What the timestamps mean: microseconds since the trace's epoch (steady clock).
+//  - CPU device: wall-clock times taken on the copy worker and the calling thread when
+//    the work ran.
+//  - Real devices: device event times (c10::Event elapsed times, timing enabled) placed
+//    on the host clock at the host time their forward began. Spans are exact relative to
+//    each other within a forward; across forwards they are aligned only as well as the
+//    host's begin_forward() call is to the device's.
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace sluice::offload {
+
+enum class TraceTrack : int { copy = 1, upcast = 2, compute = 3 };
+const char* trace_track_name(TraceTrack track);
+
+class TraceWriter {
+ public:
+  // Adds a span of `dur_us` starting at `ts_us`.
+  void add_span(TraceTrack track, std::string name, double ts_us, double dur_us);
+  size_t size() const;
+  void clear();
+  // {"traceEvents": [...], "displayTimeUnit": "ms"} with thread_name metadata per track.
+  std::string to_json() const;
+  // Writes to_json() to `path`; throws FileError naming it.
+  void write(const std::string& path) const;
+
+ private:
+  struct Span {
+    TraceTrack track;
+    std::string name;
+    double ts_us;
+    double dur_us;
+  };
+  mutable std::mutex mutex_;
+  std::vector<Span> spans_;
+};
+
+}  // namespace sluice::offload

@@ -1,0 +1,613 @@
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <regex>
+#include <set>
+
+#include "offload/cpu_device.h"
+#include "offload/engine.h"
+#include "runtime/error.h"
+#include "runtime/size_parse.h"
+#include "tests/toy_model.h"
+
+using namespace sluice::offload;
+using sluice::testing::ToyModel;
+using sluice::testing::ToyOptions;
+
+namespace {
+
+constexpr uint64_t MiB = 1ull << 20;
+
+// The toy layers are tiny: one intra-op thread keeps OpenMP's spinning workers from
+// competing with the CPU device's copy thread on a 2-core CI machine.
+const bool kSingleThread = [] {
+  at::set_num_threads(1);
+  return true;
+}();
+
+at::Tensor input(int64_t dim = 64, uint64_t seed = 42) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  return at::randn({4, dim}, gen);
+}
+
+// Per-layer facts of the plain model, to compare against after the engine ran.
+struct Snapshot {
+  std::map<std::string, at::ScalarType> dtype;
+  std::map<std::string, const void*> data;
+  std::map<std::string, at::Tensor> value;
+  uint64_t stored_bytes = 0;
+};
+
+Snapshot snapshot(ToyModel& m) {
+  Snapshot s;
+  for (auto& [name, l] : managed_layers(*m)) {
+    s.dtype[name] = l->stored_weight().scalar_type();
+    s.data[name] = l->stored_weight().data_ptr();
+    s.value[name] = l->stored_weight().clone();
+    s.stored_bytes += static_cast<uint64_t>(l->stored_bytes());
+  }
+  return s;
+}
+
+void check_stored_dtypes(ToyModel& m, const Snapshot& s) {
+  for (auto& [name, l] : managed_layers(*m)) {
+    INFO(name);
+    CHECK(l->stored_weight().scalar_type() == s.dtype.at(name));
+  }
+}
+
+std::shared_ptr<DeviceBackend> slowed_cpu(double latency_us = 50, double bytes_per_second = 400e6) {
+  CpuDeviceOptions o;
+  o.copy_latency_us = latency_us;
+  o.copy_bytes_per_second = bytes_per_second;
+  return std::shared_ptr<DeviceBackend>(make_cpu_device(o));
+}
+
+EngineOptions options(std::shared_ptr<DeviceBackend> dev, uint64_t budget = 64 * MiB) {
+  EngineOptions o;
+  o.device = std::move(dev);
+  o.budget_bytes = budget;
+  o.working_memory_bytes = 1 * MiB;
+  return o;
+}
+
+at::Tensor run(StreamingEngine& e, ToyModel& m, const at::Tensor& x, std::string_view kind = "") {
+  ForwardScope scope(e, kind);
+  return m->forward(x);
+}
+
+uint64_t streamed_bytes(const StreamingEngine& e) { return e.plan().streamed_bytes; }
+
+// The "(N bytes" of a budget error.
+uint64_t minimum_from(const std::string& msg) {
+  std::smatch m;
+  REQUIRE(std::regex_search(msg, m, std::regex(R"(\((\d+) bytes)")));
+  return std::stoull(m[1].str());
+}
+
+}  // namespace
+
+TEST_CASE("engine: outputs are bit-identical to the plain model for every depth and cap and policy") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  const Snapshot before = snapshot(model);
+  for (uint32_t depth = 0; depth <= 4; ++depth) {
+    for (double cap : {0.0, 0.25, 0.5, 1.0}) {
+      for (auto policy : {ResidencyPolicy::spread, ResidencyPolicy::front_first}) {
+        INFO("depth " << depth << " max_resident " << cap << " policy " << residency_policy_name(policy));
+        EngineOptions o = options(slowed_cpu());
+        o.prefetch_depth = depth;
+        o.max_resident = cap;
+        o.policy = policy;
+        StreamingEngine engine(o);
+        engine.attach(*model, "toy");
+        if (cap == 1.0) CHECK(engine.plan().streamed_count() == 0);
+        if (cap == 0.0) CHECK(engine.plan().streamed_count() == 24);  // every block layer
+        for (int f = 0; f < 3; ++f) {
+          const at::Tensor out = run(engine, model, x);
+          CHECK(at::equal(out, ref));
+          check_stored_dtypes(model, before);
+        }
+        const EngineStats s = engine.stats();
+        REQUIRE(s.forward_records.size() == 3);
+        for (const auto& r : s.forward_records) {
+          CHECK(r.bytes_streamed == streamed_bytes(engine));
+          CHECK_FALSE(r.diverged);
+        }
+        if (depth > 0 && engine.plan().streamed_count() > 0) {
+          // Once the order is recorded every copy is a prefetch.
+          CHECK(s.forward_records[1].demand_copies == 0);
+          CHECK(s.forward_records[2].demand_copies == 0);
+        }
+        if (depth == 0) CHECK(s.forward_records[2].demand_copies == engine.plan().streamed_count());
+        CHECK(s.slot_violations == 0);
+        CHECK(static_cast<uint64_t>(s.device_memory.total.peak) <= o.budget_bytes - o.working_memory_bytes);
+        engine.detach();
+        CHECK(at::equal(model->forward(x), ref));
+      }
+    }
+  }
+}
+
+TEST_CASE("engine: device use stays within budget minus working memory at tight budgets") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  uint64_t minimum = 0;
+  {
+    StreamingEngine probe(options(slowed_cpu()));
+    probe.attach(*model, "toy");
+    minimum = probe.minimum_budget();
+  }
+  const Snapshot before = snapshot(model);
+  for (uint64_t extra : {0ull, 10000ull, 40000ull, 100000ull, 1000000ull}) {
+    INFO("budget minimum + " << extra);
+    auto dev = slowed_cpu();
+    EngineOptions o = options(dev, minimum + extra);
+    StreamingEngine engine(o);
+    engine.attach(*model, "toy");
+    for (int f = 0; f < 3; ++f) CHECK(at::equal(run(engine, model, x), ref));
+    const uint64_t limit = o.budget_bytes - o.working_memory_bytes;
+    const EngineStats s = engine.stats();
+    CHECK(static_cast<uint64_t>(s.device_memory.total.peak) <= limit);
+    // The backend's own accounting sees the same allocations.
+    CHECK(static_cast<uint64_t>(dev->memory_stats().total.peak) <= limit);
+    CHECK(s.device_memory.kind(MemoryKind::scratch).current > 0);
+    CHECK(s.device_memory.kind(MemoryKind::params).current == 2 * 64 * 4);  // norm_weight + shift
+    CHECK(static_cast<uint64_t>(s.device_memory.total.current) == engine.device_bytes());
+    engine.detach();
+    CHECK(dev->memory_stats().total.current == 0);
+  }
+  check_stored_dtypes(model, before);
+}
+
+TEST_CASE("engine: an impossible budget names the minimum and leaves the model untouched") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  const Snapshot before = snapshot(model);
+  std::string msg;
+  try {
+    StreamingEngine engine(options(slowed_cpu(), 1 * MiB + 1000));
+    engine.attach(*model, "toy");
+    FAIL("attach accepted a budget below the minimum");
+  } catch (const sluice::ResourceError& e) {
+    msg = e.what();
+  }
+  CHECK(msg.find("'toy'") != std::string::npos);
+  const uint64_t minimum = minimum_from(msg);
+  CHECK(msg.find(sluice::format_mib(minimum)) != std::string::npos);
+  for (auto& [name, l] : managed_layers(*model)) {
+    CHECK(l->provider() == nullptr);
+    CHECK(l->stored_weight().data_ptr() == before.data.at(name));
+  }
+  CHECK(at::equal(model->forward(x), ref));
+  {
+    StreamingEngine engine(options(slowed_cpu(), minimum - 1));
+    CHECK_THROWS_AS(engine.attach(*model, "toy"), sluice::ResourceError);
+  }
+  StreamingEngine engine(options(slowed_cpu(), minimum));
+  engine.attach(*model, "toy");
+  CHECK(engine.minimum_budget() == minimum);
+  CHECK(at::equal(run(engine, model, x), ref));
+  CHECK(at::equal(run(engine, model, x), ref));
+}
+
+TEST_CASE("engine: a layer that throws mid-forward leaves the engine consistent") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  const Snapshot before = snapshot(model);
+  EngineOptions o = options(slowed_cpu());
+  o.max_resident = 0.0;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  CHECK(at::equal(run(engine, model, x), ref));
+  CHECK(at::equal(run(engine, model, x), ref));
+  model->block_list[4]->fail_in_mid = true;
+  CHECK_THROWS_WITH(run(engine, model, x), Catch::Contains("blocks.4.mid"));
+  model->block_list[4]->fail_in_mid = false;
+  check_stored_dtypes(model, before);
+  for (int f = 0; f < 3; ++f) {
+    CHECK(at::equal(run(engine, model, x), ref));
+    check_stored_dtypes(model, before);
+  }
+  const EngineStats s = engine.stats();
+  REQUIRE(s.forward_records.size() == 6);
+  CHECK(s.forward_records[2].aborted);
+  for (size_t i : {3u, 4u, 5u}) CHECK(s.forward_records[i].bytes_streamed == streamed_bytes(engine));
+  CHECK_FALSE(s.forward_records[4].diverged);
+  CHECK(s.slot_violations == 0);
+}
+
+namespace {
+
+// Delegates to the engine, but fails one layer's acquire after the engine served it.
+class FaultyProvider final : public WeightProvider {
+ public:
+  FaultyProvider(StreamingEngine& e, std::string fail) : engine_(e), fail_(std::move(fail)) {}
+  LayerWeights acquire(ManagedLayerImpl& layer) override {
+    LayerWeights w = engine_.acquire(layer);
+    if (armed && layer.qualified_name() == fail_) {
+      engine_.release(layer);
+      throw std::runtime_error("injected acquire failure in " + fail_);
+    }
+    return w;
+  }
+  void release(ManagedLayerImpl& layer) noexcept override { engine_.release(layer); }
+  bool armed = true;
+
+ private:
+  StreamingEngine& engine_;
+  std::string fail_;
+};
+
+}  // namespace
+
+TEST_CASE("engine: a failing acquire through a provider wrapper is recovered") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  const Snapshot before = snapshot(model);
+  EngineOptions o = options(slowed_cpu());
+  o.max_resident = 0.5;
+  o.prefetch_depth = 3;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  CHECK(at::equal(run(engine, model, x), ref));
+  FaultyProvider faulty(engine, "blocks.6.up");
+  for (auto& [name, l] : managed_layers(*model)) l->set_provider(&faulty);
+  CHECK_THROWS_WITH(run(engine, model, x), Catch::Contains("injected acquire failure"));
+  check_stored_dtypes(model, before);
+  faulty.armed = false;
+  for (int f = 0; f < 3; ++f) CHECK(at::equal(run(engine, model, x), ref));
+  const EngineStats s = engine.stats();
+  REQUIRE(s.forward_records.size() == 5);
+  CHECK(s.forward_records[1].aborted);
+  CHECK(s.forward_records[3].bytes_streamed == streamed_bytes(engine));
+  CHECK(s.forward_records[4].bytes_streamed == streamed_bytes(engine));
+  CHECK(s.forward_records[4].demand_copies == 0);
+  engine.detach();
+  for (auto& [name, l] : managed_layers(*model)) CHECK(l->provider() == nullptr);
+}
+
+TEST_CASE("engine: a forward that leaves the recorded order stays correct and is re-recorded") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  model->skip_block = 5;
+  const at::Tensor ref_skip = model->forward(x);
+  model->skip_block = -1;
+  model->swap_blocks = true;
+  const at::Tensor ref_swap = model->forward(x);
+  model->swap_blocks = false;
+
+  EngineOptions o = options(slowed_cpu());
+  o.max_resident = 0.25;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  CHECK(at::equal(run(engine, model, x), ref));
+  CHECK(at::equal(run(engine, model, x), ref));
+  model->swap_blocks = true;
+  CHECK(at::equal(run(engine, model, x), ref_swap));  // diverges, re-recorded
+  CHECK(at::equal(run(engine, model, x), ref_swap));  // follows the new order
+  model->swap_blocks = false;
+  model->skip_block = 5;
+  CHECK(at::equal(run(engine, model, x), ref_skip));
+  model->skip_block = -1;
+  CHECK(at::equal(run(engine, model, x), ref));
+  CHECK(at::equal(run(engine, model, x), ref));
+  const EngineStats s = engine.stats();
+  REQUIRE(s.forward_records.size() == 7);
+  CHECK_FALSE(s.forward_records[1].diverged);
+  CHECK(s.forward_records[2].diverged);
+  CHECK_FALSE(s.forward_records[3].diverged);
+  CHECK(s.forward_records[3].demand_copies == 0);
+  CHECK(s.forward_records[3].bytes_streamed == streamed_bytes(engine));
+  CHECK(s.forward_records[4].diverged);
+  CHECK(s.forward_records[5].diverged);
+  CHECK_FALSE(s.forward_records[6].diverged);
+  CHECK(s.forward_records[6].demand_copies == 0);
+  CHECK(s.forward_records[6].bytes_streamed == streamed_bytes(engine));
+  CHECK(s.slot_violations == 0);
+}
+
+TEST_CASE("engine: forwards of different kinds keep their own order") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  model->skip_block = 2;
+  const at::Tensor ref_short = model->forward(x);
+  model->skip_block = -1;
+  EngineOptions o = options(slowed_cpu());
+  o.max_resident = 0.5;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  for (int f = 0; f < 3; ++f) {
+    CHECK(at::equal(run(engine, model, x, "full"), ref));
+    model->skip_block = 2;
+    CHECK(at::equal(run(engine, model, x, "short"), ref_short));
+    model->skip_block = -1;
+  }
+  const EngineStats s = engine.stats();
+  REQUIRE(s.forward_records.size() == 6);
+  for (size_t i = 2; i < 6; ++i) {
+    INFO(i);
+    CHECK_FALSE(s.forward_records[i].diverged);
+    CHECK(s.forward_records[i].demand_copies == 0);
+  }
+  // The short forward does not run block 2: its streamed bytes are missing from the total.
+  CHECK(s.forward_records[4].bytes_streamed == streamed_bytes(engine));
+  CHECK(s.forward_records[5].bytes_streamed < streamed_bytes(engine));
+}
+
+TEST_CASE("engine: residency changes move exact bytes and never copy device to host") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  const Snapshot before = snapshot(model);
+  EngineOptions o = options(slowed_cpu());
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  CHECK(engine.plan().streamed_count() == 0);
+  const int64_t h2d_at_attach = engine.stats().residency_h2d.allocated;
+  CHECK(engine.full_unload() < 0);
+  CHECK(engine.plan().streamed_count() == 24);
+  auto check_consistent = [&] {
+    uint64_t resident = 0;
+    for (auto& [name, l] : managed_layers(*model)) {
+      INFO(name);
+      const bool r = engine.is_resident(name);
+      if (r) resident += static_cast<uint64_t>(l->stored_bytes());
+      // A streamed layer's stored tensor is its original host tensor: nothing was copied
+      // back from the device.
+      if (!r) CHECK(l->stored_weight().data_ptr() == before.data.at(name));
+      if (r) CHECK(l->stored_weight().data_ptr() != before.data.at(name));
+    }
+    CHECK(resident + 2 * 64 * 4 == engine.plan().resident_bytes);
+    for (int f = 0; f < 2; ++f) {
+      CHECK(at::equal(run(engine, model, x), ref));
+      CHECK(engine.stats().forward_records.back().bytes_streamed == streamed_bytes(engine));
+    }
+    check_stored_dtypes(model, before);
+    const auto mem = engine.stats().device_memory;
+    CHECK(static_cast<uint64_t>(mem.total.current) == engine.device_bytes());
+    CHECK(static_cast<uint64_t>(mem.total.current) ==
+          engine.plan().resident_bytes + engine.plan().ring_bytes() + engine.plan().scratch_bytes);
+  };
+  check_consistent();
+  const uint64_t start_bytes = engine.device_bytes();
+  const uint64_t start_resident = engine.plan().resident_bytes;
+  const int64_t h2d_before = engine.stats().residency_h2d.allocated;
+
+  const int64_t loaded = engine.partial_load(40000);
+  CHECK(loaded > 0);
+  CHECK(loaded <= 40000);
+  CHECK(engine.device_bytes() == start_bytes + static_cast<uint64_t>(loaded));
+  check_consistent();
+  // residency_h2d counts exactly the stored bytes copied in (and dropped): its balance is
+  // the resident layers' bytes.
+  const Stat h2d = engine.stats().residency_h2d;
+  CHECK(h2d.allocated - h2d_before >= static_cast<int64_t>(engine.plan().resident_bytes - start_resident));
+  CHECK(h2d.current == static_cast<int64_t>(engine.plan().resident_bytes) - 2 * 64 * 4);
+  CHECK(h2d_at_attach > 0);
+
+  const int64_t full = engine.full_load();
+  CHECK(engine.plan().streamed_count() == 0);
+  CHECK(engine.plan().ring_slots == 0);
+  CHECK(engine.device_bytes() == start_bytes + static_cast<uint64_t>(loaded) + static_cast<uint64_t>(full));
+  check_consistent();
+
+  const int64_t unloaded = engine.partial_unload(30000);
+  CHECK(unloaded <= -30000);
+  check_consistent();
+
+  const int64_t min_delta = engine.full_unload();
+  CHECK(min_delta <= 0);
+  CHECK(engine.device_bytes() <= engine.minimum_budget() - o.working_memory_bytes);
+  check_consistent();
+
+  // Unloading below the minimum stops at the minimum.
+  CHECK(engine.partial_unload(1ull << 40) == 0);
+  check_consistent();
+}
+
+TEST_CASE("engine: set_budget replans and a too-small budget changes nothing") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  StreamingEngine engine(options(slowed_cpu()));
+  engine.attach(*model, "toy");
+  CHECK(engine.plan().streamed_count() == 0);
+  const uint64_t minimum = engine.minimum_budget();
+  engine.set_budget(minimum + 50000);
+  CHECK(engine.plan().streamed_count() > 0);
+  CHECK(engine.device_bytes() <= minimum + 50000 - MiB);
+  CHECK(at::equal(run(engine, model, x), ref));
+  const std::string map = engine.plan().residency_map();
+  CHECK_THROWS_AS(engine.set_budget(minimum - 1), sluice::ResourceError);
+  CHECK(engine.plan().residency_map() == map);
+  CHECK(at::equal(run(engine, model, x), ref));
+  engine.set_budget(64 * MiB);
+  CHECK(engine.plan().streamed_count() == 0);
+  CHECK(at::equal(run(engine, model, x), ref));
+}
+
+TEST_CASE("engine: residency changes are refused during a forward") {
+  ToyModel model;
+  StreamingEngine engine(options(slowed_cpu()));
+  engine.attach(*model, "toy");
+  engine.begin_forward();
+  CHECK_THROWS_AS(engine.partial_unload(1000), sluice::InvalidArgument);
+  CHECK_THROWS_AS(engine.detach(), sluice::InvalidArgument);
+  {
+    WeightLease lease(*model->block_list[0]->up);
+    CHECK_THROWS_AS(engine.full_unload(), sluice::InvalidArgument);
+  }
+  engine.end_forward();
+  CHECK_NOTHROW(engine.full_unload());
+}
+
+TEST_CASE("engine: detach gives the model back as it was") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  const Snapshot before = snapshot(model);
+  const void* norm_ptr = model->norm_weight.data_ptr();
+  auto dev = slowed_cpu();
+  EngineOptions o = options(dev);
+  o.max_resident = 0.5;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  CHECK(model->norm_weight.data_ptr() != norm_ptr);  // moved to the device
+  CHECK(at::equal(run(engine, model, x), ref));
+  // A second engine cannot take layers that are already served.
+  StreamingEngine other(options(slowed_cpu()));
+  CHECK_THROWS_AS(other.attach(*model, "toy"), sluice::InvalidArgument);
+  engine.detach();
+  CHECK_FALSE(engine.attached());
+  CHECK(model->norm_weight.data_ptr() == norm_ptr);
+  for (auto& [name, l] : managed_layers(*model)) {
+    INFO(name);
+    CHECK(l->provider() == nullptr);
+    CHECK(l->stored_weight().data_ptr() == before.data.at(name));
+    CHECK(at::equal(l->stored_weight().to(at::kFloat), before.value.at(name).to(at::kFloat)));
+  }
+  CHECK(dev->memory_stats().total.current == 0);
+  CHECK(at::equal(model->forward(x), ref));
+  // And it can be attached again.
+  engine.attach(*model, "toy");
+  CHECK(at::equal(run(engine, model, x), ref));
+}
+
+TEST_CASE("engine: pinned bytes are capped and counted") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  {
+    EngineOptions o = options(slowed_cpu());
+    o.max_resident = 0.0;
+    StreamingEngine engine(o);  // auto: no pinning on the CPU device
+    engine.attach(*model, "toy");
+    CHECK(engine.stats().pinned.current == 0);
+  }
+  EngineOptions o = options(slowed_cpu());
+  o.max_resident = 0.0;
+  o.pin = PinMode::on;
+  o.pin_cap_bytes = 100000;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  const EngineStats s = engine.stats();
+  CHECK(s.pinned.current > 0);
+  CHECK(static_cast<uint64_t>(s.pinned.current) <= 100000);
+  // Pinned in execution order until the next layer would pass the cap.
+  uint64_t expect = 0;
+  bool full = false;
+  for (auto& [name, l] : managed_layers(*model)) {
+    if (engine.is_resident(name) || full) continue;
+    if (expect + static_cast<uint64_t>(l->stored_bytes()) > 100000) {
+      full = true;
+      continue;
+    }
+    expect += static_cast<uint64_t>(l->stored_bytes());
+  }
+  CHECK(static_cast<uint64_t>(s.pinned.current) >= expect);
+  CHECK(at::equal(run(engine, model, x), ref));
+  engine.full_load();
+  CHECK(at::equal(run(engine, model, x), ref));
+  engine.detach();
+  CHECK(engine.stats().pinned.current == 0);
+}
+
+TEST_CASE("engine: stats JSON carries the documented fields") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const double rate = 200e6;
+  EngineOptions o = options(slowed_cpu(0, rate));
+  o.max_resident = 0.5;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy model");
+  for (int f = 0; f < 2; ++f) run(engine, model, x);
+  const EngineStats s = engine.stats();
+  const auto j = nlohmann::json::parse(s.to_json());
+  CHECK(j["model"]["name"] == "toy model");
+  CHECK(j["model"]["total_bytes"].get<uint64_t>() == snapshot(model).stored_bytes + 2 * 64 * 4);
+  CHECK(j["model"]["resident_bytes"].get<uint64_t>() == engine.plan().resident_bytes);
+  CHECK(j["model"]["residency"] == engine.plan().residency_map());
+  CHECK(j["budget"]["budget_bytes"].get<uint64_t>() == o.budget_bytes);
+  CHECK(j["budget"]["working_memory_bytes"].get<uint64_t>() == o.working_memory_bytes);
+  CHECK(j["device"]["peak_bytes"].get<int64_t>() == s.device_memory.total.peak);
+  REQUIRE(j["forwards"].size() == 2);
+  for (const auto& f : j["forwards"]) {
+    CHECK(f["bytes_streamed"].get<uint64_t>() == streamed_bytes(engine));
+    const double gbps = f["h2d_gbps"].get<double>();
+    CHECK(gbps > 0);
+    CHECK(gbps <= rate / 1e9 * 1.05);  // the slowed copy's rate is the ceiling
+    CHECK(f["stall_ms"].get<double>() >= 0);
+    CHECK(f["upcast_ms"].get<double>() > 0);
+    CHECK(f["wall_ms"].get<double>() > 0);
+  }
+  // The copy time alone is at least bytes / rate.
+  CHECK(j["forwards"][1]["wall_ms"].get<double>() >= 0);
+}
+
+TEST_CASE("engine: trace JSON has copy and upcast and compute tracks") {
+  ToyModel model;
+  const at::Tensor x = input();
+  EngineOptions o = options(slowed_cpu());
+  o.max_resident = 0.5;
+  o.trace = true;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  for (int f = 0; f < 2; ++f) run(engine, model, x);
+  const auto j = nlohmann::json::parse(engine.trace().to_json());
+  std::map<int, std::string> tracks;
+  std::map<int, int> spans;
+  std::set<std::string> copied;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name") tracks[e["tid"].get<int>()] = e["args"]["name"];
+    if (e["ph"] == "X") {
+      spans[e["tid"].get<int>()] += 1;
+      CHECK(e["dur"].get<double>() >= 0);
+      CHECK(e["ts"].get<double>() >= 0);
+      if (e["cat"] == "copy stream") copied.insert(e["name"].get<std::string>());
+    }
+  }
+  CHECK(tracks.size() == 3);
+  CHECK(tracks[1] == "copy stream");
+  CHECK(tracks[2] == "upcast");
+  CHECK(tracks[3] == "compute");
+  const EngineStats s = engine.stats();
+  CHECK(spans[1] == static_cast<int>(s.forward_records[0].copies + s.forward_records[1].copies));
+  CHECK(copied.size() == engine.plan().streamed_count());
+  CHECK(spans[2] > 0);
+  CHECK(spans[3] >= 2 * 26);  // one compute span per layer per forward
+  const std::string path = std::string(SLUICE_BINARY_DIR) + "/engine_trace_test.json";
+  engine.trace().write(path);
+  CHECK_THROWS_AS(engine.trace().write("/nonexistent-dir/x.json"), sluice::FileError);
+}
+
+TEST_CASE("engine: nested leases get their own slot and scratch") {
+  ToyModel model;
+  EngineOptions o = options(slowed_cpu());
+  o.max_resident = 0.0;
+  o.prefetch_depth = 0;  // a single-slot ring
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  auto& a = *model->block_list[0]->mid;
+  auto& b = *model->block_list[1]->mid;
+  engine.begin_forward();
+  {
+    WeightLease la(a);
+    WeightLease lb(b);
+    CHECK(at::equal(la.weight(), a.upcast_stored().weight));
+    CHECK(at::equal(lb.weight(), b.upcast_stored().weight));
+    CHECK(la.weight().data_ptr() != lb.weight().data_ptr());
+  }
+  engine.end_forward();
+  CHECK(engine.stats().slot_violations == 0);
+}
+

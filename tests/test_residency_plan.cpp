@@ -1,0 +1,243 @@
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <random>
+
+#include "offload/residency_plan.h"
+#include "runtime/error.h"
+#include "runtime/size_parse.h"
+
+using namespace sluice::offload;
+
+namespace {
+
+constexpr uint64_t MiB = 1ull << 20;
+
+PlanLayer layer(std::string name, uint64_t bytes, bool required = false) {
+  PlanLayer l;
+  l.name = std::move(name);
+  l.stored_bytes = bytes;
+  const auto dot = l.name.find('.', 7);
+  if (l.name.rfind("blocks.", 0) == 0) {
+    l.group = "blocks";
+    l.block = std::stoll(l.name.substr(7, dot - 7));
+  }
+  l.required = required;
+  return l;
+}
+
+// `n` one-layer blocks of `bytes` each.
+PlanInput single_layer_blocks(int n, uint64_t bytes) {
+  PlanInput in;
+  for (int i = 0; i < n; ++i) in.layers.push_back(layer("blocks." + std::to_string(i) + ".w", bytes));
+  in.ring_slots = 3;
+  return in;
+}
+
+size_t longest_streamed_run(const ResidencyPlan& p) {
+  size_t best = 0, run = 0;
+  for (size_t i = 0; i < p.layers.size(); ++i) {
+    if (p.layers[i].required) continue;
+    run = p.resident[i] ? 0 : run + 1;
+    best = std::max(best, run);
+  }
+  return best;
+}
+
+}  // namespace
+
+TEST_CASE("residency plan: spread interleaves and front_first fills in order") {
+  // 9 equal blocks, room for 6 resident plus a 2-slot ring (all 9 would need 900): f = 2/3.
+  // The Bresenham walk takes block i when resident + half of it <= f * seen (worked out by
+  // hand): R S R R S R R S R.
+  PlanInput in = single_layer_blocks(9, 100 * MiB);
+  in.ring_slots = 2;
+  in.weight_budget = 600 * MiB + 2 * 100 * MiB;
+  const ResidencyPlan spread = plan_residency(in);
+  CHECK(spread.residency_map() == "blocks: RSRRSRRSR");
+  CHECK(spread.resident_bytes == 600 * MiB);
+  CHECK(spread.streamed_bytes == 300 * MiB);
+  CHECK(spread.ring_slots == 2);
+  CHECK(spread.slot_bytes == 100 * MiB);
+  CHECK(spread.device_bytes() == in.weight_budget);
+  CHECK(longest_streamed_run(spread) == 1);
+
+  in.policy = ResidencyPolicy::front_first;
+  const ResidencyPlan front = plan_residency(in);
+  CHECK(front.residency_map() == "blocks: RRRRRRSSS");
+  CHECK(front.resident_bytes == 600 * MiB);
+  CHECK(longest_streamed_run(front) == 3);
+}
+
+TEST_CASE("residency plan: a third resident spreads the streamed blocks evenly") {
+  PlanInput in = single_layer_blocks(9, 10 * MiB);
+  in.weight_budget = 3 * 10 * MiB + 3 * 10 * MiB;  // 3 resident + ring
+  const ResidencyPlan p = plan_residency(in);
+  // f = 1/3: taken + 5 <= (10/3) * seen first holds at block 1 (5 <= 6.67), then every third.
+  CHECK(p.residency_map() == "blocks: SRSSRSSRS");
+  CHECK(longest_streamed_run(p) == 2);
+}
+
+TEST_CASE("residency plan: partial blocks and required layers in the map") {
+  PlanInput in;
+  in.layers.push_back(layer("x_embedder.proj.1", 1 * MiB, true));
+  for (int b = 0; b < 4; ++b) {
+    in.layers.push_back(layer("blocks." + std::to_string(b) + ".q", 2 * MiB));
+    in.layers.push_back(layer("blocks." + std::to_string(b) + ".mlp", 4 * MiB));
+  }
+  in.layers.push_back(layer("final_layer.linear", 1 * MiB, true));
+  in.extra_required_bytes = 1 * MiB;  // norms
+  in.scratch_bytes = 8 * MiB;
+  in.ring_slots = 2;
+  // required 3 + scratch 8 + ring 2*4 = 19; 9 MiB left for resident layers.
+  in.weight_budget = 28 * MiB;
+  in.policy = ResidencyPolicy::front_first;
+  const ResidencyPlan p = plan_residency(in);
+  // First fit in order: b0.q 2, b0.mlp 4, b1.q 2 (8 taken), b1.mlp 4 no, b2.q 2 no (10 > 9)...
+  CHECK(p.residency_map() == "blocks: RPSS; other: 2 resident (2 required), 0 streamed");
+  CHECK(p.required_bytes == 3 * MiB);
+  CHECK(p.resident_bytes == 3 * MiB + 8 * MiB);
+  CHECK(p.streamed_bytes == 24 * MiB - 8 * MiB);
+  CHECK(p.device_bytes() == 11 * MiB + 8 * MiB + 8 * MiB);
+  CHECK(p.to_string().find("streamed blocks.3.mlp") != std::string::npos);
+}
+
+TEST_CASE("residency plan: everything resident needs no ring") {
+  PlanInput in = single_layer_blocks(4, 10 * MiB);
+  in.scratch_bytes = 5 * MiB;
+  in.weight_budget = 45 * MiB;
+  const ResidencyPlan p = plan_residency(in);
+  CHECK(p.residency_map() == "blocks: RRRR");
+  CHECK(p.ring_slots == 0);
+  CHECK(p.ring_bytes() == 0);
+  CHECK(p.streamed_count() == 0);
+  CHECK(p.device_bytes() == 45 * MiB);
+}
+
+TEST_CASE("residency plan: max_resident caps resident streamable bytes") {
+  PlanInput in = single_layer_blocks(8, 10 * MiB);
+  in.weight_budget = 1000 * MiB;
+  in.max_resident = 0.0;
+  ResidencyPlan p = plan_residency(in);
+  CHECK(p.residency_map() == "blocks: SSSSSSSS");
+  CHECK(p.ring_slots == 3);
+  in.max_resident = 0.5;
+  p = plan_residency(in);
+  CHECK(p.resident_bytes == 40 * MiB);
+  CHECK(longest_streamed_run(p) == 1);
+  in.max_resident = 0.25;
+  p = plan_residency(in);
+  CHECK(p.resident_bytes == 20 * MiB);
+  in.max_resident = 1.0;
+  p = plan_residency(in);
+  CHECK(p.residency_map() == "blocks: RRRRRRRR");
+  in.max_resident = 1.5;
+  CHECK_THROWS_AS(plan_residency(in), sluice::InvalidArgument);
+}
+
+TEST_CASE("residency plan: impossible budget names the minimum") {
+  PlanInput in;
+  in.layers.push_back(layer("embed", 50 * MiB, true));
+  for (int i = 0; i < 6; ++i) in.layers.push_back(layer("blocks." + std::to_string(i) + ".w", 30 * MiB));
+  in.scratch_bytes = 60 * MiB;
+  in.ring_slots = 3;
+  const uint64_t minimum = 50 * MiB + 60 * MiB + 3 * 30 * MiB;
+  CHECK(minimum_weight_budget(in) == minimum);
+  in.weight_budget = minimum - 1;
+  try {
+    plan_residency(in);
+    FAIL("no exception");
+  } catch (const sluice::ResourceError& e) {
+    CHECK(std::string(e.what()).find(sluice::format_mib(minimum)) != std::string::npos);
+  }
+  in.weight_budget = minimum;
+  const ResidencyPlan p = plan_residency(in);
+  CHECK(p.streamed_count() == 6);
+  CHECK(p.device_bytes() == minimum);
+}
+
+TEST_CASE("residency plan: the minimum may keep an outsized layer resident") {
+  PlanInput in;
+  in.layers.push_back(layer("huge", 100 * MiB));
+  for (int i = 0; i < 10; ++i) in.layers.push_back(layer("blocks." + std::to_string(i) + ".w", 1 * MiB));
+  in.ring_slots = 3;
+  // Streaming everything needs a 3 x 100 MiB ring; keeping "huge" resident needs 100 + 3 x 1.
+  CHECK(minimum_weight_budget(in) == 103 * MiB);
+  in.weight_budget = 103 * MiB;
+  const ResidencyPlan p = plan_residency(in);
+  CHECK(p.resident[0]);
+  CHECK(p.slot_bytes == 1 * MiB);
+  CHECK(p.streamed_count() == 10);
+}
+
+TEST_CASE("residency plan: keeping the largest layer resident can shrink the ring") {
+  PlanInput in;
+  in.layers.push_back(layer("blocks.0.big", 20 * MiB));
+  for (int i = 1; i < 7; ++i) in.layers.push_back(layer("blocks." + std::to_string(i) + ".w", 4 * MiB));
+  in.ring_slots = 2;
+  in.policy = ResidencyPolicy::front_first;
+  // All resident needs 44. With 40: streaming the big layer needs a 2 x 20 ring and leaves
+  // nothing; keeping it resident needs 20 + a 2 x 4 ring and leaves 12 = three small ones.
+  in.weight_budget = 40 * MiB;
+  const ResidencyPlan p = plan_residency(in);
+  CHECK(p.resident[0]);
+  CHECK(p.slot_bytes == 4 * MiB);
+  CHECK(p.resident_bytes == 32 * MiB);
+  CHECK(p.residency_map() == "blocks: RRRRSSS");
+  CHECK(p.device_bytes() == 40 * MiB);
+}
+
+TEST_CASE("residency plan: random inputs keep every invariant") {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    PlanInput in;
+    const int blocks = 1 + static_cast<int>(rng() % 12);
+    std::uniform_int_distribution<uint64_t> size(1, 64);
+    if (rng() % 2) in.layers.push_back(layer("t_embedder", size(rng) * 4096, true));
+    for (int b = 0; b < blocks; ++b) {
+      const int per = 1 + static_cast<int>(rng() % 4);
+      for (int l = 0; l < per; ++l) {
+        in.layers.push_back(layer("blocks." + std::to_string(b) + ".l" + std::to_string(l), size(rng) * 4096));
+      }
+    }
+    in.extra_required_bytes = (rng() % 3) * 1000;
+    in.scratch_bytes = (rng() % 5) * 4096;
+    in.ring_slots = 1 + static_cast<uint32_t>(rng() % 4);
+    in.policy = rng() % 2 ? ResidencyPolicy::spread : ResidencyPolicy::front_first;
+    if (rng() % 3 == 0) in.max_resident = static_cast<double>(rng() % 5) / 4.0;
+    const uint64_t minimum = minimum_weight_budget(in);
+    uint64_t streamable = 0;
+    for (const auto& l : in.layers) streamable += l.required ? 0 : l.stored_bytes;
+    in.weight_budget = minimum - 1;
+    CHECK_THROWS_AS(plan_residency(in), sluice::ResourceError);
+    in.weight_budget = minimum + rng() % (streamable + 1);
+    const ResidencyPlan p = plan_residency(in);
+    INFO(p.to_string());
+    CHECK(p.device_bytes() <= in.weight_budget);
+    uint64_t resident_streamable = 0, max_slot = 0;
+    for (size_t i = 0; i < p.layers.size(); ++i) {
+      if (p.layers[i].required) CHECK(p.resident[i]);
+      if (p.resident[i] && !p.layers[i].required) resident_streamable += p.layers[i].stored_bytes;
+      if (!p.resident[i]) max_slot = std::max(max_slot, p.layers[i].slot_size());
+    }
+    CHECK(p.resident_bytes == p.required_bytes + resident_streamable);
+    CHECK(p.streamed_bytes == streamable - resident_streamable);
+    CHECK(p.slot_bytes == max_slot);
+    CHECK((p.ring_slots == 0) == (max_slot == 0));
+    if (in.max_resident) {
+      CHECK(resident_streamable <= static_cast<uint64_t>(*in.max_resident * static_cast<double>(streamable)));
+    } else {
+      // The budget is filled as far as whole layers allow.
+      for (size_t i = 0; i < p.layers.size(); ++i) {
+        if (!p.resident[i]) CHECK(p.layers[i].stored_bytes > in.weight_budget - p.device_bytes());
+      }
+    }
+  }
+}
+
+TEST_CASE("residency plan: policy names") {
+  CHECK(parse_residency_policy("spread") == ResidencyPolicy::spread);
+  CHECK(parse_residency_policy("front-first") == ResidencyPolicy::front_first);
+  CHECK(parse_residency_policy("front_first") == ResidencyPolicy::front_first);
+  CHECK_THROWS_WITH(parse_residency_policy("lru", "--residency"), Catch::Contains("--residency") && Catch::Contains("lru"));
+}
