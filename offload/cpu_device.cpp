@@ -3,6 +3,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -34,12 +35,13 @@ struct CpuEventState {
     std::lock_guard<std::mutex> lock(mutex);
     return recorded;
   }
-  void complete(uint64_t seq) {
+  // `when`: the time the recorded work finished (the modelled time for the copy stream).
+  void complete(uint64_t seq, Clock::time_point when = Clock::now()) {
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (seq > completed) {
         completed = seq;
-        done_at = Clock::now();
+        done_at = when;
       }
     }
     cv.notify_all();
@@ -97,7 +99,12 @@ class CpuDevice final : public DeviceBackend {
     if (stream == StreamKind::compute) {
       state->complete(seq);  // the compute stream is the caller: its work so far is done
     } else {
-      enqueue([state, seq] { state->complete(seq); });
+      const auto enqueued = Clock::now();
+      enqueue([this, state, seq, enqueued] {
+        // Done when the modelled bus finished everything before it (see copy_to_device).
+        bus_free_ = std::max(bus_free_, enqueued);
+        state->complete(seq, std::min(bus_free_, Clock::now()));
+      });
     }
   }
 
@@ -108,7 +115,11 @@ class CpuDevice final : public DeviceBackend {
     if (stream == StreamKind::compute) {
       state->wait_for(target);
     } else {
-      enqueue([state, target] { state->wait_for(target); });
+      enqueue([this, state, target] {
+        state->wait_for(target);
+        std::lock_guard<std::mutex> lock(state->mutex);
+        bus_free_ = std::max(bus_free_, state->done_at);  // later copies start after the event
+      });
     }
   }
 
@@ -130,21 +141,29 @@ class CpuDevice final : public DeviceBackend {
                 src.scalar_type(), "[", src.numel(), "]");
     const double latency_us = options_.copy_latency_us;
     const double rate = options_.copy_bytes_per_second;
-    enqueue([dst, src, before = std::move(before), latency_us, rate] {
+    const auto enqueued = Clock::now();
+    enqueue([this, dst, src, before = std::move(before), latency_us, rate, enqueued] {
       if (before) before();
-      const auto start = Clock::now();
       const size_t n = src.nbytes();
       if (n) std::memcpy(dst.data_ptr(), src.data_ptr(), n);
       double target_us = latency_us;
       if (rate > 0) target_us += static_cast<double>(n) / rate * 1e6;
-      if (target_us > 0) {
-        // Short waits spin (yielding): a sleep can overshoot by a scheduler tick, which would
-        // make many small slowed copies far slower than asked.
-        const auto until = start + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double, std::micro>(target_us));
-        if (until - Clock::now() > std::chrono::milliseconds(2)) std::this_thread::sleep_until(until - std::chrono::milliseconds(1));
-        while (Clock::now() < until) std::this_thread::yield();
+      if (target_us <= 0) {
+        bus_free_ = std::max(bus_free_, Clock::now());  // an unslowed copy took real time
+        return;
       }
+      // A slowed copy models a bus: it starts when both it and the bus are ready and takes
+      // exactly its time, however late this thread got to it. So the modelled bandwidth
+      // holds even when the host oversleeps.
+      const auto start = std::max(bus_free_, enqueued);
+      const auto until = start + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double, std::micro>(target_us));
+      bus_free_ = until;
+      // Short waits spin (yielding): a sleep can overshoot by a scheduler tick.
+      if (until - Clock::now() > std::chrono::milliseconds(2)) {
+        std::this_thread::sleep_until(until - std::chrono::milliseconds(1));
+      }
+      while (Clock::now() < until) std::this_thread::yield();
     });
   }
 
@@ -198,6 +217,7 @@ class CpuDevice final : public DeviceBackend {
   std::deque<std::function<void()>> jobs_;
   bool busy_ = false;
   bool stop_ = false;
+  Clock::time_point bus_free_{};  // when the modelled bus finishes its last copy (worker only)
   std::thread worker_;
 };
 

@@ -81,7 +81,7 @@ struct EngineStats {
   uint64_t streamed_layers = 0;
   uint64_t ring_slots = 0;
   uint64_t slot_bytes = 0;
-  DeviceMemoryStats device_memory;  // what the engine holds on the device
+  DeviceMemoryStats device_memory;  // what the engine holds on the device; peaks since attach or the last residency change
   Stat pinned;                      // pinned host bytes of streamed layers
   Stat residency_h2d;               // bytes copied/dropped by attach and residency changes
   uint64_t forwards = 0;
