@@ -135,7 +135,8 @@ std::string plural(size_t n, const std::string& one, const std::string& many) {
   return std::to_string(n) + " " + (n == 1 ? one : many);
 }
 
-// The tensor to copy into a parameter: the file's view, dequantized when scaled.
+}  // namespace
+
 at::Tensor source_tensor(const safetensors::File& f, const TensorSource& src, const std::string& name,
                          int64_t out_rows) {
   at::Tensor t = f.tensor(src.key);
@@ -152,8 +153,6 @@ at::Tensor source_tensor(const safetensors::File& f, const TensorSource& src, co
   }
   return t.to(at::kFloat) * scale;
 }
-
-}  // namespace
 
 std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& f, const std::string& prefix) {
   std::map<std::string, TensorSource> out;

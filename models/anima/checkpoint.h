@@ -61,6 +61,12 @@ struct TensorSource {
 // [checkpoint keys]). Throws CheckpointError for undecodable quantization markers.
 std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& file, const std::string& prefix);
 
+// The values of one model tensor: the file's zero-copy view, or for scaled fp8 the
+// dequantized fp32 tensor (scale per tensor or per output row; out_rows = size(0)).
+// `name` is used in messages. Throws CheckpointError for a scale of the wrong shape.
+at::Tensor source_tensor(const safetensors::File& file, const TensorSource& src, const std::string& name,
+                         int64_t out_rows);
+
 // Options for load_anima.
 struct LoadOptions {
   std::optional<AnimaConfig> config;  // overrides the inferred config; must match the file
