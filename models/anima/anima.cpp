@@ -44,6 +44,11 @@ void require_compute_dtype(const at::Tensor& t, const char* name, at::ScalarType
 
 }  // namespace
 
+const std::vector<std::string>& declared_fp8_skips() {
+  static const std::vector<std::string> skips = {"t_embedder", "x_embedder", "final_layer"};
+  return skips;
+}
+
 AnimaModelImpl::AnimaModelImpl(AnimaConfig config, BuildOptions options)
     : config_(std::move(config)), compute_dtype_(options.dtype) {
   if (!is_compute_dtype(options.dtype)) {

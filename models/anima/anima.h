@@ -36,6 +36,10 @@ struct BuildOptions {
   at::Device device = at::kCPU;       // at::kMeta builds shape-only (no allocation)
 };
 
+// The skip patterns Anima declares for fp8 storage (DESIGN.md §2): t_embedder,
+// x_embedder, final_layer. On anima-2b they match exactly 6 Linears.
+const std::vector<std::string>& declared_fp8_skips();
+
 class AnimaModelImpl : public torch::nn::Module {
  public:
   // Weights are uninitialised (at::empty, so untouched pages cost no RAM) except norm

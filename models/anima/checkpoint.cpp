@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "models/anima/generator.h"
+#include "offload/storage.h"
 #include "runtime/error.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
@@ -134,7 +135,8 @@ std::string plural(size_t n, const std::string& one, const std::string& many) {
   return std::to_string(n) + " " + (n == 1 ? one : many);
 }
 
-// The tensor to copy into a parameter: the file's view, dequantized when scaled.
+}  // namespace
+
 at::Tensor source_tensor(const safetensors::File& f, const TensorSource& src, const std::string& name,
                          int64_t out_rows) {
   at::Tensor t = f.tensor(src.key);
@@ -151,8 +153,6 @@ at::Tensor source_tensor(const safetensors::File& f, const TensorSource& src, co
   }
   return t.to(at::kFloat) * scale;
 }
-
-}  // namespace
 
 std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& f, const std::string& prefix) {
   std::map<std::string, TensorSource> out;
@@ -297,17 +297,25 @@ AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
   if (!probe.has_adapter) {
     log::warn("checkpoint '" + path + "' has no llm_adapter tensors; loading the DiT only (encode_text unavailable)");
   }
+  std::optional<Fp8Options> storage = options.storage;
+  if (storage) {
+    const DtypePair pair = resolve_dtypes(storage->storage, storage->compute, options.device);
+    storage->storage = pair.storage;
+    storage->compute = pair.compute;
+  }
+  const at::ScalarType build_dtype = storage ? storage->compute : options.dtype;
   AnimaModel model{nullptr};
   try {
-    model = AnimaModel(config, BuildOptions{options.dtype, options.device});
+    model = AnimaModel(config, BuildOptions{build_dtype, options.device});
   } catch (const InvalidArgument& e) {
     throw CheckpointError("checkpoint '" + path + "': cannot build a model for it: " + e.what());
   }
   load_weights(*model, *file, probe.prefix);
+  if (storage) offload::apply_storage(*model, config.name, *storage, declared_fp8_skips());
   std::ostringstream s;
   s << "loaded " << probe.tensors << " tensors from '" << path << "' (prefix '" << probe.prefix << "', "
     << config.num_blocks << " blocks, " << (config.adapter.enabled ? "with" : "without") << " LLM adapter) as "
-    << options.dtype << " on " << options.device;
+    << build_dtype << " on " << options.device;
   log::info(s.str());
   return model;
 }

@@ -22,6 +22,7 @@
 
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
+#include "runtime/dtype_policy.h"
 
 namespace sluice::safetensors {
 class File;
@@ -60,15 +61,27 @@ struct TensorSource {
 // [checkpoint keys]). Throws CheckpointError for undecodable quantization markers.
 std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& file, const std::string& prefix);
 
+// The values of one model tensor: the file's zero-copy view, or for scaled fp8 the
+// dequantized fp32 tensor (scale per tensor or per output row; out_rows = size(0)).
+// `name` is used in messages. Throws CheckpointError for a scale of the wrong shape.
+at::Tensor source_tensor(const safetensors::File& file, const TensorSource& src, const std::string& name,
+                         int64_t out_rows);
+
 // Options for load_anima.
 struct LoadOptions {
   std::optional<AnimaConfig> config;  // overrides the inferred config; must match the file
-  at::ScalarType dtype = at::kFloat;  // weights are converted to this dtype
+  at::ScalarType dtype = at::kFloat;  // weights are converted to this dtype (when `storage` is unset)
   at::Device device = at::kCPU;       // where the weights end up
+  // Layerwise storage (fp8). Unset: every weight in `dtype`. Set: the model is built and
+  // read in storage->compute (norms stay there; `dtype` is not used), then
+  // offload::apply_storage casts the Linears/Embeddings that match no skip pattern
+  // (defaults + declared_fp8_skips() + extras) to the storage dtype resolved for `device`.
+  std::optional<Fp8Options> storage;
 };
 
-// Opens, probes, builds and strictly loads. Throws FileError (unreadable file),
-// CheckpointError naming the file (not Anima, missing/unexpected keys, shape mismatches).
+// Opens, probes, builds and strictly loads, then applies options.storage. Throws FileError
+// (unreadable file), CheckpointError naming the file (not Anima, missing/unexpected keys,
+// shape mismatches), InvalidArgument for bad storage options or NaN/inf weights under fp8.
 // A DiT-only file (no llm_adapter keys) loads with adapter.enabled = false.
 AnimaModel load_anima(const std::string& path, const LoadOptions& options = {});
 

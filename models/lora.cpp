@@ -1,0 +1,338 @@
+#include "models/lora.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "offload/layer.h"
+#include "runtime/error.h"
+#include "runtime/safetensors.h"
+
+namespace sluice {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Prefixes exporters put in front of the model's own module path.
+const std::vector<std::string>& dotted_prefixes() {
+  static const std::vector<std::string> p = {"model.diffusion_model.", "diffusion_model.", "transformer.", "net.",
+                                             "base_model.model.", "model."};
+  return p;
+}
+// kohya's flattened forms: prefix + module path with '.' replaced by '_'.
+const std::vector<std::string>& flat_prefixes() {
+  static const std::vector<std::string> p = {"lora_unet_", "lora_transformer_"};
+  return p;
+}
+
+bool contains(const std::vector<std::string>& names, const std::string& n) {
+  return std::find(names.begin(), names.end(), n) != names.end();
+}
+
+// Splits "<stem>.<lora suffix>" into part and stem; false when there is no LoRA suffix.
+bool split_suffix(const std::string& key, LoraPart& part, std::string& stem) {
+  if (ends_with(key, ".alpha")) {
+    part = LoraPart::alpha;
+    stem = key.substr(0, key.size() - 6);
+    return true;
+  }
+  if (!ends_with(key, ".weight")) return false;
+  const std::string s = key.substr(0, key.size() - 7);
+  const std::pair<const char*, LoraPart> tails[] = {
+      {".lora_down", LoraPart::down}, {".lora_up", LoraPart::up}, {".lora_A", LoraPart::down}, {".lora_B", LoraPart::up}};
+  for (const auto& [tail, p] : tails) {
+    if (ends_with(s, tail)) {
+      part = p;
+      stem = s.substr(0, s.size() - std::char_traits<char>::length(tail));
+      return true;
+    }
+  }
+  // PEFT with an adapter name: <m>.lora_A.<adapter>.weight.
+  const size_t dot = s.rfind('.');
+  if (dot == std::string::npos) return false;
+  const std::string head = s.substr(0, dot);
+  for (const auto& [tail, p] : {std::pair<const char*, LoraPart>{".lora_A", LoraPart::down}, {".lora_B", LoraPart::up}}) {
+    if (ends_with(head, tail)) {
+      part = p;
+      stem = head.substr(0, head.size() - std::char_traits<char>::length(tail));
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string flatten(const std::string& s) {
+  std::string f = s;
+  std::replace(f.begin(), f.end(), '.', '_');
+  return f;
+}
+
+}  // namespace
+
+std::optional<LoraKeyMatch> map_lora_key(const std::string& key, const std::vector<std::string>& module_names) {
+  LoraKeyMatch m;
+  std::string stem;
+  if (!split_suffix(key, m.part, stem)) return std::nullopt;
+
+  // kohya's flattened names.
+  for (const auto& fp : flat_prefixes()) {
+    if (!starts_with(stem, fp)) continue;
+    const std::string flat = stem.substr(fp.size());
+    const std::string* found = nullptr;
+    int hits = 0;
+    for (const auto& n : module_names) {
+      if (flatten(n) == flat) {
+        found = &n;
+        ++hits;
+      }
+    }
+    m.known = hits == 1;
+    m.module = hits == 1 ? *found : flat;
+    return m;
+  }
+
+  // Dotted names: the stem itself, then with known prefixes stripped one at a time.
+  std::string s = stem;
+  while (true) {
+    if (contains(module_names, s)) {
+      m.module = s;
+      m.known = true;
+      return m;
+    }
+    bool stripped = false;
+    for (const auto& p : dotted_prefixes()) {
+      if (starts_with(s, p) && s.size() > p.size()) {
+        s = s.substr(p.size());
+        stripped = true;
+        break;
+      }
+    }
+    if (!stripped) break;
+  }
+  m.module = s;
+  m.known = false;
+  return m;
+}
+
+int64_t LoraAdapter::rank() const {
+  int64_t r = 0;
+  for (const auto& t : targets) r = std::max(r, t.down.size(0));
+  return r;
+}
+
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+std::string list_some(const std::vector<std::string>& items) {
+  std::string s;
+  const size_t n = std::min<size_t>(items.size(), 10);
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + items[i];
+  if (items.size() > n) s += c10::str(", ... (", items.size(), " in all)");
+  return s;
+}
+
+// Checks that `t` can be added to `layer` as part `part`; returns the problem or "".
+std::string shape_problem(const offload::ManagedLayerImpl& layer, const at::Tensor& down, const at::Tensor& up) {
+  const at::IntArrayRef w = layer.stored_weight().sizes();  // [out, in]
+  if (layer.kind() != offload::LayerKind::linear) return layer.qualified_name() + " is an embedding (LoRA needs a Linear)";
+  const bool ok = down.dim() == 2 && up.dim() == 2 && down.size(0) == up.size(1) && down.size(0) > 0 &&
+                  down.size(1) == w[1] && up.size(0) == w[0];
+  if (ok) return "";
+  return c10::str(layer.qualified_name(), ": down ", shape_str(down.sizes()), ", up ", shape_str(up.sizes()),
+                  " do not fit the layer's [out, in] = ", shape_str(w), " (want down [rank, ", w[1], "], up [", w[0],
+                  ", rank])");
+}
+
+std::map<std::string, std::shared_ptr<offload::ManagedLayerImpl>> layers_by_name(torch::nn::Module& model) {
+  std::map<std::string, std::shared_ptr<offload::ManagedLayerImpl>> out;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (auto l = std::dynamic_pointer_cast<offload::ManagedLayerImpl>(item.value())) out.emplace(item.key(), l);
+  }
+  return out;
+}
+
+}  // namespace
+
+LoraAdapter lora_from_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              torch::nn::Module& model, const std::string& source) {
+  const auto layers = offload::managed_layers(model);
+  std::vector<std::string> names;
+  names.reserve(layers.size());
+  for (const auto& [n, l] : layers) names.push_back(n);
+
+  struct Parts {
+    at::Tensor down, up, alpha;
+    std::string down_key, up_key;
+  };
+  std::map<std::string, Parts> by_module;
+  std::vector<std::string> not_lora, unknown, duplicate, bad_values;
+  std::set<std::string> unknown_seen;
+  for (const auto& [key, t] : tensors) {
+    const auto m = map_lora_key(key, names);
+    if (!m) {
+      not_lora.push_back(key);
+      continue;
+    }
+    if (!m->known) {
+      if (unknown_seen.insert(m->module).second) unknown.push_back(m->module);
+      continue;
+    }
+    if (!t.is_floating_point()) {
+      bad_values.push_back(c10::str(key, " has dtype ", t.scalar_type()));
+      continue;
+    }
+    Parts& p = by_module[m->module];
+    at::Tensor& slot = m->part == LoraPart::down ? p.down : m->part == LoraPart::up ? p.up : p.alpha;
+    if (slot.defined()) {
+      duplicate.push_back(key);
+      continue;
+    }
+    slot = t;
+    if (m->part == LoraPart::down) p.down_key = key;
+    if (m->part == LoraPart::up) p.up_key = key;
+  }
+
+  std::vector<std::string> incomplete, mismatched;
+  std::map<std::string, const offload::ManagedLayerImpl*> layer_of;
+  for (const auto& [n, l] : layers) layer_of[n] = l;
+  for (const auto& [module, p] : by_module) {
+    if (!p.down.defined() || !p.up.defined()) {
+      incomplete.push_back(module + (p.down.defined() ? " (no up/lora_B)" : " (no down/lora_A)"));
+      continue;
+    }
+    const std::string problem = shape_problem(*layer_of.at(module), p.down, p.up);
+    if (!problem.empty()) mismatched.push_back(problem);
+    if (p.alpha.defined() && p.alpha.numel() != 1) {
+      mismatched.push_back(c10::str(module, ".alpha has shape ", shape_str(p.alpha.sizes()), " (want a scalar)"));
+    }
+  }
+
+  if (!not_lora.empty() || !unknown.empty() || !duplicate.empty() || !bad_values.empty() || !incomplete.empty() ||
+      !mismatched.empty()) {
+    std::string msg = "LoRA '" + source + "' does not fit the model:";
+    std::string sep = " ";
+    auto add = [&](const std::vector<std::string>& v, const char* what) {
+      if (v.empty()) return;
+      msg += c10::str(sep, v.size(), " ", what, ": ", list_some(v));
+      sep = "; ";
+    };
+    add(not_lora, "keys that are no LoRA key");
+    add(unknown, "unknown target modules");
+    add(duplicate, "duplicate keys");
+    add(bad_values, "non-float tensors");
+    add(incomplete, "incomplete pairs");
+    add(mismatched, "shape mismatches");
+    throw CheckpointError(msg);
+  }
+
+  at::NoGradGuard no_grad;
+  LoraAdapter a;
+  a.source = source;
+  for (const auto& [name, layer] : layers) {
+    auto it = by_module.find(name);
+    if (it == by_module.end()) continue;
+    const Parts& p = it->second;
+    LoraTarget t;
+    t.module = name;
+    // Owned copies: the inputs may be views on a file mapping.
+    t.down = p.down.to(at::kCPU).contiguous().clone();
+    t.up = p.up.to(at::kCPU).contiguous().clone();
+    for (const auto& [key, v] : {std::pair<const std::string&, const at::Tensor&>{p.down_key, t.down},
+                                 std::pair<const std::string&, const at::Tensor&>{p.up_key, t.up}}) {
+      if (!at::isfinite(v.to(at::kFloat)).all().item<bool>()) {
+        throw CheckpointError("LoRA '" + source + "': tensor '" + key + "' holds NaN or inf values");
+      }
+    }
+    const double rank = static_cast<double>(t.down.size(0));
+    if (p.alpha.defined()) {
+      const double alpha = p.alpha.to(at::kDouble).item<double>();
+      if (!std::isfinite(alpha)) {
+        throw CheckpointError(c10::str("LoRA '", source, "': ", name, ".alpha is ", alpha, " (must be finite)"));
+      }
+      t.alpha_scale = alpha / rank;
+    }
+    a.targets.push_back(std::move(t));
+  }
+  return a;
+}
+
+LoraAdapter load_lora(const std::string& path, torch::nn::Module& model) {
+  const auto file = safetensors::File::open(path);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  tensors.reserve(file->tensors().size());
+  for (const auto& info : file->tensors()) tensors.emplace_back(info.name, file->tensor(info.name));
+  return lora_from_tensors(tensors, model, path);
+}
+
+namespace {
+std::atomic<int64_t> next_lora_id{1};
+}
+
+LoraScope::LoraScope(torch::nn::Module& model, const LoraAdapter& adapter, double strength,
+                     std::optional<at::Device> device)
+    : id_(next_lora_id.fetch_add(1)) {
+  if (!std::isfinite(strength)) {
+    throw InvalidArgument(c10::str("LoRA '", adapter.source, "': strength ", strength, " is not finite"));
+  }
+  const auto layers = layers_by_name(model);
+  // Validate and convert everything first, so that a failure patches nothing.
+  std::vector<std::pair<std::shared_ptr<offload::ManagedLayerImpl>, offload::LoraSidecar>> staged;
+  std::vector<std::string> missing, mismatched;
+  at::NoGradGuard no_grad;
+  for (const auto& t : adapter.targets) {
+    auto it = layers.find(t.module);
+    if (it == layers.end()) {
+      missing.push_back(t.module);
+      continue;
+    }
+    const std::string problem = shape_problem(*it->second, t.down, t.up);
+    if (!problem.empty()) {
+      mismatched.push_back(problem);
+      continue;
+    }
+    const auto& layer = it->second;
+    const at::Device dev = device.value_or(layer->stored_weight().device());
+    offload::LoraSidecar s;
+    s.down = t.down.to(dev, layer->compute_dtype());
+    s.up = t.up.to(dev, layer->compute_dtype());
+    s.scale = t.alpha_scale * strength;
+    s.id = id_;
+    staged.emplace_back(layer, std::move(s));
+  }
+  if (!missing.empty() || !mismatched.empty()) {
+    std::string msg = "LoRA '" + adapter.source + "' cannot patch this model:";
+    if (!missing.empty()) msg += c10::str(" ", missing.size(), " unknown target modules: ", list_some(missing));
+    if (!mismatched.empty()) {
+      msg += c10::str(missing.empty() ? " " : "; ", mismatched.size(), " shape mismatches: ", list_some(mismatched));
+    }
+    throw CheckpointError(msg);
+  }
+  layers_.reserve(staged.size());
+  for (auto& [layer, s] : staged) {
+    layer->loras().push_back(std::move(s));
+    layers_.push_back(layer);
+  }
+}
+
+LoraScope::~LoraScope() {
+  for (const auto& layer : layers_) {
+    auto& v = layer->loras();
+    v.erase(std::remove_if(v.begin(), v.end(), [&](const offload::LoraSidecar& s) { return s.id == id_; }), v.end());
+  }
+}
+
+}  // namespace sluice

@@ -1,0 +1,124 @@
+#include "offload/storage.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <cmath>
+
+#include "offload/layer.h"
+#include "runtime/fp8.h"
+#include "runtime/host_memory.h"
+#include "runtime/logging.h"
+#include "runtime/skip_patterns.h"
+
+namespace sluice::offload {
+
+namespace {
+
+// A meta tensor only changes dtype; a CPU result is moved into sluice-owned host memory
+// (counted by host_memory_stats(), like the loader's copies); other devices keep ATen's.
+at::Tensor owned(const at::Tensor& t) {
+  if (t.device().is_cpu()) return to_host_owned(t, t.scalar_type());
+  return t;
+}
+
+struct Cast {
+  at::Tensor weight, bias, scale;
+  int64_t clipped = 0;
+};
+
+Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Options& options) {
+  Cast c;
+  const at::Tensor& w = layer.stored_weight();
+  const at::Tensor& b = layer.stored_bias();
+  if (w.is_meta()) {
+    // Shape only: no values to check. A scaled layout still gets its (meta) scale so the
+    // layer looks exactly as it would after a real cast.
+    c.weight = w.to(dtype);
+    if (b.defined()) c.bias = b.to(dtype);
+    if (is_fp8(dtype) && w.dim() >= 2 && options.scale_mode != ScaleMode::none) {
+      c.scale = options.scale_mode == ScaleMode::per_tensor ? at::empty({}, w.options().dtype(at::kFloat))
+                                                            : at::empty({w.size(0)}, w.options().dtype(at::kFloat));
+    }
+    return c;
+  }
+  // A weight that is already in the target dtype with no scale to produce stays as is
+  // (no copy); anything else goes through the checked cast.
+  const bool want_scale = is_fp8(dtype) && w.dim() >= 2 && options.scale_mode != ScaleMode::none;
+  if (w.scalar_type() == dtype && !want_scale && !layer.weight_scale().defined()) {
+    c.weight = w;
+  } else {
+    const at::Tensor src = layer.weight_scale().defined() ? layer.upcast_stored().weight : w;
+    StorageCast sc = cast_to_storage(src, dtype, layer.qualified_name() + ".weight", options);
+    c.weight = owned(sc.stored);
+    c.scale = sc.scale;
+    c.clipped += sc.clipped;
+  }
+  if (b.defined()) {
+    if (b.scalar_type() == dtype) {
+      c.bias = b;
+    } else {
+      StorageCast sc = cast_to_storage(b, dtype, layer.qualified_name() + ".bias", options);
+      c.bias = owned(sc.stored);
+      c.clipped += sc.clipped;
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+int64_t param_bytes(torch::nn::Module& model) {
+  int64_t n = 0;
+  for (const auto& p : model.parameters(/*recurse=*/true)) n += p.numel() * static_cast<int64_t>(p.element_size());
+  return n;
+}
+
+StorageReport apply_storage(torch::nn::Module& model, const std::string& model_name, const Fp8Options& options,
+                            const std::vector<std::string>& model_declared_skips) {
+  check_storage_dtype(options.storage);
+  check_compute_dtype(options.compute);
+  const SkipList skips = SkipList::from_options(options, model_declared_skips);
+
+  StorageReport r;
+  r.model_name = model_name;
+  r.dtypes.storage = options.storage;
+  r.dtypes.compute = options.compute;
+  r.patterns = skips.patterns();
+
+  at::NoGradGuard no_grad;
+  for (const auto& [name, layer] : managed_layers(model)) {
+    const auto pattern = skips.matches(name);
+    const at::ScalarType dtype = pattern ? options.compute : options.storage;
+    const int64_t elements = layer->stored_weight().numel() + (layer->has_bias() ? layer->stored_bias().numel() : 0);
+    // Cast first, then commit: a throwing cast leaves this layer untouched.
+    Cast c = cast_layer(*layer, dtype, options);
+    layer->set_stored(c.weight, c.bias.defined() ? std::optional<at::Tensor>(c.bias) : std::nullopt);
+    layer->set_weight_scale(c.scale);
+    layer->set_compute_dtype(options.compute);
+    r.clipped += c.clipped;
+    if (pattern) {
+      r.skipped.emplace_back(name, *pattern);
+      r.skipped_params += elements;
+    } else {
+      r.cast_layers += 1;
+      r.cast_params += elements;
+    }
+  }
+  r.param_bytes = param_bytes(model);
+
+  if (is_fp8(options.storage)) {
+    log::info(c10::str("FP8 layerwise casting enabled for ", model_name, " (storage=", dtype_name(options.storage),
+                       ", compute=", dtype_name(options.compute),
+                       ", param_size=", static_cast<int64_t>(std::llround(r.param_mib())), "MB)"));
+    if (!r.skipped.empty()) {
+      std::string list;
+      for (const auto& [module, pattern] : r.skipped) list += (list.empty() ? "" : ", ") + module;
+      log::debug(c10::str(model_name, ": ", r.skipped.size(), " layers kept in ", dtype_name(options.compute), ": ",
+                          list));
+    }
+  }
+  return r;
+}
+
+}  // namespace sluice::offload
