@@ -226,6 +226,101 @@ TEST_CASE("inspect --config --dtype float32 doubles the bytes and the text outpu
   CHECK(r.out.find("anima") != std::string::npos);
 }
 
+// DESIGN.md §2's size table, from the CLI on the shape-only anima-2b build.
+TEST_CASE("inspect --storage reproduces the anima-2b fp8 size table exactly") {
+  auto size = [](std::vector<std::string> extra) {
+    std::vector<std::string> args{"--config", "anima-2b"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto j = inspect_json(args);
+    INFO(j.dump());
+    return std::llround(j.at("param_size_mib").get<double>() * 10.0);
+  };
+  CHECK(size({}) == 39884);
+  CHECK(size({"--storage", "bfloat16"}) == 39884);
+  CHECK(size({"--storage", "float8_e4m3fn", "--no-default-skips", "--no-model-skips"}) == 19942);
+  CHECK(size({"--storage", "float8_e4m3fn", "--no-default-skips", "--no-model-skips", "--skip", "t_embedder"}) == 20102);
+  CHECK(size({"--storage", "float8_e4m3fn"}) == 20120);
+  CHECK(size({"--storage", "float8_e4m3fn", "--no-default-skips"}) == 20120);  // defaults match nothing on anima-2b
+  // The in-block modules are adaln_modulation_{self_attn,cross_attn,mlp}: a whole-component
+  // plain name would not reach them, so the table's "+ adaln_modulation" row is the regex.
+  CHECK(size({"--storage", "float8_e4m3fn", "--skip", "adaln_modulation\\w*"}) == 21800);
+  CHECK(size({"--storage", "float8_e4m3fn", "--skip", "adaln_modulation"}) == 20120);
+  // The text output carries the same figure.
+  const Result r = run_ok({"inspect", "--config", "anima-2b", "--storage", "float8_e4m3fn"});
+  CHECK(r.out.find("param_size  2012.0 MiB") != std::string::npos);
+}
+
+TEST_CASE("inspect --storage lists exactly the 6 modules Anima's declared skips keep on anima-2b") {
+  const auto j = inspect_json({"--config", "anima-2b", "--storage", "float8_e4m3fn"});
+  const auto& f = j.at("fp8");
+  CHECK(f.at("storage") == "float8_e4m3fn");
+  CHECK(f.at("compute") == "bfloat16");
+  std::vector<std::string> skipped;
+  for (const auto& k : f.at("skipped")) skipped.push_back(k.at("module").get<std::string>());
+  std::sort(skipped.begin(), skipped.end());
+  const std::vector<std::string> expected{"final_layer.adaln_modulation.1", "final_layer.adaln_modulation.2",
+                                          "final_layer.linear",             "t_embedder.1.linear_1",
+                                          "t_embedder.1.linear_2",          "x_embedder.proj.1"};
+  CHECK(skipped == expected);
+  // --no-model-skips keeps nothing (the defaults match no anima-2b Linear).
+  const auto none = inspect_json({"--config", "anima-2b", "--storage", "float8_e4m3fn", "--no-model-skips"});
+  CHECK(none.at("fp8").at("skipped").empty());
+  CHECK(none.at("fp8").at("cast_layers").get<int64_t>() == f.at("cast_layers").get<int64_t>() + 6);
+}
+
+TEST_CASE("inspect --storage on a checkpoint file reports the what-if size of its config") {
+  TempDir dir;
+  const std::string ckpt = dir / "tiny.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "3", "--out", ckpt});
+  const auto file = inspect_json({ckpt, "--storage", "float8_e4m3fn"});
+  const auto config = inspect_json({"--config", "anima-tiny", "--storage", "float8_e4m3fn"});
+  CHECK(file.at("fp8").at("param_bytes") == config.at("fp8").at("param_bytes"));
+  CHECK(file.at("fp8").at("skipped") == config.at("fp8").at("skipped"));
+  // fp8 halves every cast parameter's two bf16 bytes.
+  const int64_t bf16 = file.at("bytes").get<int64_t>();
+  CHECK(file.at("fp8").at("param_bytes").get<int64_t>() == bf16 - file.at("fp8").at("cast_parameters").get<int64_t>());
+  expect_error({"inspect", "--config", "anima-tiny", "--storage", "float8_e4m3fn", "--skip", "("}, 1, {"("});
+  expect_error({"inspect", "--config", "anima-tiny", "--storage", "int4"}, 2, {"int4"});
+  expect_error({"inspect", "--config", "anima-tiny", "--skip", "t_embedder"}, 2, {"--storage"});
+}
+
+TEST_CASE("fp8-report runs on a generated checkpoint: groups candidates and forward errors") {
+  TempDir dir;
+  const std::string ckpt = dir / "small.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "5", "--out", ckpt});
+  const auto j = nlohmann::json::parse(run_ok({"fp8-report", ckpt, "--forward", "--latent", "8", "--json"}).out);
+  INFO(j.dump());
+  std::vector<std::string> groups;
+  for (const auto& g : j.at("groups")) {
+    groups.push_back(g.at("group").get<std::string>());
+    CHECK(g.at("parameters").get<int64_t>() > 0);
+    const double err = g.at("roundtrip_rel_error").get<double>();
+    CHECK(err > 0.0);
+    CHECK(err < 0.1);  // e4m3 keeps 3 mantissa bits: about 2-4% relative error on normal values
+  }
+  for (const char* g : {"t_embedder", "x_embedder", "final_layer", "adaln_modulation", "self_attn", "cross_attn", "mlp",
+                        "llm_adapter"})
+    CHECK(std::find(groups.begin(), groups.end(), g) != groups.end());
+  REQUIRE(j.at("candidates").size() == 4);
+  double previous_size = 0;
+  int64_t previous_skipped = -1;
+  for (const auto& c : j.at("candidates")) {
+    // Each candidate keeps more in bf16 than the one before (sizes are rounded to 0.1 MiB,
+    // too coarse to grow at every step on anima-tiny); forward errors are set.
+    CHECK(c.at("skipped_modules").get<int64_t>() > previous_skipped);
+    CHECK(c.at("param_size_mib").get<double>() >= previous_size);
+    previous_skipped = c.at("skipped_modules").get<int64_t>();
+    previous_size = c.at("param_size_mib").get<double>();
+    CHECK(c.at("velocity_rel_l2").get<double>() > 0.0);
+  }
+  CHECK(j.at("candidates").back().at("param_size_mib").get<double>() > j.at("candidates").front().at("param_size_mib").get<double>());
+  const Result text = run_ok({"fp8-report", ckpt, "--storage", "float8_e5m2"});
+  CHECK(text.out.find("llm_adapter") != std::string::npos);
+  CHECK(text.out.find("float8_e5m2") != std::string::npos);
+  expect_error({"fp8-report", dir / "missing.safetensors"}, 1, {"missing.safetensors"});
+  expect_error({"fp8-report", ckpt, "--storage", "bfloat16"}, 2, {"bfloat16"});
+}
+
 TEST_CASE("make-checkpoint writes a checkpoint that inspect describes") {
   TempDir dir;
   const std::string ckpt = dir / "tiny.safetensors";
