@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "runtime/error.h"
+#include "sluice/inspect.hpp"
 #include "sluice/sluice.hpp"
 
 namespace py = pybind11;
@@ -83,6 +84,14 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("version", &sluice::version);
+  m.def(
+      "inspect_json",
+      [](const std::string& source, const std::string& storage) {
+        sluice::InspectOptions o;
+        o.storage = storage;
+        return sluice::inspect(source, o).json;
+      },
+      py::arg("source"), py::arg("storage") = "", release_gil());
 
   py::class_<sluice::RuntimeOptions>(m, "RuntimeOptions")
       .def(py::init(&runtime_options), py::arg("device") = "cpu", py::arg("vram_budget") = "",
