@@ -281,9 +281,17 @@ std::string ModelCache::budget_error(const Entry& e) const {
   if (options_.working_memory) {
     need = m + *options_.working_memory;
   } else {
-    const uint64_t w = default_working_memory(UINT64_MAX / 2, options_.resolution);  // the uncapped size
-    need = std::min(m + w, std::max(m + 1, (m * 4 + 2) / 3));
-    while (need - default_working_memory(need, options_.resolution) < m) ++need;
+    // B - default_working_memory(B) never decreases as B grows: bisect.
+    uint64_t lo = m, hi = m + default_working_memory(UINT64_MAX / 4, options_.resolution);
+    while (lo < hi) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      if (mid - default_working_memory(mid, options_.resolution) >= m) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    need = lo;
   }
   std::ostringstream msg;
   msg << "vram budget " << format_mib(budget_) << " is too small for model '" << e.name << "' on " << device_->name()
@@ -607,7 +615,7 @@ int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit
     if (e.dropped) {
       evict(e);
     } else {
-      make_ram_room(0, nullptr);
+      make_ram_room(0, &e);  // just used: others go first
     }
   }
   return static_cast<int64_t>(after) - static_cast<int64_t>(before);
