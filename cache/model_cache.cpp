@@ -281,9 +281,17 @@ std::string ModelCache::budget_error(const Entry& e) const {
   if (options_.working_memory) {
     need = m + *options_.working_memory;
   } else {
-    const uint64_t w = default_working_memory(UINT64_MAX / 2, options_.resolution);  // the uncapped size
-    need = std::min(m + w, std::max(m + 1, (m * 4 + 2) / 3));
-    while (need - default_working_memory(need, options_.resolution) < m) ++need;
+    // B - default_working_memory(B) never decreases as B grows: bisect.
+    uint64_t lo = m, hi = m + default_working_memory(UINT64_MAX / 4, options_.resolution);
+    while (lo < hi) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      if (mid - default_working_memory(mid, options_.resolution) >= m) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    need = lo;
   }
   std::ostringstream msg;
   msg << "vram budget " << format_mib(budget_) << " is too small for model '" << e.name << "' on " << device_->name()
@@ -571,6 +579,7 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
       entries_.push_back(e);
     }
   }
+  g.unlock();
   with_pinned(e, /*count_hit=*/true, [&](Entry& en, Guard& gg) {
     if (!created && spec.max_resident && spec.max_resident != en.max_resident) {
       apply_max_resident(en, spec.max_resident);
@@ -607,7 +616,7 @@ int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit
     if (e.dropped) {
       evict(e);
     } else {
-      make_ram_room(0, nullptr);
+      make_ram_room(0, &e);  // just used: others go first
     }
   }
   return static_cast<int64_t>(after) - static_cast<int64_t>(before);
@@ -794,6 +803,7 @@ void ModelCache::set_vram_budget(uint64_t budget_request) {
   }
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
   device_->set_memory_limit(new_limit);
+  device_->reset_memory_peak();  // peaks count under the current budget
   log::info("vram budget " + format_mib(budget) + " on " + device_->name() + " (working memory " + format_mib(wm) +
             ")");
   // More room: attached models grow towards what they want, most recently used first.
@@ -872,6 +882,10 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
   j["budget"]["budget_bytes"] = budget_;
   j["budget"]["working_memory_bytes"] = working_memory_;
   j["budget"]["share_bytes"] = e->attached ? e->share : 0;
+  {
+    const EntryState st = entry_state_locked(e);
+    j["model"]["streamed_bytes_by_forward"] = {{"dit", st.streamed_dit}, {"adapter", st.streamed_adapter}};
+  }
   j["model"]["in_ram"] = static_cast<bool>(e->model);
   j["model"]["on_device"] = e->attached;
   j["model"]["storage_dtype"] = dtype_name(e->dtypes.storage);
@@ -897,6 +911,10 @@ anima::AnimaConfig ModelCache::entry_config(const std::shared_ptr<Entry>& e) con
 
 ModelCache::EntryState ModelCache::entry_state(const std::shared_ptr<Entry>& e) const {
   std::lock_guard<std::mutex> g(mutex_);
+  return entry_state_locked(e);
+}
+
+ModelCache::EntryState ModelCache::entry_state_locked(const std::shared_ptr<Entry>& e) const {
   std::lock_guard<std::mutex> run(e->run);
   EntryState s;
   s.in_ram = static_cast<bool>(e->model);
@@ -911,7 +929,15 @@ ModelCache::EntryState ModelCache::entry_state(const std::shared_ptr<Entry>& e) 
     s.wanted = e->needs.wanted;
     s.full = e->needs.full;
   }
-  if (e->attached) s.residency = e->engine->plan().residency_map();
+  if (e->attached) {
+    const offload::ResidencyPlan& plan = e->engine->plan();
+    s.residency = plan.residency_map();
+    for (size_t i = 0; i < plan.layers.size(); ++i) {
+      if (plan.resident[i]) continue;
+      (plan.layers[i].name.rfind("llm_adapter.", 0) == 0 ? s.streamed_adapter : s.streamed_dit) +=
+          plan.layers[i].stored_bytes;
+    }
+  }
   return s;
 }
 
