@@ -4,6 +4,7 @@
 // snapshot, the device accounting is back to its pre-fault level (or, for a degraded mode,
 // exactly what the engine holds), and the next forward equals the reference bit for bit.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -415,10 +416,13 @@ TEST_CASE("faults: a copy that cannot be enqueued fails a demand copy and only w
         const std::string msg = error_of<DeviceError>([&] { dit(*rig.model, rig.in, &engine); });
         CHECK_THAT(msg, Catch::Contains("streaming layer '") && Catch::Contains("injected fault"));
       } else {
-        // Once the order is known every copy is a prefetch: that one is redone on demand.
+        // Once the order is known every copy is a prefetch: a failed one is issued again
+        // by the next acquire's prefetch (or on demand), and the layer is copied once.
         CHECK(same_bits(dit(*rig.model, rig.in, &engine), rig.ref_dit));
         CHECK(warnings() == warned + 1);
-        CHECK(engine.stats().forward_records.back().demand_copies == 1);
+        const ForwardRecord r = engine.stats().forward_records.back();
+        CHECK_FALSE(r.aborted);
+        CHECK(r.copies == engine.stats().forward_records.front().copies);
       }
       CHECK(f.fired() == 1);
     }
@@ -473,12 +477,13 @@ TEST_CASE("faults: seeded random copy failures never corrupt a forward") {
   int failed = 0, good = 0;
   {
     fault::Trigger t;
-    t.probability = 0.05;
+    t.probability = 0.01;
     t.seed = 1234;
     fault::ScopedFault f("copy.h2d", t);
     for (int i = 0; i < 12; ++i) {
       try {
-        CHECK(same_bits(step(*rig.model, rig.in, &engine), rig.ref));
+        const at::Tensor out = step(*rig.model, rig.in, &engine);
+        CHECK(same_bits(out, rig.ref));
         ++good;
       } catch (const DeviceError& e) {
         CHECK_THAT(e.what(), Catch::Contains("streaming layer '"));
@@ -507,10 +512,13 @@ TEST_CASE("faults: a checkpoint truncated between probe and load is a FileError 
   const Inputs in = inputs();
   const at::Tensor ref = step(*model, in);
   const Snapshot before = snapshot(*model);
-  // The loader reads into a bf16 model (fp8 storage is applied after loading).
+  // A model holding other weights (seed 8), so that any tensor the failed load copied in
+  // would show.
+  const std::string other = dir.path("other.safetensors");
+  write_random_checkpoint(c, 8, at::kBFloat16, other);
   AnimaModel target(c, BuildOptions{at::kBFloat16, at::kCPU});
   {
-    auto f = safetensors::File::open(good);
+    auto f = safetensors::File::open(other);
     load_weights(*target, *f, probe_checkpoint(*f).prefix);
   }
   const Snapshot target_before = snapshot(*target);
@@ -541,10 +549,12 @@ TEST_CASE("faults: a checkpoint read error is a FileError and changes nothing") 
   const AnimaConfig c = preset("anima-tiny");
   const std::string path = dir.path("tiny.safetensors");
   write_random_checkpoint(c, 7, at::kBFloat16, path);
+  const std::string other = dir.path("other.safetensors");
+  write_random_checkpoint(c, 8, at::kBFloat16, other);
   AnimaModel target(c, BuildOptions{at::kBFloat16, at::kCPU});
   auto file = safetensors::File::open(path);
   const std::string prefix = probe_checkpoint(*file).prefix;
-  load_weights(*target, *file, prefix);
+  load_weights(*target, *safetensors::File::open(other), prefix);  // other weights than `path`'s
   const Snapshot before = snapshot(*target);
   {
     fault::ScopedFault f("safetensors.read", nth(9));
@@ -559,8 +569,9 @@ TEST_CASE("faults: a checkpoint read error is a FileError and changes nothing") 
     lo.storage = fp8();
     CHECK_THROWS_AS(load_anima(path, lo), FileError);
   }
-  load_weights(*target, *file, prefix);
-  require_unchanged(*target, before);
+  load_weights(*target, *file, prefix);  // the same file loads once the fault is gone
+  CHECK_FALSE(same_bits(target->named_parameters()["blocks.0.mlp.layer1.weight"],
+                        before.at("blocks.0.mlp.layer1.weight")));
 }
 
 TEST_CASE("faults: a LoRA loader or patch failure leaves no sidecar and the model unchanged") {
