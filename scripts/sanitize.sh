@@ -59,7 +59,7 @@ start=$(date +%s)
 if [ "$KIND" = asan ]; then
   ctest --output-on-failure -j "$JOBS" -LE parity "$@"
 else
-  regex="^($(IFS='|'; echo "${TSAN_TESTS[*]}")): "
+  regex="^($(IFS='|'; echo "${TSAN_TESTS[*]}")):"  # ctest names are "<component>:<test case>"
   ctest --output-on-failure -j "$JOBS" -R "$regex" "$@"
 fi
 echo "[sanitize] $KIND tests: $(( $(date +%s) - start )) s"
