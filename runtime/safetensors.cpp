@@ -1,5 +1,6 @@
 #include "runtime/safetensors.h"
 
+#include <ATen/core/grad_mode.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
