@@ -28,6 +28,7 @@
 #include "offload/storage.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
+#include "runtime/host_memory.h"
 #include "runtime/logging.h"
 #include "runtime/safetensors.h"
 
@@ -531,8 +532,10 @@ TEST_CASE("faults: a checkpoint truncated between probe and load is a FileError 
   struct stat st {};
   REQUIRE(::stat(cut.c_str(), &st) == 0);
   REQUIRE(::truncate(cut.c_str(), st.st_size / 2) == 0);  // while open and mapped
+  const int64_t host_bytes = host_memory_stats().current_bytes();
   const std::string msg = error_of<FileError>([&] { load_weights(*target, *file, probe.prefix); });
   CHECK_THAT(msg, Catch::Contains(cut) && Catch::Contains("truncated"));
+  CHECK(host_memory_stats().current_bytes() == host_bytes);  // what it had read is freed
   require_unchanged(*target, target_before);
   // The intact file still loads, and the engine runs it as before.
   AnimaModel again = load_anima(good, lo);
@@ -558,7 +561,9 @@ TEST_CASE("faults: a checkpoint read error is a FileError and changes nothing") 
   const Snapshot before = snapshot(*target);
   {
     fault::ScopedFault f("safetensors.read", nth(9));
+    const int64_t host_bytes = host_memory_stats().current_bytes();
     const std::string msg = error_of<FileError>([&] { load_weights(*target, *file, prefix); });
+    CHECK(host_memory_stats().current_bytes() == host_bytes);
     CHECK_THAT(msg, Catch::Contains(path) && Catch::Contains("injected fault"));
     CHECK(f.fired() == 1);
   }
