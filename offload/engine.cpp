@@ -11,6 +11,7 @@
 #include "offload/cpu_device.h"
 #include "offload/upcast_registry.h"
 #include "runtime/error.h"
+#include "runtime/fault_injection.h"
 #include "runtime/fp8.h"
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
@@ -395,10 +396,14 @@ void StreamingEngine::pin_host(LayerRec& r) {
     }
     return;
   }
-  if (device_->pins_memory()) {
-    at::Tensor w = device_->pin(r.host_w);
-    at::Tensor b = r.host_b.defined() ? device_->pin(r.host_b) : at::Tensor();
-    at::Tensor s = r.host_s.defined() ? device_->pin(r.host_s) : at::Tensor();
+  const bool injected = fault::triggered("host.pin");  // before pins_memory(): testable on the CPU device
+  if (injected || device_->pins_memory()) {
+    at::Tensor w, b, s;
+    if (!injected) {
+      w = device_->pin(r.host_w);
+      b = r.host_b.defined() ? device_->pin(r.host_b) : at::Tensor();
+      s = r.host_s.defined() ? device_->pin(r.host_s) : at::Tensor();
+    }
     if (!w.defined() || (r.host_b.defined() && !b.defined()) || (r.host_s.defined() && !s.defined())) {
       if (!pin_warned_) {
         log::warn("pinning host memory failed for layer '" + r.name + "' of '" + model_name_ +
@@ -408,13 +413,15 @@ void StreamingEngine::pin_host(LayerRec& r) {
       want_pin_ = false;
       return;
     }
-    // The pinned copy replaces the pageable one, so host RAM is not doubled.
-    r.host_w = w;
-    r.host_b = b;
-    r.host_s = s;
-    if (!r.resident) {
-      r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-      r.layer->set_weight_scale(s);
+    if (device_->pins_memory()) {
+      // The pinned copy replaces the pageable one, so host RAM is not doubled.
+      r.host_w = w;
+      r.host_b = b;
+      r.host_s = s;
+      if (!r.resident) {
+        r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+        r.layer->set_weight_scale(s);
+      }
     }
   }
   r.pinned = true;
@@ -434,28 +441,56 @@ void StreamingEngine::unpin_host(LayerRec& r) {
 
 void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
   TORCH_INTERNAL_ASSERT(plan.resident.size() == layers_.size(), "apply_plan: plan for another model");
-  device_->synchronize();
+  try {
+    device_->synchronize();
+  } catch (const DeviceError& e) {
+    // A copy that no forward read (a prefetch) failed; its slot goes with the ring below.
+    log::warn("model '" + model_name_ + "': " + e.what() + " (an unread prefetch, dropped with the staging ring)");
+  }
   if (ring_) ring_violations_ += ring_->violations();
   ring_.reset();
   acc_next_ = ForwardAcc{};  // prefetches for the next forward went with the ring
   while (scratch_.size() > 1) scratch_.pop_back();  // extra buffers from nested leases
   std::vector<size_t> promoted;
+  std::string degraded;  // why fewer layers than planned became resident (Note [engine faults])
   try {
     for (size_t i = 0; i < layers_.size(); ++i) {
       if (layers_[i].resident && !plan.resident[i]) make_streamed(layers_[i]);
     }
-    for (size_t i = 0; i < layers_.size(); ++i) {
+    for (size_t i = 0; i < layers_.size() && degraded.empty(); ++i) {
       if (!layers_[i].resident && plan.resident[i]) {
-        make_resident(layers_[i]);
-        promoted.push_back(i);
+        try {
+          make_resident(layers_[i]);
+          promoted.push_back(i);
+        } catch (const ResourceError& e) {
+          degraded = e.what();
+        }
       }
     }
-    device_->synchronize();
+    device_->synchronize();  // a failed resident copy throws DeviceError: undo below
+    if (degraded.empty()) {
+      if (plan.ring_slots) ring_ = std::make_unique<StagingRing>(*device_, budget_, plan.ring_slots, plan.slot_bytes);
+      plan_ = plan;
+    } else {
+      // The layers that failed stream instead; the ring must hold the largest of them,
+      // which may not fit beside what did become resident: give back residency until it does.
+      for (;;) {
+        try {
+          const uint64_t slot = streamed_slot_bytes();
+          if (slot) ring_ = std::make_unique<StagingRing>(*device_, budget_, options_.ring_slots, slot);
+          break;
+        } catch (const ResourceError&) {
+          if (promoted.empty()) throw;
+          make_streamed(layers_[promoted.back()]);
+          promoted.pop_back();
+        }
+      }
+      plan_ = plan;
+      plan_from_layers();
+    }
     for (auto& r : layers_) {
       if (!r.resident) pin_host(r);
     }
-    if (plan.ring_slots) ring_ = std::make_unique<StagingRing>(*device_, budget_, plan.ring_slots, plan.slot_bytes);
-    plan_ = plan;
   } catch (...) {
     // Leave a consistent state: drop what this call made resident, and stream the rest
     // through a ring sized for what is streamed now (if that still fits).
@@ -465,24 +500,50 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
     }
     for (size_t i : promoted) make_streamed(layers_[i]);
     plan_ = plan;
-    uint64_t slot = 0;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      plan_.resident[i] = layers_[i].resident;
-      if (!layers_[i].resident) slot = std::max(slot, layers_[i].slot_bytes);
-    }
-    plan_.slot_bytes = slot;
-    plan_.ring_slots = slot ? options_.ring_slots : 0;
-    if (slot && !ring_) {
-      try {
-        ring_ = std::make_unique<StagingRing>(*device_, budget_, options_.ring_slots, slot);
-      } catch (const std::exception& e) {
-        log::error("model '" + model_name_ + "': no staging ring after a failed residency change: " + e.what());
-      }
+    plan_from_layers();
+    ring_.reset();
+    try {
+      ensure_ring();
+    } catch (const std::exception& e) {
+      log::error("model '" + model_name_ + "': no staging ring after a failed residency change (" + e.what() +
+                 "); the next forward tries again");
     }
     refresh_kinds();
     throw;
   }
+  if (!degraded.empty()) {
+    std::ostringstream msg;
+    msg << "model '" << model_name_ << "': " << degraded << "; continuing with a smaller residency: "
+        << format_mib(plan_.resident_bytes) << " resident, " << format_mib(plan_.streamed_bytes) << " streamed ("
+        << plan_.residency_map() << ")";
+    log::warn(msg.str());
+  }
   refresh_kinds();
+}
+
+uint64_t StreamingEngine::streamed_slot_bytes() const {
+  uint64_t slot = 0;
+  for (const auto& r : layers_) {
+    if (!r.resident) slot = std::max(slot, r.slot_bytes);
+  }
+  return slot;
+}
+
+void StreamingEngine::plan_from_layers() {
+  uint64_t resident = extra_bytes_, streamed = 0;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    plan_.resident[i] = layers_[i].resident;
+    (layers_[i].resident ? resident : streamed) += layers_[i].stored_bytes;
+  }
+  plan_.resident_bytes = resident;
+  plan_.streamed_bytes = streamed;
+  plan_.slot_bytes = streamed_slot_bytes();
+  plan_.ring_slots = plan_.slot_bytes ? options_.ring_slots : 0;
+}
+
+void StreamingEngine::ensure_ring() {
+  if (ring_ || plan_.slot_bytes == 0) return;
+  ring_ = std::make_unique<StagingRing>(*device_, budget_, plan_.ring_slots, plan_.slot_bytes);
 }
 
 void StreamingEngine::require_idle(const char* what) const {
@@ -776,7 +837,17 @@ void StreamingEngine::top_up(size_t pos, bool at_end) {
     if (wrapped && !at_end && j >= pos) break;  // at most one full cycle ahead
     const int64_t id = k.order[j];
     if (!layers_[static_cast<size_t>(id)].resident && ring_->find(id, epoch) < 0) {
-      if (issue(id, epoch, /*demand=*/false) < 0) break;  // ring full
+      int s = -1;
+      try {
+        s = issue(id, epoch, /*demand=*/false);
+      } catch (const DeviceError& e) {
+        // Only a prefetch: the layer is copied on demand when it is used (and that copy's
+        // failure, if it fails too, fails that forward).
+        log::warn("model '" + model_name_ + "': prefetching layer '" + layers_[static_cast<size_t>(id)].name +
+                  "' failed: " + e.what());
+        break;
+      }
+      if (s < 0) break;  // ring full
     }
     ++count;
     i = j + 1;
@@ -868,19 +939,37 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     b = r.dev_b;
     s = r.dev_s;
   } else {
-    TORCH_CHECK(ring_, "model '", model_name_, "' has no staging ring (a residency change failed); cannot stream '",
-                r.name, "'");
+    if (!ring_) {
+      try {
+        ensure_ring();  // a residency change that failed could not make one
+      } catch (const ResourceError& e) {
+        throw ResourceError("model '" + model_name_ + "' has no staging ring to stream '" + r.name + "': " + e.what());
+      }
+    }
     int slot = ring_->find(id, epoch_);
-    if (slot < 0) slot = issue(id, epoch_, /*demand=*/true);
+    if (slot < 0) {
+      try {
+        slot = issue(id, epoch_, /*demand=*/true);
+      } catch (const DeviceError& e) {
+        throw DeviceError("model '" + model_name_ + "': streaming layer '" + r.name + "' failed: " + e.what());
+      }
+    }
     top_up(pos, false);
     StagingSlot& st = ring_->slot(static_cast<size_t>(slot));
-    if (!st.copy_done->query()) {
-      acc_cur_.stalls += 1;
-      std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
-      device_->wait(StreamKind::compute, *st.copy_done);
-      if (a) add_span(acc_cur_, TraceTrack::compute, 1, id, std::move(a), mark());
-    } else {
-      device_->wait(StreamKind::compute, *st.copy_done);
+    try {
+      if (!st.copy_done->query()) {
+        acc_cur_.stalls += 1;
+        std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
+        device_->wait(StreamKind::compute, *st.copy_done);
+        if (a) add_span(acc_cur_, TraceTrack::compute, 1, id, std::move(a), mark());
+      } else {
+        device_->wait(StreamKind::compute, *st.copy_done);
+      }
+    } catch (const DeviceError& e) {
+      // The slot's bytes are not the layer's: forget them, so nothing reads them.
+      st.layer = -1;
+      st.consumed = true;
+      throw DeviceError("model '" + model_name_ + "': streaming layer '" + r.name + "' failed: " + e.what());
     }
     ring_->begin_use(slot);
     st.consumed = true;

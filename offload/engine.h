@@ -28,6 +28,27 @@
 // calls a layer twice and its slot was reused in between, or diverges from the order), so
 // bytes_streamed == the stored bytes of the streamed layers.
 //
+// Note [engine faults]
+// ~~~~~~~~~~~~~~~~~~~~
+// What the engine does when the device or the host fails it (each case has a test in
+// tests/test_faults.cpp, driven by the fault points of runtime/fault_injection.h):
+//  - Out of device memory making a layer resident (attach or a residency change): the
+//    layers that made it stay resident, the rest stream, with one warning naming the
+//    error and the residency reached: a smaller residency, same outputs. If the ring for
+//    the newly streamed layers does not fit, residency is given back until it does.
+//  - Out of memory for the ring, the scratch or the other parameters at attach: a
+//    ResourceError, and the model is given back as it was. For the ring in a residency
+//    change: a ResourceError, the previous residency minus what this call promoted, and
+//    the ring is made again by the next forward that streams.
+//  - Pinning fails: streamed layers use pageable memory, with one warning.
+//  - A host->device copy fails or times out (DeviceError from the device): while making
+//    layers resident, the change is undone (attach: the model is given back) and the
+//    error raised; for a streamed layer, the acquire throws a DeviceError naming the layer
+//    and its slot is dropped, so that forward fails and the next one copies afresh. A
+//    failed prefetch only warns: the layer is copied on demand when used.
+// Stored weights are never written by any of these paths, and the device accounting
+// returns to what the engine holds (tests compare the ledgers before and after).
+//
 // Not thread-safe: one forward at a time, from one thread.
 #include <torch/nn/module.h>
 
@@ -217,6 +238,9 @@ class StreamingEngine final : public WeightProvider {
   PlanInput plan_input(uint64_t weight_budget, std::optional<double> max_resident) const;
   uint64_t weight_budget_of(uint64_t budget) const;
   void apply_plan(const ResidencyPlan& plan);
+  uint64_t streamed_slot_bytes() const;  // largest slot of the layers streamed now
+  void plan_from_layers();               // plan_'s residency and sizes from the layers as they are
+  void ensure_ring();                    // a ring for plan_ if there is none (ResourceError if it does not fit)
   void make_resident(LayerRec& r);
   void make_streamed(LayerRec& r);
   void pin_host(LayerRec& r);
