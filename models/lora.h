@@ -1,7 +1,7 @@
 #pragma once
 // LoRA adapters as forward-time sidecars: read a LoRA safetensors file, map its keys onto
 // a model's module names, and patch the model for the lifetime of a LoraScope.
-// See Note [LoRA sidecars].
+// See Note [LoRA sidecars]; key mapping in models/lora_keys.h.
 //
 // Note [LoRA sidecars]
 // ~~~~~~~~~~~~~~~~~~~~
@@ -11,19 +11,6 @@
 // targeted layer and removes exactly its own (by id) when destroyed, so scopes stack in
 // any order and the stored weights (fp8 or not) are never modified. Adding or removing a
 // scope while another thread runs a forward on the same model is not supported.
-//
-// Note [LoRA key layouts]
-// ~~~~~~~~~~~~~~~~~~~~~~~
-// Recognised per-module keys (<m> is a module path):
-//   <m>.lora_A.weight / <m>.lora_B.weight             (PEFT / diffusers)
-//   <m>.lora_A.<adapter>.weight / <m>.lora_B.<adapter>.weight  (PEFT with an adapter name)
-//   <m>.lora_down.weight / <m>.lora_up.weight         (kohya / ComfyUI)
-//   <m>.alpha                                          (optional; scale = alpha / rank)
-// <m> may carry a prefix: "diffusion_model.", "model.diffusion_model.", "transformer.",
-// "net.", "base_model.model." (repeatable, in any combination), or be kohya's flattened
-// "lora_unet_<path with '.' as '_'>" (also "lora_transformer_"), which is mapped back by
-// comparing against the model's module names with '.' replaced by '_'. A flattened name
-// that two module names flatten to is ambiguous and reported as unknown.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
@@ -34,26 +21,13 @@
 #include <utility>
 #include <vector>
 
+#include "models/lora_keys.h"
+
 namespace sluice::offload {
 class ManagedLayerImpl;
 }
 
 namespace sluice {
-
-// Which tensor of a LoRA pair a key names.
-enum class LoraPart { down, up, alpha };
-
-// The result of map_lora_key for a key with a recognised LoRA suffix.
-struct LoraKeyMatch {
-  LoraPart part = LoraPart::down;
-  std::string module;  // the model's module name when `known`, else the key's stem minus known prefixes
-  bool known = false;  // `module` is one of module_names
-};
-
-// Maps one LoRA file key onto a module name (Note [LoRA key layouts]). nullopt when the key
-// has no recognised LoRA suffix. Pure function over strings: never throws for any input
-// (beyond std::bad_alloc) and reads nothing else.
-std::optional<LoraKeyMatch> map_lora_key(const std::string& key, const std::vector<std::string>& module_names);
 
 // One targeted layer of an adapter.
 struct LoraTarget {
@@ -78,15 +52,18 @@ struct LoraAdapter {
 LoraAdapter lora_from_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                               torch::nn::Module& model, const std::string& source);
 
-// Reads a LoRA safetensors file (FileError when unreadable) and maps it as above. The
-// tensors are copied out of the mapping, so the file may change afterwards.
+// Reads a LoRA safetensors file (FileError when unreadable, also when truncated while
+// being read; fault point "lora.read") and maps it as above. The tensors are read into
+// owned memory (safetensors::File::read), so the file may change afterwards.
 LoraAdapter load_lora(const std::string& path, torch::nn::Module& model);
 
 // Patches `model` with `adapter` at `strength` while alive (Note [LoRA sidecars]).
 // Sidecars are converted to each layer's compute dtype and placed on `device` (default:
 // the device of the layer's stored weight). The model's layers are kept alive by the scope.
 // Throws CheckpointError (before patching anything) when a target module is missing from
-// `model` or its shape differs; InvalidArgument for a non-finite strength.
+// `model` or its shape differs; InvalidArgument for a non-finite strength; whatever placing
+// a sidecar on its device throws (out of memory; fault point "lora.patch"), also before
+// patching anything.
 class LoraScope {
  public:
   LoraScope(torch::nn::Module& model, const LoraAdapter& adapter, double strength = 1.0,

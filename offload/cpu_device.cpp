@@ -4,12 +4,18 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
+#include "runtime/error.h"
+#include "runtime/fault_injection.h"
 #include "runtime/logging.h"
 
 namespace sluice::offload {
@@ -17,6 +23,13 @@ namespace sluice::offload {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// A copy that failed on the copy stream. It is reported once by synchronize() unless an
+// event wait reported it first; every wait on the event recorded after it throws it.
+struct CopyFailure {
+  std::string message;
+  std::atomic<bool> reported{false};
+};
 
 // Shared between an event and the worker jobs that complete or wait on it, so a job never
 // outlives what it touches.
@@ -26,6 +39,7 @@ struct CpuEventState {
   uint64_t recorded = 0;   // sequence number of the latest record
   uint64_t completed = 0;  // highest sequence number completed
   Clock::time_point done_at{};
+  std::shared_ptr<CopyFailure> failure;  // a copy before the latest completion failed
 
   uint64_t next_record() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -36,19 +50,22 @@ struct CpuEventState {
     return recorded;
   }
   // `when`: the time the recorded work finished (the modelled time for the copy stream).
-  void complete(uint64_t seq, Clock::time_point when = Clock::now()) {
+  void complete(uint64_t seq, Clock::time_point when = Clock::now(), std::shared_ptr<CopyFailure> failed = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (seq > completed) {
         completed = seq;
         done_at = when;
+        failure = std::move(failed);
       }
     }
     cv.notify_all();
   }
-  void wait_for(uint64_t seq) const {
+  // Waits for record `seq`; returns the failure of the copies it covers, if any.
+  std::shared_ptr<CopyFailure> wait_for(uint64_t seq) const {
     std::unique_lock<std::mutex> lock(mutex);
     cv.wait(lock, [&] { return completed >= seq; });
+    return failure;
   }
 };
 
@@ -58,7 +75,7 @@ class CpuEvent final : public DeviceEvent {
     std::lock_guard<std::mutex> lock(state->mutex);
     return state->completed >= state->recorded;
   }
-  void synchronize() const override { state->wait_for(state->latest_record()); }
+  void synchronize() const override { (void)state->wait_for(state->latest_record()); }
 
   std::shared_ptr<CpuEventState> state = std::make_shared<CpuEventState>();
 };
@@ -103,7 +120,7 @@ class CpuDevice final : public DeviceBackend {
       enqueue([this, state, seq, enqueued] {
         // Done when the modelled bus finished everything before it (see copy_to_device).
         bus_free_ = std::max(bus_free_, enqueued);
-        state->complete(seq, std::min(bus_free_, Clock::now()));
+        state->complete(seq, std::min(bus_free_, Clock::now()), std::exchange(failed_, nullptr));
       });
     }
   }
@@ -113,10 +130,13 @@ class CpuDevice final : public DeviceBackend {
     (void)state_of(event);
     const uint64_t target = state->latest_record();  // as recorded now, like cudaStreamWaitEvent
     if (stream == StreamKind::compute) {
-      state->wait_for(target);
+      if (const auto failure = state->wait_for(target)) {
+        failure->reported = true;
+        throw DeviceError("cpu: " + failure->message);
+      }
     } else {
       enqueue([this, state, target] {
-        state->wait_for(target);
+        (void)state->wait_for(target);
         std::lock_guard<std::mutex> lock(state->mutex);
         bus_free_ = std::max(bus_free_, state->done_at);  // later copies start after the event
       });
@@ -139,12 +159,28 @@ class CpuDevice final : public DeviceBackend {
     TORCH_CHECK(dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel(),
                 "copy_to_device: dtype/numel mismatch: ", dst.scalar_type(), "[", dst.numel(), "] <- ",
                 src.scalar_type(), "[", src.numel(), "]");
+    if (fault::triggered("copy.h2d.enqueue")) {
+      throw DeviceError("cpu: enqueuing a host->device copy of " + std::to_string(src.nbytes()) +
+                        " bytes failed (injected fault)");
+    }
+    // Decided here, on the caller's thread, so "fail the Nth copy" counts in issue order.
+    const bool fail = fault::triggered("copy.h2d");
+    const bool time_out = !fail && fault::triggered("copy.h2d.timeout");
     const double latency_us = options_.copy_latency_us;
     const double rate = options_.copy_bytes_per_second;
     const auto enqueued = Clock::now();
-    enqueue([this, dst, src, before = std::move(before), latency_us, rate, enqueued] {
+    enqueue([this, dst, src, before = std::move(before), latency_us, rate, enqueued, fail, time_out] {
       if (before) before();
       const size_t n = src.nbytes();
+      if (fail || time_out) {
+        // Like a DMA that dies part way: half the bytes land, the rest stay stale.
+        if (n) std::memcpy(dst.data_ptr(), src.data_ptr(), n / 2);
+        if (time_out) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(options_.copy_timeout_ms));
+        std::string what = "host->device copy of " + std::to_string(n) + " bytes ";
+        what += time_out ? "timed out after " + std::to_string(options_.copy_timeout_ms) + " ms" : "failed";
+        fail_copy(what + " (injected fault)");
+        return;
+      }
       if (n) std::memcpy(dst.data_ptr(), src.data_ptr(), n);
       double target_us = latency_us;
       if (rate > 0) target_us += static_cast<double>(n) / rate * 1e6;
@@ -167,9 +203,28 @@ class CpuDevice final : public DeviceBackend {
     });
   }
 
+  // Like cudaDeviceSynchronize, reports a copy failure that no event wait has reported.
   void synchronize() override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    idle_cv_.wait(lock, [&] { return jobs_.empty() && !busy_; });
+    std::vector<std::shared_ptr<CopyFailure>> failures;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      idle_cv_.wait(lock, [&] { return jobs_.empty() && !busy_; });
+      failures.swap(unreported_);
+      // Copies not followed by a record (resident copies) left their failure pending:
+      // reported here, it must not stick to the next event. Safe: the worker is idle.
+      failed_.reset();
+    }
+    std::shared_ptr<CopyFailure> first;
+    size_t count = 0;
+    for (const auto& f : failures) {
+      if (f->reported.exchange(true)) continue;
+      if (!first) first = f;
+      ++count;
+    }
+    if (first) {
+      throw DeviceError("cpu: " + first->message +
+                        (count > 1 ? " (and " + std::to_string(count - 1) + " more failed copies)" : std::string()));
+    }
   }
 
   at::Tensor pin(const at::Tensor& src) override { return src; }
@@ -184,6 +239,15 @@ class CpuDevice final : public DeviceBackend {
       jobs_.push_back(std::move(job));
     }
     cv_.notify_one();
+  }
+
+  // Worker thread: the next event recorded on the copy stream carries the failure.
+  void fail_copy(std::string message) {
+    auto f = std::make_shared<CopyFailure>();
+    f->message = std::move(message);
+    if (!failed_) failed_ = f;
+    std::lock_guard<std::mutex> lock(mutex_);
+    unreported_.push_back(std::move(f));
   }
 
   void run() {
@@ -218,6 +282,8 @@ class CpuDevice final : public DeviceBackend {
   bool busy_ = false;
   bool stop_ = false;
   Clock::time_point bus_free_{};  // when the modelled bus finishes its last copy (worker only)
+  std::shared_ptr<CopyFailure> failed_;  // failed since the last copy-stream record (worker only)
+  std::vector<std::shared_ptr<CopyFailure>> unreported_;  // for synchronize() (under mutex_)
   std::thread worker_;
 };
 

@@ -11,6 +11,9 @@
 //  - Events are completion counters with the wall-clock time they completed; elapsed
 //    times between them are wall-clock.
 //  - pin() is a no-op (the engine's pinned-bytes cap accounting still runs).
+//  - A copy that fails on the copy stream (fault points copy.h2d, copy.h2d.timeout) is
+//    reported like a CUDA error: as DeviceError from a compute-stream wait() on the next
+//    event recorded on the copy stream after it, else from the next synchronize().
 // The copy worker needs a core of its own: with OpenMP intra-op threads on every core,
 // their spin-waiting between parallel regions starves it (tests and benches on small
 // machines run with at::set_num_threads(1)).
@@ -25,6 +28,7 @@ struct CpuDeviceOptions {
   uint64_t total_memory = 0;         // reported device memory in bytes; 0: physical RAM
   double copy_latency_us = 0;        // fixed time added to every host->device copy
   double copy_bytes_per_second = 0;  // copy rate cap ("slowed copy"); 0: memcpy speed
+  double copy_timeout_ms = 20;       // how long a copy hit by fault point copy.h2d.timeout stalls before it fails
 };
 
 std::unique_ptr<DeviceBackend> make_cpu_device(const CpuDeviceOptions& options = {});

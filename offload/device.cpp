@@ -7,6 +7,7 @@
 #include "offload/cpu_device.h"
 #include "offload/torch_device.h"
 #include "runtime/error.h"
+#include "runtime/fault_injection.h"
 #include "runtime/size_parse.h"
 
 namespace sluice::offload {
@@ -66,6 +67,17 @@ struct AllocationContext {
   uint64_t bytes;
 };
 
+// Fault points of allocate(), one per kind (runtime/fault_injection.h).
+const char* allocation_fault_point(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::resident: return "device.alloc.resident";
+    case MemoryKind::params: return "device.alloc.params";
+    case MemoryKind::ring: return "device.alloc.ring";
+    case MemoryKind::scratch: return "device.alloc.scratch";
+  }
+  return "device.alloc";
+}
+
 void free_allocation(void* ctx) {
   auto* a = static_cast<AllocationContext*>(ctx);
   a->device_ledger->release(a->kind, a->bytes);
@@ -96,8 +108,8 @@ at::Tensor DeviceBackend::allocate(at::IntArrayRef sizes, at::ScalarType dtype, 
   if (bytes == 0) return at::empty(sizes, options);
 
   if (budget) budget->charge(kind, bytes, what);
-  bool injected = false;
-  {
+  bool injected = fault::triggered(allocation_fault_point(kind));
+  if (!injected) {
     std::lock_guard<std::mutex> lock(fault_mutex_);
     injected = fault_ && fault_(bytes, kind);
   }

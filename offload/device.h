@@ -85,19 +85,27 @@ class DeviceBackend {
 
   // Uninitialized contiguous tensor on the device, accounted as `kind` in this backend's
   // ledger and in `budget` when given. Throws ResourceError (naming `what`) when a limit
-  // would be passed, the device is out of memory or the fault hook fires.
+  // would be passed, the device is out of memory, the fault hook fires or the fault point
+  // device.alloc.<resident|params|ring|scratch> fires (runtime/fault_injection.h).
   // See Note [device accounting].
   at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, MemoryKind kind, const std::string& what,
                       const std::shared_ptr<MemoryLedger>& budget = nullptr);
   // Everything allocate() handed out and not yet freed, on this backend.
   DeviceMemoryStats memory_stats() const { return ledger_->stats(); }
+  // Hard limit on what allocate() may hand out on this backend in total, over all budgets
+  // (nullopt: the device's own memory is the only limit). The model cache sets it to the
+  // shared budget minus working memory.
+  void set_memory_limit(std::optional<uint64_t> limit) { ledger_->set_limit(limit); }
+  // Resets the backend's peak to its current use.
+  void reset_memory_peak() { ledger_->reset_peak(); }
   void set_allocation_fault(AllocationFault fault);
 
   virtual std::unique_ptr<DeviceEvent> create_event() = 0;
   // Marks the current end of `stream`'s work with `event`.
   virtual void record(DeviceEvent& event, StreamKind stream) = 0;
   // Makes later work on `stream` wait until `event` (as recorded now) is done. For the
-  // compute stream of the CPU device this blocks the calling thread.
+  // compute stream of the CPU device this blocks the calling thread, and throws DeviceError
+  // when a copy recorded before the event failed (its destination holds stale bytes).
   virtual void wait(StreamKind stream, const DeviceEvent& event) = 0;
   // Milliseconds from `from` to `to`; both must have been recorded and be done.
   virtual double elapsed_ms(const DeviceEvent& from, const DeviceEvent& to) const = 0;
@@ -109,7 +117,8 @@ class DeviceBackend {
   // and is ignored elsewhere; tests use it to check that a slot is not in use.
   virtual void copy_to_device(const at::Tensor& dst, const at::Tensor& src, std::function<void()> before = {}) = 0;
 
-  // Blocks until both streams have finished everything enqueued so far.
+  // Blocks until both streams have finished everything enqueued so far. Throws
+  // DeviceError for a copy that failed asynchronously and that no wait() reported yet.
   virtual void synchronize() = 0;
 
   // A page-locked copy of host tensor `src`, or an undefined tensor when pinning fails.

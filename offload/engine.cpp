@@ -11,6 +11,7 @@
 #include "offload/cpu_device.h"
 #include "offload/upcast_registry.h"
 #include "runtime/error.h"
+#include "runtime/fault_injection.h"
 #include "runtime/fp8.h"
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
@@ -90,9 +91,7 @@ double StreamingEngine::now_us() const {
 // ---------------------------------------------------------------------------------------
 // attach / detach
 
-void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
-  if (attached_) throw InvalidArgument("engine already has model '" + model_name_ + "' attached");
-  const auto t0 = std::chrono::steady_clock::now();
+std::vector<std::regex> StreamingEngine::required_regexes() const {
   std::vector<std::regex> required;
   for (const auto& p : options_.required_patterns) {
     try {
@@ -101,6 +100,103 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
       throw InvalidArgument("required layer pattern '" + p + "' is not a valid regex: " + e.what());
     }
   }
+  return required;
+}
+
+void StreamingEngine::collect(torch::nn::Module& model, const std::vector<std::regex>& required, bool check_host) {
+  const auto managed = managed_layers(model);
+  std::unordered_set<const c10::TensorImpl*> managed_impls;
+  layers_.reserve(managed.size());
+  for (const auto& [name, layer] : managed) {
+    LayerRec r;
+    r.layer = layer;
+    r.name = name;
+    r.host_w = host_alias(layer->stored_weight());
+    r.host_b = host_alias(layer->stored_bias());
+    r.host_s = host_alias(layer->weight_scale());
+    if (check_host && r.host_s.defined() && !r.host_s.device().is_cpu()) {
+      throw InvalidArgument("attach: weight scale of layer '" + name + "' is not on the host");
+    }
+    managed_impls.insert(layer->stored_weight().unsafeGetTensorImpl());
+    if (layer->has_bias()) managed_impls.insert(layer->stored_bias().unsafeGetTensorImpl());
+    r.stored_dtype = r.host_w.scalar_type();
+    r.compute = layer->compute_dtype();
+    r.upcast_w = r.stored_dtype != r.compute || r.host_s.defined();
+    r.upcast_b = r.host_b.defined() && r.host_b.scalar_type() != r.compute;
+    r.stored_bytes = static_cast<uint64_t>(layer->stored_bytes());
+    uint64_t end = r.host_w.nbytes();
+    if (r.host_b.defined()) {
+      r.off_b = align_up(end);
+      end = r.off_b + r.host_b.nbytes();
+    }
+    if (r.host_s.defined()) {
+      r.off_s = align_up(end);
+      end = r.off_s + r.host_s.nbytes();
+    }
+    r.slot_bytes = end;
+    const uint64_t csize = c10::elementSize(r.compute);
+    if (r.upcast_w) {
+      r.scratch_bytes = static_cast<uint64_t>(r.host_w.numel()) * csize;
+      r.scratch_off_b = align_up(r.scratch_bytes);
+    }
+    if (r.upcast_b) r.scratch_bytes = r.scratch_off_b + static_cast<uint64_t>(r.host_b.numel()) * csize;
+    r.required = layer->kind() == LayerKind::embedding || (options_.require_unconverted && !r.upcast_w);
+    for (const auto& re : required) r.required = r.required || std::regex_search(name, re);
+    std::tie(r.group, r.block) = parse_block(name);
+    index_[layer] = static_cast<int64_t>(layers_.size());
+    layers_.push_back(std::move(r));
+  }
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    if (managed_impls.count(item.value().unsafeGetTensorImpl())) continue;
+    extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
+  }
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
+    extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
+  }
+  for (const auto& e : extras_) {
+    if (check_host && !e.host.device().is_cpu()) throw InvalidArgument("attach: a parameter of model '" + model_name_ + "' is not on the host");
+    extra_bytes_ += e.host.nbytes();
+  }
+  for (const auto& r : layers_) scratch_bytes_ = std::max(scratch_bytes_, r.scratch_bytes);
+}
+
+WeightNeeds StreamingEngine::needs(torch::nn::Module& model, const EngineOptions& options) {
+  StreamingEngine probe(options);
+  probe.model_name_ = "(sizing)";
+  probe.collect(model, probe.required_regexes(), /*check_host=*/false);
+  WeightNeeds n;
+  n.model_bytes = probe.extra_bytes_;
+  uint64_t largest_slot = 0;
+  for (const auto& r : probe.layers_) {
+    n.model_bytes += r.stored_bytes;
+    largest_slot = std::max(largest_slot, r.slot_bytes);
+  }
+  n.full = n.model_bytes + probe.scratch_bytes_;
+  n.minimum = minimum_weight_budget(probe.plan_input(0, options.max_resident));
+  // With no budget limit the plan is bounded by max_resident alone.
+  const uint64_t unlimited = n.full + static_cast<uint64_t>(probe.options_.ring_slots) * largest_slot;
+  n.wanted = plan_residency(probe.plan_input(unlimited, options.max_resident)).device_bytes();
+  probe.layers_.clear();
+  probe.extras_.clear();
+  probe.index_.clear();
+  return n;
+}
+
+void StreamingEngine::set_max_resident(std::optional<double> max_resident) {
+  if (max_resident && !(*max_resident >= 0.0 && *max_resident <= 1.0)) {
+    throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*max_resident));
+  }
+  if (!attached_) {
+    max_resident_ = max_resident;
+    return;
+  }
+  replan(weight_budget_, max_resident);
+}
+
+void StreamingEngine::attach(torch::nn::Module& model, std::string model_name, std::optional<uint64_t> budget_bytes) {
+  if (attached_) throw InvalidArgument("engine already has model '" + model_name_ + "' attached");
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<std::regex> required = required_regexes();
   auto managed = managed_layers(model);
   for (const auto& [name, layer] : managed) {
     if (layer->provider()) {
@@ -113,61 +209,8 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
   }
   model_name_ = std::move(model_name);
   try {
-    std::unordered_set<const c10::TensorImpl*> managed_impls;
-    layers_.reserve(managed.size());
-    for (const auto& [name, layer] : managed) {
-      LayerRec r;
-      r.layer = layer;
-      r.name = name;
-      r.host_w = host_alias(layer->stored_weight());
-      r.host_b = host_alias(layer->stored_bias());
-      r.host_s = host_alias(layer->weight_scale());
-      if (r.host_s.defined() && !r.host_s.device().is_cpu()) {
-        throw InvalidArgument("attach: weight scale of layer '" + name + "' is not on the host");
-      }
-      managed_impls.insert(layer->stored_weight().unsafeGetTensorImpl());
-      if (layer->has_bias()) managed_impls.insert(layer->stored_bias().unsafeGetTensorImpl());
-      r.stored_dtype = r.host_w.scalar_type();
-      r.compute = layer->compute_dtype();
-      r.upcast_w = r.stored_dtype != r.compute || r.host_s.defined();
-      r.upcast_b = r.host_b.defined() && r.host_b.scalar_type() != r.compute;
-      r.stored_bytes = static_cast<uint64_t>(layer->stored_bytes());
-      uint64_t end = r.host_w.nbytes();
-      if (r.host_b.defined()) {
-        r.off_b = align_up(end);
-        end = r.off_b + r.host_b.nbytes();
-      }
-      if (r.host_s.defined()) {
-        r.off_s = align_up(end);
-        end = r.off_s + r.host_s.nbytes();
-      }
-      r.slot_bytes = end;
-      const uint64_t csize = c10::elementSize(r.compute);
-      if (r.upcast_w) {
-        r.scratch_bytes = static_cast<uint64_t>(r.host_w.numel()) * csize;
-        r.scratch_off_b = align_up(r.scratch_bytes);
-      }
-      if (r.upcast_b) r.scratch_bytes = r.scratch_off_b + static_cast<uint64_t>(r.host_b.numel()) * csize;
-      r.required = layer->kind() == LayerKind::embedding || (options_.require_unconverted && !r.upcast_w);
-      for (const auto& re : required) r.required = r.required || std::regex_search(name, re);
-      std::tie(r.group, r.block) = parse_block(name);
-      index_[layer] = static_cast<int64_t>(layers_.size());
-      layers_.push_back(std::move(r));
-    }
-    for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-      if (managed_impls.count(item.value().unsafeGetTensorImpl())) continue;
-      extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
-    }
-    for (const auto& item : model.named_buffers(/*recurse=*/true)) {
-      extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
-    }
-    for (const auto& e : extras_) {
-      if (!e.host.device().is_cpu()) throw InvalidArgument("attach: a parameter of model '" + model_name_ + "' is not on the host");
-      extra_bytes_ += e.host.nbytes();
-    }
-    for (const auto& r : layers_) scratch_bytes_ = std::max(scratch_bytes_, r.scratch_bytes);
-
-    budget_bytes_ = options_.budget_bytes ? options_.budget_bytes : device_->total_memory();
+    collect(model, required, /*check_host=*/true);
+    budget_bytes_ = budget_bytes ? *budget_bytes : options_.budget_bytes ? options_.budget_bytes : device_->total_memory();
     if (budget_bytes_ == 0) {
       throw InvalidArgument("the memory of device " + device_->name() + " is unknown: give the budget in bytes");
     }
@@ -210,6 +253,7 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
     throw;
   }
 
+  if (!options_.log_attach) return;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   uint64_t total = extra_bytes_;
   for (const auto& r : layers_) total += r.stored_bytes;
@@ -352,10 +396,14 @@ void StreamingEngine::pin_host(LayerRec& r) {
     }
     return;
   }
-  if (device_->pins_memory()) {
-    at::Tensor w = device_->pin(r.host_w);
-    at::Tensor b = r.host_b.defined() ? device_->pin(r.host_b) : at::Tensor();
-    at::Tensor s = r.host_s.defined() ? device_->pin(r.host_s) : at::Tensor();
+  const bool injected = fault::triggered("host.pin");  // before pins_memory(): testable on the CPU device
+  if (injected || device_->pins_memory()) {
+    at::Tensor w, b, s;
+    if (!injected) {
+      w = device_->pin(r.host_w);
+      b = r.host_b.defined() ? device_->pin(r.host_b) : at::Tensor();
+      s = r.host_s.defined() ? device_->pin(r.host_s) : at::Tensor();
+    }
     if (!w.defined() || (r.host_b.defined() && !b.defined()) || (r.host_s.defined() && !s.defined())) {
       if (!pin_warned_) {
         log::warn("pinning host memory failed for layer '" + r.name + "' of '" + model_name_ +
@@ -365,13 +413,15 @@ void StreamingEngine::pin_host(LayerRec& r) {
       want_pin_ = false;
       return;
     }
-    // The pinned copy replaces the pageable one, so host RAM is not doubled.
-    r.host_w = w;
-    r.host_b = b;
-    r.host_s = s;
-    if (!r.resident) {
-      r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-      r.layer->set_weight_scale(s);
+    if (device_->pins_memory()) {
+      // The pinned copy replaces the pageable one, so host RAM is not doubled.
+      r.host_w = w;
+      r.host_b = b;
+      r.host_s = s;
+      if (!r.resident) {
+        r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+        r.layer->set_weight_scale(s);
+      }
     }
   }
   r.pinned = true;
@@ -391,28 +441,56 @@ void StreamingEngine::unpin_host(LayerRec& r) {
 
 void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
   TORCH_INTERNAL_ASSERT(plan.resident.size() == layers_.size(), "apply_plan: plan for another model");
-  device_->synchronize();
+  try {
+    device_->synchronize();
+  } catch (const DeviceError& e) {
+    // A copy that no forward read (a prefetch) failed; its slot goes with the ring below.
+    log::warn("model '" + model_name_ + "': " + e.what() + " (an unread prefetch, dropped with the staging ring)");
+  }
   if (ring_) ring_violations_ += ring_->violations();
   ring_.reset();
   acc_next_ = ForwardAcc{};  // prefetches for the next forward went with the ring
   while (scratch_.size() > 1) scratch_.pop_back();  // extra buffers from nested leases
   std::vector<size_t> promoted;
+  std::string degraded;  // why fewer layers than planned became resident (Note [engine faults])
   try {
     for (size_t i = 0; i < layers_.size(); ++i) {
       if (layers_[i].resident && !plan.resident[i]) make_streamed(layers_[i]);
     }
-    for (size_t i = 0; i < layers_.size(); ++i) {
+    for (size_t i = 0; i < layers_.size() && degraded.empty(); ++i) {
       if (!layers_[i].resident && plan.resident[i]) {
-        make_resident(layers_[i]);
-        promoted.push_back(i);
+        try {
+          make_resident(layers_[i]);
+          promoted.push_back(i);
+        } catch (const ResourceError& e) {
+          degraded = e.what();
+        }
       }
     }
-    device_->synchronize();
+    device_->synchronize();  // a failed resident copy throws DeviceError: undo below
+    if (degraded.empty()) {
+      if (plan.ring_slots) ring_ = std::make_unique<StagingRing>(*device_, budget_, plan.ring_slots, plan.slot_bytes);
+      plan_ = plan;
+    } else {
+      // The layers that failed stream instead; the ring must hold the largest of them,
+      // which may not fit beside what did become resident: give back residency until it does.
+      for (;;) {
+        try {
+          const uint64_t slot = streamed_slot_bytes();
+          if (slot) ring_ = std::make_unique<StagingRing>(*device_, budget_, options_.ring_slots, slot);
+          break;
+        } catch (const ResourceError&) {
+          if (promoted.empty()) throw;
+          make_streamed(layers_[promoted.back()]);
+          promoted.pop_back();
+        }
+      }
+      plan_ = plan;
+      plan_from_layers();
+    }
     for (auto& r : layers_) {
       if (!r.resident) pin_host(r);
     }
-    if (plan.ring_slots) ring_ = std::make_unique<StagingRing>(*device_, budget_, plan.ring_slots, plan.slot_bytes);
-    plan_ = plan;
   } catch (...) {
     // Leave a consistent state: drop what this call made resident, and stream the rest
     // through a ring sized for what is streamed now (if that still fits).
@@ -422,24 +500,50 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
     }
     for (size_t i : promoted) make_streamed(layers_[i]);
     plan_ = plan;
-    uint64_t slot = 0;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      plan_.resident[i] = layers_[i].resident;
-      if (!layers_[i].resident) slot = std::max(slot, layers_[i].slot_bytes);
-    }
-    plan_.slot_bytes = slot;
-    plan_.ring_slots = slot ? options_.ring_slots : 0;
-    if (slot && !ring_) {
-      try {
-        ring_ = std::make_unique<StagingRing>(*device_, budget_, options_.ring_slots, slot);
-      } catch (const std::exception& e) {
-        log::error("model '" + model_name_ + "': no staging ring after a failed residency change: " + e.what());
-      }
+    plan_from_layers();
+    ring_.reset();
+    try {
+      ensure_ring();
+    } catch (const std::exception& e) {
+      log::error("model '" + model_name_ + "': no staging ring after a failed residency change (" + e.what() +
+                 "); the next forward tries again");
     }
     refresh_kinds();
     throw;
   }
+  if (!degraded.empty()) {
+    std::ostringstream msg;
+    msg << "model '" << model_name_ << "': " << degraded << "; continuing with a smaller residency: "
+        << format_mib(plan_.resident_bytes) << " resident, " << format_mib(plan_.streamed_bytes) << " streamed ("
+        << plan_.residency_map() << ")";
+    log::warn(msg.str());
+  }
   refresh_kinds();
+}
+
+uint64_t StreamingEngine::streamed_slot_bytes() const {
+  uint64_t slot = 0;
+  for (const auto& r : layers_) {
+    if (!r.resident) slot = std::max(slot, r.slot_bytes);
+  }
+  return slot;
+}
+
+void StreamingEngine::plan_from_layers() {
+  uint64_t resident = extra_bytes_, streamed = 0;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    plan_.resident[i] = layers_[i].resident;
+    (layers_[i].resident ? resident : streamed) += layers_[i].stored_bytes;
+  }
+  plan_.resident_bytes = resident;
+  plan_.streamed_bytes = streamed;
+  plan_.slot_bytes = streamed_slot_bytes();
+  plan_.ring_slots = plan_.slot_bytes ? options_.ring_slots : 0;
+}
+
+void StreamingEngine::ensure_ring() {
+  if (ring_ || plan_.slot_bytes == 0) return;
+  ring_ = std::make_unique<StagingRing>(*device_, budget_, plan_.ring_slots, plan_.slot_bytes);
 }
 
 void StreamingEngine::require_idle(const char* what) const {
@@ -627,6 +731,7 @@ void StreamingEngine::end_forward(bool aborted) {
 
   ForwardRecord rec;
   rec.index = forwards_++;
+  rec.kind = kind_name_;
   rec.bytes_streamed = acc_cur_.bytes;
   rec.copies = acc_cur_.copies;
   rec.demand_copies = acc_cur_.demand;
@@ -732,7 +837,17 @@ void StreamingEngine::top_up(size_t pos, bool at_end) {
     if (wrapped && !at_end && j >= pos) break;  // at most one full cycle ahead
     const int64_t id = k.order[j];
     if (!layers_[static_cast<size_t>(id)].resident && ring_->find(id, epoch) < 0) {
-      if (issue(id, epoch, /*demand=*/false) < 0) break;  // ring full
+      int s = -1;
+      try {
+        s = issue(id, epoch, /*demand=*/false);
+      } catch (const DeviceError& e) {
+        // Only a prefetch: the layer is copied on demand when it is used (and that copy's
+        // failure, if it fails too, fails that forward).
+        log::warn("model '" + model_name_ + "': prefetching layer '" + layers_[static_cast<size_t>(id)].name +
+                  "' failed: " + e.what());
+        break;
+      }
+      if (s < 0) break;  // ring full
     }
     ++count;
     i = j + 1;
@@ -824,19 +939,37 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     b = r.dev_b;
     s = r.dev_s;
   } else {
-    TORCH_CHECK(ring_, "model '", model_name_, "' has no staging ring (a residency change failed); cannot stream '",
-                r.name, "'");
+    if (!ring_) {
+      try {
+        ensure_ring();  // a residency change that failed could not make one
+      } catch (const ResourceError& e) {
+        throw ResourceError("model '" + model_name_ + "' has no staging ring to stream '" + r.name + "': " + e.what());
+      }
+    }
     int slot = ring_->find(id, epoch_);
-    if (slot < 0) slot = issue(id, epoch_, /*demand=*/true);
+    if (slot < 0) {
+      try {
+        slot = issue(id, epoch_, /*demand=*/true);
+      } catch (const DeviceError& e) {
+        throw DeviceError("model '" + model_name_ + "': streaming layer '" + r.name + "' failed: " + e.what());
+      }
+    }
     top_up(pos, false);
     StagingSlot& st = ring_->slot(static_cast<size_t>(slot));
-    if (!st.copy_done->query()) {
-      acc_cur_.stalls += 1;
-      std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
-      device_->wait(StreamKind::compute, *st.copy_done);
-      if (a) add_span(acc_cur_, TraceTrack::compute, 1, id, std::move(a), mark());
-    } else {
-      device_->wait(StreamKind::compute, *st.copy_done);
+    try {
+      if (!st.copy_done->query()) {
+        acc_cur_.stalls += 1;
+        std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
+        device_->wait(StreamKind::compute, *st.copy_done);
+        if (a) add_span(acc_cur_, TraceTrack::compute, 1, id, std::move(a), mark());
+      } else {
+        device_->wait(StreamKind::compute, *st.copy_done);
+      }
+    } catch (const DeviceError& e) {
+      // The slot's bytes are not the layer's: forget them, so nothing reads them.
+      st.layer = -1;
+      st.consumed = true;
+      throw DeviceError("model '" + model_name_ + "': streaming layer '" + r.name + "' failed: " + e.what());
     }
     ring_->begin_use(slot);
     st.consumed = true;

@@ -58,6 +58,10 @@ void StagingRing::fill(int index, int64_t layer, uint64_t epoch, const std::vect
                        DeviceEvent* end) {
   StagingSlot& s = slots_.at(static_cast<size_t>(index));
   TORCH_INTERNAL_ASSERT(s.leases->load() == 0, "staging slot ", index, " picked while in use");
+  // Until every part is enqueued the slot holds nothing usable: if an enqueue throws, no
+  // find() may hand out its half-overwritten bytes as the layer it held before.
+  s.layer = -1;
+  s.consumed = true;
   device_.wait(StreamKind::copy, *s.compute_done);
   if (start) device_.record(*start, StreamKind::copy);
   for (const auto& part : parts) {

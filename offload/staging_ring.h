@@ -80,6 +80,7 @@ class StagingRing {
 
   // Enqueues on the copy stream: wait for the slot's last reader, record `start` (if
   // given), copy every part, record the slot's copy_done and `end` (if given).
+  // If enqueuing throws (DeviceError), the slot is left empty (layer -1).
   void fill(int slot, int64_t layer, uint64_t epoch, const std::vector<SlotPart>& parts, DeviceEvent* start,
             DeviceEvent* end);
 

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include "runtime/error.h"
+#include "runtime/fault_injection.h"
 
 #ifdef SLUICE_HAS_CUDA
 #include "offload/cuda/cuda_memory.h"
@@ -75,15 +76,33 @@ class TorchDevice final : public DeviceBackend {
     TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy_to_device: tensors must be contiguous");
     TORCH_CHECK(dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel(),
                 "copy_to_device: dtype/numel mismatch");
+    // No asynchronous failure can be injected into a real stream: every copy fault point
+    // fails the enqueue here, which is also where the driver reports a failing copy.
+    for (const char* point : {"copy.h2d.enqueue", "copy.h2d", "copy.h2d.timeout"}) {
+      if (fault::triggered(point)) {
+        throw DeviceError(name() + ": host->device copy of " + std::to_string(src.nbytes()) +
+                          " bytes failed (injected fault " + point + ")");
+      }
+    }
     c10::StreamGuard guard(copy_stream_);
     // Asynchronous from pinned memory; from pageable memory the driver stages it (still
     // correct, ordered on the copy stream).
-    dst.copy_(src, /*non_blocking=*/true);
+    try {
+      dst.copy_(src, /*non_blocking=*/true);
+    } catch (const c10::Error& e) {
+      throw DeviceError(name() + ": host->device copy of " + std::to_string(src.nbytes()) +
+                        " bytes failed: " + e.what_without_backtrace());
+    }
   }
 
   void synchronize() override {
-    impl_.synchronizeStream(copy_stream_);
-    impl_.synchronizeStream(impl_.getStream(device_));
+    try {
+      impl_.synchronizeStream(copy_stream_);
+      impl_.synchronizeStream(impl_.getStream(device_));
+    } catch (const c10::Error& e) {
+      // An asynchronous failure (a copy that failed or timed out) surfaces here.
+      throw DeviceError(name() + ": synchronize failed: " + e.what_without_backtrace());
+    }
   }
 
   at::Tensor pin(const at::Tensor& src) override {

@@ -36,4 +36,11 @@ class ResourceError : public Error {
   using Error::Error;
 };
 
+// A device operation that failed: a host->device copy that failed or timed out. The
+// tensors it was writing hold unusable bytes; the caller drops them.
+class DeviceError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace sluice

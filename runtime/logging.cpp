@@ -4,6 +4,8 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <mutex>
@@ -43,6 +45,8 @@ spdlog::logger& logger() {
   return *instance;
 }
 
+std::array<std::atomic<uint64_t>, 6> g_counts{};  // by Level
+
 }  // namespace
 
 Level parse_level(std::string_view name) {
@@ -72,6 +76,11 @@ Level level() {
 
 bool enabled(Level l) { return logger().should_log(to_spdlog(l)); }
 
-void write(Level l, std::string_view message) { logger().log(to_spdlog(l), "{}", message); }
+void write(Level l, std::string_view message) {
+  g_counts[static_cast<size_t>(l)].fetch_add(1, std::memory_order_relaxed);
+  logger().log(to_spdlog(l), "{}", message);
+}
+
+uint64_t message_count(Level l) { return g_counts[static_cast<size_t>(l)].load(std::memory_order_relaxed); }
 
 }  // namespace sluice::log

@@ -1,6 +1,7 @@
 #pragma once
 // The project's logging API. spdlog stays behind this header: callers see only a
 // level enum and printf-free formatting through fmt-style strings built by the caller.
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -20,6 +21,10 @@ bool enabled(Level level);
 // Sends one message to the "sluice" logger (stderr). Messages should name the
 // model, file or tensor they concern.
 void write(Level level, std::string_view message);
+
+// Messages passed to write() at `level` since the process started, shown or filtered
+// out alike: tests check "exactly one warning" with it, the stress driver reports it.
+uint64_t message_count(Level level);
 
 inline void trace(std::string_view m) { write(Level::trace, m); }
 inline void debug(std::string_view m) { write(Level::debug, m); }

@@ -1,5 +1,6 @@
 #include "runtime/safetensors.h"
 
+#include <ATen/core/grad_mode.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -14,6 +15,7 @@
 #include <unordered_set>
 
 #include "runtime/error.h"
+#include "runtime/fault_injection.h"
 #include "runtime/logging.h"
 
 static_assert(sizeof(size_t) == 8, "safetensors mapping needs a 64-bit address space");
@@ -357,10 +359,14 @@ Header parse_header(const uint8_t* data, uint64_t size, const std::string& origi
 struct File::Mapping {
   const uint8_t* data = nullptr;
   size_t size = 0;
-  Mapping(const uint8_t* d, size_t s) : data(d), size(s) {}
+  int fd = -1;  // kept open for read_into()
+  Mapping(const uint8_t* d, size_t s, int f) : data(d), size(s), fd(f) {}
   ~Mapping() {
     if (data != nullptr) {
       ::munmap(const_cast<uint8_t*>(data), size);
+    }
+    if (fd >= 0) {
+      ::close(fd);
     }
   }
   Mapping(const Mapping&) = delete;
@@ -368,6 +374,59 @@ struct File::Mapping {
 };
 
 File::~File() = default;
+
+namespace {
+
+// Note [reading a changing file]
+// A mapped page past the end of a file that shrank raises SIGBUS when touched, which no
+// error handling can turn into an error message. Loaders therefore read tensor bytes with
+// pread (File::read_into), which reports a short read instead: a checkpoint truncated
+// between File::open and the load is a FileError naming the file and the tensor. (A file
+// rewritten in place with different bytes of the same size cannot be detected.)
+void pread_exact(int fd, uint8_t* dst, uint64_t offset, uint64_t n, const std::string& origin,
+                 const std::string& what) {
+  uint64_t done = 0;
+  while (done < n) {
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(n - done, uint64_t{1} << 30));
+    const ssize_t r = ::pread(fd, dst + done, chunk, static_cast<off_t>(offset + done));
+    if (r < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      fail(origin, "cannot read " + what + ": " + std::strerror(errno));
+    }
+    if (r == 0) {
+      struct stat st {};
+      const std::string now = ::fstat(fd, &st) == 0 ? c10::str(" (it is now ", st.st_size, " bytes)") : "";
+      fail(origin, c10::str("the file ends at byte ", offset + done, " while reading ", what, " at [", offset, ", ",
+                            offset + n, ")", now, ": was it truncated after it was opened?"));
+    }
+    done += static_cast<uint64_t>(r);
+  }
+}
+
+}  // namespace
+
+void File::read_into(const TensorInfo& info, void* dst) const {
+  if (fault::triggered("safetensors.read")) {
+    fail_tensor(path_, info.name, "cannot read: I/O error (injected fault)");
+  }
+  if (info.nbytes() == 0) {
+    return;
+  }
+  pread_exact(mapping_->fd, static_cast<uint8_t*>(dst), header_.data_offset + info.begin, info.nbytes(), path_,
+              "tensor '" + printable(info.name) + "'");
+}
+
+at::Tensor File::read(const std::string& name) const {
+  const TensorInfo* info = find(name);
+  if (info == nullptr) {
+    fail_tensor(path_, name, "no such tensor in the file");
+  }
+  at::Tensor out = at::empty(info->shape, at::TensorOptions().dtype(info->dtype).device(at::kCPU));
+  read_into(*info, out.data_ptr());
+  return out;
+}
 
 const uint8_t* File::data() const { return mapping_->data; }
 
@@ -396,16 +455,25 @@ std::shared_ptr<File> File::open(const std::string& path) {
   }
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int map_err = errno;
-  ::close(fd);  // the mapping keeps its own reference to the file
   if (p == MAP_FAILED) {
+    ::close(fd);
     fail(path, std::string("cannot mmap: ") + std::strerror(map_err));
   }
 
   std::shared_ptr<File> f(new File());
   f->path_ = path;
   f->size_ = size;
-  f->mapping_ = std::make_shared<Mapping>(static_cast<const uint8_t*>(p), size);
-  f->header_ = parse_header(f->mapping_->data, size, path);
+  f->mapping_ = std::make_shared<Mapping>(static_cast<const uint8_t*>(p), size, fd);
+  // The header is read with pread, not through the mapping: a file truncated under us
+  // then gives a FileError instead of SIGBUS (Note [reading a changing file]).
+  std::vector<uint8_t> head(8);
+  pread_exact(fd, head.data(), 0, 8, path, "the header length");
+  const uint64_t n = read_le64(head.data());
+  if (n <= kMaxHeaderBytes && n <= size - 8) {
+    head.resize(8 + n);
+    pread_exact(fd, head.data() + 8, 8, n, path, "the header");
+  }
+  f->header_ = parse_header(head.data(), size, path);
   for (size_t i = 0; i < f->header_.tensors.size(); ++i) {
     f->index_.emplace(f->header_.tensors[i].name, i);
   }

@@ -54,7 +54,9 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // See Note [safetensors views] in safetensors.cpp: views are read-only (writing to one
 // is undefined; in practice it faults, and it never reaches the file), and a tensor whose
 // bytes are not aligned to its element size is returned as a copy instead of a view.
-// The file must not be truncated by anyone while mapped (that raises SIGBUS on access).
+// A file truncated while mapped raises SIGBUS when a view's missing pages are touched;
+// read_into()/read() report it as a FileError instead, so loaders use those. The header is
+// read the same way. The file stays open (one descriptor) while the File or a view lives.
 // A File is immutable once open: its const methods may be called from several threads.
 class File {
  public:
@@ -76,6 +78,13 @@ class File {
   // A CPU view of the named tensor (a copy when unaligned or empty). Throws FileError
   // naming the file and tensor when absent.
   at::Tensor tensor(const std::string& name) const;
+  // Reads the tensor's bytes with pread into `dst` (info.nbytes() bytes), not through
+  // the mapping: a file truncated since open() is a FileError naming the file and tensor,
+  // not SIGBUS (Note [reading a changing file]). Loaders use this. Fault point
+  // "safetensors.read".
+  void read_into(const TensorInfo& info, void* dst) const;
+  // read_into() a new contiguous CPU tensor (owned, never a view of the file).
+  at::Tensor read(const std::string& name) const;
 
  private:
   File() = default;

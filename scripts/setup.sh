@@ -5,6 +5,8 @@
 #   SLUICE_BUILD_DIR   build folder (default: build)
 #   Torch_DIR          use this libtorch (>= 2.11, CPU, CUDA or ROCm) instead of the venv's
 #   SLUICE_CMAKE_ARGS  extra arguments for the CMake configure step
+#   SLUICE_SETUP_ONLY  1: install packages and the venv, then stop (no configure/build);
+#                      scripts/fuzz.sh and scripts/sanitize.sh configure their own build dirs
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -42,6 +44,10 @@ fi
 "$VENV/bin/python" -c "import numpy, einops, safetensors" 2>/dev/null || "$VENV/bin/pip" install -q numpy einops safetensors
 # The independent reference Anima for the parity tests (tests/python/).
 VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
+
+if [ "${SLUICE_SETUP_ONLY:-0}" = 1 ]; then
+  exit 0
+fi
 
 # 3. Configure and build.
 TORCH_ARGS=()

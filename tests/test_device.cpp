@@ -6,6 +6,7 @@
 #include "offload/cpu_device.h"
 #include "offload/device.h"
 #include "runtime/error.h"
+#include "runtime/fault_injection.h"
 
 using namespace sluice::offload;
 
@@ -147,4 +148,51 @@ TEST_CASE("make_device: cpu and errors naming the flag") {
   CHECK_THROWS_WITH(make_device("tpu:x", 0, "--dev"), Catch::Contains("--dev") && Catch::Contains("tpu:x"));
   // No accelerator here: asking for one fails with the flag named, it does not crash.
   if (!at::hasCUDA()) CHECK_THROWS_AS(make_device("cuda:0"), sluice::InvalidArgument);
+}
+
+TEST_CASE("cpu device: a failed copy is reported once by the next event wait or by synchronize") {
+  struct Disarm {
+    ~Disarm() { sluice::fault::disarm_all(); }
+  } disarm;
+  auto dev = make_cpu_device();
+  at::Tensor src = at::arange(256, at::kFloat);
+  at::Tensor dst = dev->allocate({256}, at::kFloat, MemoryKind::ring, "dst");
+  dst.zero_();
+  auto done = dev->create_event();
+  sluice::fault::Trigger once;
+  once.nth = 1;
+
+  // Reported by a compute-stream wait on the event recorded after it, on every such wait
+  // (the bytes it guards are bad), and then no longer by synchronize().
+  sluice::fault::arm("copy.h2d", once);
+  dev->copy_to_device(dst, src);
+  dev->record(*done, StreamKind::copy);
+  CHECK_THROWS_WITH(dev->wait(StreamKind::compute, *done), Catch::Contains("injected fault"));
+  CHECK_THROWS_AS(dev->wait(StreamKind::compute, *done), sluice::DeviceError);
+  CHECK_NOTHROW(dev->synchronize());
+  CHECK_FALSE(at::equal(dst, src));  // part of the bytes never arrived
+  // The next copy and event are clean.
+  dev->copy_to_device(dst, src);
+  dev->record(*done, StreamKind::copy);
+  CHECK_NOTHROW(dev->wait(StreamKind::compute, *done));
+  CHECK(at::equal(dst, src));
+
+  // With no event after it (resident copies), synchronize() reports it, once, and the
+  // next event does not inherit it.
+  dst.zero_();
+  sluice::fault::arm("copy.h2d.timeout", once);
+  dev->copy_to_device(dst, src);
+  CHECK_THROWS_WITH(dev->synchronize(), Catch::Contains("timed out"));
+  CHECK_NOTHROW(dev->synchronize());
+  dev->copy_to_device(dst, src);
+  dev->record(*done, StreamKind::copy);
+  CHECK_NOTHROW(dev->wait(StreamKind::compute, *done));
+  CHECK(at::equal(dst, src));
+
+  // An enqueue failure throws at once and enqueues nothing.
+  sluice::fault::arm("copy.h2d.enqueue", once);
+  dst.zero_();
+  CHECK_THROWS_AS(dev->copy_to_device(dst, src), sluice::DeviceError);
+  dev->synchronize();
+  CHECK(dst.sum().item<float>() == 0.0f);
 }

@@ -139,9 +139,10 @@ std::string plural(size_t n, const std::string& one, const std::string& many) {
 
 at::Tensor source_tensor(const safetensors::File& f, const TensorSource& src, const std::string& name,
                          int64_t out_rows) {
-  at::Tensor t = f.tensor(src.key);
+  // read(), not tensor(): a file truncated since it was opened is a FileError, not SIGBUS.
+  at::Tensor t = f.read(src.key);
   if (src.scale_key.empty()) return t;
-  at::Tensor scale = f.tensor(src.scale_key).to(at::kFloat);
+  at::Tensor scale = f.read(src.scale_key).to(at::kFloat);
   if (scale.numel() == 1) {
     scale = scale.reshape({});
   } else if (scale.numel() == out_rows && t.dim() == 2) {
@@ -273,18 +274,35 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
     throw CheckpointError(msg);
   }
 
+  // Read everything first, assign after: a read that fails (a file truncated since it was
+  // opened, an I/O error) leaves every parameter as it was.
   at::NoGradGuard no_grad;
+  std::vector<at::Tensor> loaded;
+  loaded.reserve(params.size());
+  for (const auto& item : params) {
+    const at::Tensor& param = item.value();
+    const TensorSource& src = sources.at(item.key());
+    const safetensors::TensorInfo& info = *f.find(src.key);
+    if (src.scale_key.empty() && info.dtype == param.scalar_type()) {
+      // Straight into one owned buffer in sluice's host memory (counted by host_memory_stats()).
+      at::Tensor owned = host_empty(info.shape, info.dtype);
+      f.read_into(info, owned.data_ptr());
+      loaded.push_back(std::move(owned));
+    } else {
+      const at::Tensor values = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
+      loaded.push_back(to_host_owned(values, param.scalar_type()));
+    }
+  }
+  size_t i = 0;
   for (const auto& item : params) {
     at::Tensor param = item.value();
-    const TensorSource& src = sources.at(item.key());
-    const at::Tensor view = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
     if (param.device().is_cpu()) {
-      // Swap in one owned copy in sluice's host memory (counted by host_memory_stats());
-      // the untouched storage the model was built with is freed, the mapped view dropped.
-      param.set_data(to_host_owned(view, param.scalar_type()));
+      // The untouched storage the model was built with is freed.
+      param.set_data(loaded[i]);
     } else {
-      param.copy_(view);
+      param.copy_(loaded[i]);
     }
+    loaded[i++] = at::Tensor();
   }
 }
 

@@ -61,9 +61,10 @@ struct TensorSource {
 // [checkpoint keys]). Throws CheckpointError for undecodable quantization markers.
 std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& file, const std::string& prefix);
 
-// The values of one model tensor: the file's zero-copy view, or for scaled fp8 the
-// dequantized fp32 tensor (scale per tensor or per output row; out_rows = size(0)).
-// `name` is used in messages. Throws CheckpointError for a scale of the wrong shape.
+// The values of one model tensor: a copy read from the file (File::read, so a file
+// truncated since it was opened is a FileError), or for scaled fp8 the dequantized fp32
+// tensor (scale per tensor or per output row; out_rows = size(0)). `name` is used in
+// messages. Throws CheckpointError for a scale of the wrong shape.
 at::Tensor source_tensor(const safetensors::File& file, const TensorSource& src, const std::string& name,
                          int64_t out_rows);
 
@@ -86,9 +87,11 @@ struct LoadOptions {
 AnimaModel load_anima(const std::string& path, const LoadOptions& options = {});
 
 // Strictly copies a file's tensors into an existing model's parameters, converting to
-// each parameter's dtype and device. CPU parameters get one owned copy each (the mapped
-// view is never kept). Throws CheckpointError listing missing, unexpected and mismatched
-// keys (first 10 of each and the count) before touching any parameter.
+// each parameter's dtype and device. CPU parameters get one owned copy each (nothing
+// aliases the file). Throws CheckpointError listing missing, unexpected and mismatched
+// keys (first 10 of each and the count), and FileError when a tensor cannot be read (a
+// file truncated since it was opened), both before touching any parameter: every tensor
+// is read into host memory first, so loading onto a device holds the model in RAM once.
 void load_weights(AnimaModelImpl& model, const safetensors::File& file, const std::string& prefix);
 
 }  // namespace sluice::anima
