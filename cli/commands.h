@@ -23,5 +23,9 @@ Subcommand add_inspect(CLI::App& root);
 Subcommand add_forward(CLI::App& root);
 // sluice make-checkpoint --config NAME|FILE.json --seed N --out F [--dtype]
 Subcommand add_make_checkpoint(CLI::App& root);
+// sluice run [--checkpoint F | --synthetic PRESET] [--device] [--vram-budget] [--max-resident]
+//            [--working-memory] [--storage] [--steps] [--cfg] [--resolution] [--prefetch]
+//            [--pin-memory] [--seed] [--context F] [--output F] [--stats-json F] [--trace F]
+Subcommand add_run(CLI::App& root);
 
 }  // namespace sluice::cli

@@ -50,6 +50,7 @@ int main(int argc, char** argv) {
       sluice::cli::add_inspect(app),
       sluice::cli::add_forward(app),
       sluice::cli::add_make_checkpoint(app),
+      sluice::cli::add_run(app),
   };
 
   try {
