@@ -27,6 +27,7 @@
 //                         [--prefetch N] [--policy spread|front_first] [--no-bf16]
 //                         [--markdown]
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
