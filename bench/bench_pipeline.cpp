@@ -24,8 +24,8 @@
 //
 //   sluice_bench_pipeline [--device cpu|cuda[:N]] [--presets anima-small,anima-medium]
 //                         [--resolutions 256,...] [--reps N] [--warmup N] [--copy-ratio R]
-//                         [--prefetch N] [--policy spread|front_first] [--no-bf16]
-//                         [--markdown]
+//                         [--prefetch N] [--policy spread|front_first] [--fractions F,F]
+//                         [--no-bf16] [--markdown]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -65,6 +65,7 @@ struct Args {
   double copy_ratio = 1.5;                     // CPU device: streaming all streamable bytes = this many computes
   uint32_t prefetch = 2;                       // engine prefetch depth
   ResidencyPolicy policy = ResidencyPolicy::spread;
+  std::vector<double> fractions = {0.75, 0.5, 0.25, 0.0};  // max_resident rows
   bool bf16_row = true;                        // include the bf16 resident row
   bool markdown = false;                       // print tables as markdown
 };
@@ -73,8 +74,8 @@ struct Args {
   std::fprintf(stderr, "sluice_bench_pipeline: %s\n", why.c_str());
   std::fprintf(stderr,
                "usage: sluice_bench_pipeline [--device cpu|cuda[:N]] [--presets a,b] [--resolutions px,px] "
-               "[--reps N] [--warmup N] [--copy-ratio R] [--prefetch N] [--policy spread|front_first] [--no-bf16] "
-               "[--markdown]\n");
+               "[--reps N] [--warmup N] [--copy-ratio R] [--prefetch N] [--policy spread|front_first] "
+               "[--fractions F,F] [--no-bf16] [--markdown]\n");
   std::exit(2);
 }
 
@@ -112,6 +113,9 @@ Args parse(int argc, char** argv) {
         a.prefetch = static_cast<uint32_t>(std::stoul(value()));
       } else if (k == "--policy") {
         a.policy = parse_residency_policy(value(), "--policy");
+      } else if (k == "--fractions") {
+        a.fractions.clear();
+        for (const auto& f : split(value())) a.fractions.push_back(std::stod(f));
       } else if (k == "--no-bf16") {
         a.bf16_row = false;
       } else if (k == "--markdown") {
@@ -128,6 +132,8 @@ Args parse(int argc, char** argv) {
   if (a.resolutions.empty()) a.resolutions = cpu ? std::vector<int64_t>{256} : std::vector<int64_t>{1024, 512};
   for (int64_t r : a.resolutions)
     if (r < 16 || r % 16 != 0) usage("resolutions must be positive multiples of 16");
+  for (double f : a.fractions)
+    if (!(f >= 0.0 && f <= 1.0)) usage("--fractions must be between 0 and 1");
   if (a.reps < 1 || a.warmup < 1 || !(a.copy_ratio > 0)) usage("--reps and --warmup must be >= 1, --copy-ratio > 0");
   return a;
 }
@@ -353,7 +359,7 @@ int main(int argc, char** argv) {
           d.copy_bytes_per_second = rate;
           dev = std::shared_ptr<DeviceBackend>(make_cpu_device(d));
         }
-        for (double f : {0.75, 0.5, 0.25, 0.0}) {
+        for (double f : a.fractions) {
           Row r = run_engine(model, in, a, dev, f);
           char label[64];
           std::snprintf(label, sizeof label, "max_resident %.2f", f);
