@@ -21,6 +21,7 @@
 // or --pin-memory (tests/test_run.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
 #include <chrono>
@@ -30,10 +31,11 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "cli/commands.h"
 #include "cli/options.h"
-#include "include/sluice/sluice.hpp"
+#include <sluice/sluice.hpp>
 #include "models/sampling.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
@@ -197,6 +199,12 @@ int run(const RunArgs& args) {
   so.cfg = a.cfg;
   sampling::validate(so);
 
+  if (!gpu) {
+    // The CPU device's copy stream is a worker thread that needs a core of its own; with
+    // intra-op threads on every core it starves (offload/cpu_device.h).
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    if (cores > 1 && at::get_num_threads() >= cores) at::set_num_threads(cores - 1);
+  }
   c10::InferenceMode guard;
   RuntimeOptions ro;
   ro.device = a.device;

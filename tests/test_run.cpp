@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <map>
 #include <set>
 #include <string>
@@ -100,15 +101,26 @@ TEST_CASE("run: prints the residency map and one line per step and writes the fi
   CHECK_FALSE(at::allclose(latent, noise, 1e-3, 1e-3));
 }
 
+// A DiT-only model (no LLM adapter), so that a forward uses every managed layer and its
+// bytes streamed must equal the model's non-resident bytes exactly. (With the adapter, the
+// adapter's streamed layers are not touched by a DiT forward; see the full-model case.)
+static std::string dit_only_config(const TempDir& dir) {
+  const std::string path = dir / "dit-small.json";
+  std::ofstream(path) << R"({"preset": "anima-small", "name": "dit-small", "adapter": {"enabled": false}})";
+  return path;
+}
+
 TEST_CASE("run: the stats JSON has the documented fields and each forward streams the non-resident bytes") {
   TempDir dir;
-  for (const char* fraction : {"0.5", "1"}) {
+  const std::string config = dit_only_config(dir);
+  for (const char* fraction : {"0", "0.5", "1"}) {
     INFO("max-resident " << fraction);
     const std::string stats = dir / "stats.json";
-    run_ok(small_run({"--max-resident", fraction, "--stats-json", stats}));
+    run_ok({"run", "--device", "cpu", "--synthetic", config, "--steps", "2", "--resolution", "64", "--max-resident",
+            fraction, "--stats-json", stats});
     const nlohmann::json j = read_json(stats);
     const auto& m = j.at("model");
-    CHECK(m.at("name").get<std::string>() == "anima-small");
+    CHECK(m.at("name").get<std::string>() == "dit-small");
     const uint64_t total = m.at("total_bytes").get<uint64_t>();
     const uint64_t resident = m.at("resident_bytes").get<uint64_t>();
     CHECK(total > 0);
@@ -137,6 +149,21 @@ TEST_CASE("run: the stats JSON has the documented fields and each forward stream
       CHECK(forwards[1].at("h2d_gbps").get<double>() > 0.0);
     }
   }
+}
+
+TEST_CASE("run: with the adapter every forward streams the same bytes and never more than the non-resident ones") {
+  TempDir dir;
+  const std::string stats = dir / "stats.json";
+  run_ok(small_run({"--max-resident", "0.5", "--stats-json", stats}));
+  const nlohmann::json j = read_json(stats);
+  const uint64_t non_resident =
+      j.at("model").at("total_bytes").get<uint64_t>() - j.at("model").at("resident_bytes").get<uint64_t>();
+  const auto& forwards = j.at("forwards");
+  REQUIRE(forwards.size() == 2);
+  const uint64_t first = forwards[0].at("bytes_streamed").get<uint64_t>();
+  CHECK(first > 0);
+  CHECK(first <= non_resident);
+  CHECK(forwards[1].at("bytes_streamed").get<uint64_t>() == first);
 }
 
 TEST_CASE("run: the trace is valid JSON with copy and upcast and compute tracks") {
