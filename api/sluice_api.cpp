@@ -18,8 +18,8 @@
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
 
-#ifndef SLUICE_VERSION
-#error "SLUICE_VERSION must be defined by the build"
+#ifndef SLUICE_VERSION_STRING
+#error "SLUICE_VERSION_STRING must be defined by the build (sluice_runtime's public definition)"
 #endif
 
 namespace sluice {
@@ -99,7 +99,7 @@ void require_floating(const char* what, const at::Tensor& t) {
 
 }  // namespace
 
-std::string version() { return SLUICE_VERSION; }
+std::string version() { return SLUICE_VERSION_STRING; }
 
 // ---------------------------------------------------------------------------------------
 // ModelCache
@@ -267,6 +267,8 @@ ModelStats Model::stats() const {
     s.streamed_layers = es.streamed_layers;
     s.device_peak_bytes = static_cast<uint64_t>(es.device_memory.total.peak);
   }
+  s.streamed_dit_bytes = st.streamed_dit;
+  s.streamed_adapter_bytes = st.streamed_adapter;
   s.share_bytes = st.share;
   s.device_bytes = st.device_bytes;
   s.minimum_bytes = st.minimum;
@@ -274,6 +276,7 @@ ModelStats Model::stats() const {
   for (const auto& r : es.forward_records) {
     ForwardStats f;
     f.index = r.index;
+    f.kind = r.kind;
     f.bytes_streamed = r.bytes_streamed;
     f.copies = r.copies;
     f.stalls = r.stalls;

@@ -579,6 +579,7 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
       entries_.push_back(e);
     }
   }
+  g.unlock();
   with_pinned(e, /*count_hit=*/true, [&](Entry& en, Guard& gg) {
     if (!created && spec.max_resident && spec.max_resident != en.max_resident) {
       apply_max_resident(en, spec.max_resident);
@@ -802,6 +803,7 @@ void ModelCache::set_vram_budget(uint64_t budget_request) {
   }
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
   device_->set_memory_limit(new_limit);
+  device_->reset_memory_peak();  // peaks count under the current budget
   log::info("vram budget " + format_mib(budget) + " on " + device_->name() + " (working memory " + format_mib(wm) +
             ")");
   // More room: attached models grow towards what they want, most recently used first.
@@ -880,6 +882,10 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
   j["budget"]["budget_bytes"] = budget_;
   j["budget"]["working_memory_bytes"] = working_memory_;
   j["budget"]["share_bytes"] = e->attached ? e->share : 0;
+  {
+    const EntryState st = entry_state_locked(e);
+    j["model"]["streamed_bytes_by_forward"] = {{"dit", st.streamed_dit}, {"adapter", st.streamed_adapter}};
+  }
   j["model"]["in_ram"] = static_cast<bool>(e->model);
   j["model"]["on_device"] = e->attached;
   j["model"]["storage_dtype"] = dtype_name(e->dtypes.storage);
@@ -905,6 +911,10 @@ anima::AnimaConfig ModelCache::entry_config(const std::shared_ptr<Entry>& e) con
 
 ModelCache::EntryState ModelCache::entry_state(const std::shared_ptr<Entry>& e) const {
   std::lock_guard<std::mutex> g(mutex_);
+  return entry_state_locked(e);
+}
+
+ModelCache::EntryState ModelCache::entry_state_locked(const std::shared_ptr<Entry>& e) const {
   std::lock_guard<std::mutex> run(e->run);
   EntryState s;
   s.in_ram = static_cast<bool>(e->model);
@@ -919,7 +929,15 @@ ModelCache::EntryState ModelCache::entry_state(const std::shared_ptr<Entry>& e) 
     s.wanted = e->needs.wanted;
     s.full = e->needs.full;
   }
-  if (e->attached) s.residency = e->engine->plan().residency_map();
+  if (e->attached) {
+    const offload::ResidencyPlan& plan = e->engine->plan();
+    s.residency = plan.residency_map();
+    for (size_t i = 0; i < plan.layers.size(); ++i) {
+      if (plan.resident[i]) continue;
+      (plan.layers[i].name.rfind("llm_adapter.", 0) == 0 ? s.streamed_adapter : s.streamed_dit) +=
+          plan.layers[i].stored_bytes;
+    }
+  }
   return s;
 }
 

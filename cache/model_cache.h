@@ -113,7 +113,7 @@ struct CacheStats {
   uint64_t vram_budget = 0;
   uint64_t working_memory = 0;
   uint64_t vram_limit = 0;      // budget - working memory
-  offload::Stat vram;           // the device backend's total (all models)
+  offload::Stat vram;           // the device backend's total (all models); peak since the last budget change
   uint64_t vram_reserved = 0;   // sum of shares
 };
 
@@ -220,6 +220,8 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
     bool in_ram = false, attached = false, dropped = false;
     int locks = 0;
     uint64_t ram_bytes = 0, share = 0, device_bytes = 0, minimum = 0, wanted = 0, full = 0;
+    uint64_t streamed_dit = 0;      // stored bytes of streamed DiT layers: what a DiT forward streams
+    uint64_t streamed_adapter = 0;  // of streamed llm_adapter layers: what encode_text streams
     std::string residency;
   };
   EntryState entry_state(const std::shared_ptr<Entry>& entry) const;
@@ -256,6 +258,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   void touch(Entry& e) { e.last_used = ++tick_; }
   std::string budget_error(const Entry& e) const;
   CacheStats stats_locked() const;
+  EntryState entry_state_locked(const std::shared_ptr<Entry>& e) const;
   // Runs op on a pinned entry (locks + 1, loaded first) with the cache mutex held, then
   // unpins; returns the change in the entry's device bytes. `count_hit`: a hit is counted.
   int64_t with_pinned(const std::shared_ptr<Entry>& e, bool count_hit, const std::function<void(Entry&, Guard&)>& op);

@@ -670,6 +670,7 @@ void StreamingEngine::end_forward(bool aborted) {
 
   ForwardRecord rec;
   rec.index = forwards_++;
+  rec.kind = kind_name_;
   rec.bytes_streamed = acc_cur_.bytes;
   rec.copies = acc_cur_.copies;
   rec.demand_copies = acc_cur_.demand;

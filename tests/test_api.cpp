@@ -3,6 +3,8 @@
 // errors, and the load log line.
 #include <sluice/sluice.hpp>
 
+#include <ATen/Parallel.h>
+
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
@@ -167,13 +169,19 @@ TEST_CASE("api: bytes streamed equal the non-resident bytes and outputs match ac
       sluice::LockedModel m = model.lock();
       for (int f = 0; f < 2; ++f) CHECK(at::equal(m(in.x, in.t, in.ctx), ref));
       const sluice::ModelStats s = model.stats();
-      CHECK(s.streamed_bytes > 0);
+      CHECK(s.streamed_dit_bytes > 0);
       CHECK(s.streamed_bytes == s.total_bytes - s.resident_bytes);
+      CHECK(s.streamed_bytes == s.streamed_dit_bytes + s.streamed_adapter_bytes);
+      const at::Tensor ctx = m.encode_text(in.qwen, in.ids);
       REQUIRE(s.forward_records.size() == 2);
-      for (const auto& r : s.forward_records) CHECK(r.bytes_streamed == s.streamed_bytes);
+      for (const auto& r : s.forward_records) CHECK(r.bytes_streamed == s.streamed_dit_bytes);
       const nlohmann::json j = parse(model.stats_json());
-      CHECK(j.at("forwards").at(0).at("bytes_streamed").get<uint64_t>() ==
-            j.at("model").at("total_bytes").get<uint64_t>() - j.at("model").at("resident_bytes").get<uint64_t>());
+      REQUIRE(j.at("forwards").size() == 3);
+      for (const auto& f : j.at("forwards")) {
+        const std::string kind = f.at("kind");
+        CHECK(f.at("bytes_streamed") == j.at("model").at("streamed_bytes_by_forward").at(kind));
+      }
+      CHECK(j.at("forwards").at(2).at("kind") == "adapter");
     }
   }
   // max_resident through LoadOptions and set_max_resident.

@@ -102,13 +102,14 @@ struct CacheStats {
   uint64_t vram_budget_bytes = 0;       // the device budget
   uint64_t working_memory_bytes = 0;    // part of it kept for activations
   uint64_t vram_limit_bytes = 0;        // budget - working memory: what models may hold together
-  Counter vram;                         // device bytes all models hold (weights, staging rings, upcast scratch)
+  Counter vram;                         // device bytes all models hold (weights, staging rings, upcast scratch); peak since the last budget change
   uint64_t vram_reserved_bytes = 0;     // sum of the models' device shares (>= vram.current)
 };
 
 // One forward (or encode_text) of a model.
 struct ForwardStats {
   uint64_t index = 0;           // 0-based count of the model's forwards
+  std::string kind;             // "dit" (forward) or "adapter" (encode_text)
   uint64_t bytes_streamed = 0;  // stored bytes copied host->device for it
   uint64_t copies = 0;          // layer copies
   uint64_t stalls = 0;          // times compute waited for a copy
@@ -128,7 +129,9 @@ struct ModelStats {
   uint64_t locks = 0;                  // open LockedModel/LoraHandle
   uint64_t total_bytes = 0;            // stored bytes of every weight
   uint64_t resident_bytes = 0;         // of which resident on the device
-  uint64_t streamed_bytes = 0;         // of which streamed each forward
+  uint64_t streamed_bytes = 0;         // of which streamed (not resident)
+  uint64_t streamed_dit_bytes = 0;     // of which DiT layers: what each forward streams
+  uint64_t streamed_adapter_bytes = 0; // of which LLM adapter layers: what each encode_text streams
   std::string residency;               // residency map: "blocks: RRSRRS...; other: ..."
   uint64_t share_bytes = 0;            // device bytes reserved for this model (weights, ring, scratch)
   uint64_t device_bytes = 0;           // device bytes it holds now
@@ -188,9 +191,11 @@ class Model {
   void set_max_resident(std::optional<double> fraction);
 
   ModelStats stats() const;
-  // JSON with model.{name,total_bytes,resident_bytes,residency}, budget.{budget_bytes,
-  // working_memory_bytes,share_bytes}, device.{peak_bytes,...}, forwards[] {bytes_streamed,
-  // h2d_gbps, stall_ms, upcast_ms, wall_ms, ...}, cache.{hits,misses,evictions,...}.
+  // JSON with model.{name,total_bytes,resident_bytes,residency,streamed_bytes_by_forward
+  // {dit,adapter}}, budget.{budget_bytes,
+  // working_memory_bytes,share_bytes}, device.{peak_bytes,...}, forwards[] {kind,
+  // bytes_streamed, h2d_gbps, stall_ms, upcast_ms, wall_ms, ...}, cache.{hits,misses,
+  // evictions,...}. A forward's bytes_streamed equals streamed_bytes_by_forward[kind].
   std::string stats_json(int indent = 2) const;
   // Chrome/Perfetto trace of the recorded forwards (RuntimeOptions::trace); FileError.
   void write_trace(const std::string& path) const;
