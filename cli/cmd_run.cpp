@@ -234,7 +234,8 @@ int run(const RunArgs& args) {
   std::cout << "loaded in " << fmt("%.2f", load_s) << " s: total " << mb(ms0.total_bytes) << ", resident "
             << mb(ms0.resident_bytes) << " ("
             << fmt("%.1f", ms0.total_bytes ? 100.0 * static_cast<double>(ms0.resident_bytes) / static_cast<double>(ms0.total_bytes) : 0.0)
-            << "%), streamed per forward " << mb(ms0.streamed_bytes) << "\n";
+            << "%), streamed per forward " << mb(ms0.streamed_dit_bytes) << " (+ " << mb(ms0.streamed_adapter_bytes)
+            << " of LLM adapter layers, unused here)\n";
   std::cout << "budget " << mb(cs0.vram_budget_bytes) << " (working memory " << mb(cs0.working_memory_bytes)
             << "), max-resident "
             << (a.max_resident ? fmt("%.2f", *a.max_resident) : std::string("none")) << ", prefetch " << a.prefetch
