@@ -225,6 +225,7 @@ int run(const RunArgs& args) {
   LockedModel locked = model.lock();
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   const ModelInfo& info = locked.info();
+  const Context ctx = load_context(a, info);  // before any output: errors leave stdout empty
   const ModelStats ms0 = model.stats();
   const CacheStats cs0 = cache.stats();
 
@@ -242,7 +243,6 @@ int run(const RunArgs& args) {
             << ", pin-memory " << a.pin_memory << "\n";
   std::cout << "residency: " << ms0.residency << "\n";
 
-  const Context ctx = load_context(a, info);
   const int64_t B = ctx.cond.size(0);
   const int64_t lat = px / kLatentScale;
   const at::Tensor noise = sampling::initial_noise({B, info.in_channels, 1, lat, lat}, a.seed);
