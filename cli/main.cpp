@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
       sluice::cli::add_forward(app),
       sluice::cli::add_make_checkpoint(app),
       sluice::cli::add_fp8_report(app),
+      sluice::cli::add_run(app),
   };
 
   try {
