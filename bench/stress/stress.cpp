@@ -142,13 +142,17 @@ ForwardResult checked_forward(cache::ModelCache& cache, const cache::Lock& lock,
       if (r.violation.empty()) throw std::runtime_error(error);  // rethrown to the caller as the forward's error
       return;
     }
-    // 4. Bytes streamed == non-resident bytes.
+    // 4. Bytes streamed == non-resident bytes of the DiT (a DiT forward never touches the
+    // LLM adapter's layers, which are streamed by encode_text only).
+    const offload::ResidencyPlan& plan = engine.plan();
+    uint64_t expected = 0;
+    for (size_t i = 0; i < plan.layers.size(); ++i)
+      if (!plan.resident[i] && plan.layers[i].name.rfind("llm_adapter.", 0) != 0) expected += plan.layers[i].stored_bytes;
     const offload::EngineStats s = engine.stats();
     if (!s.forward_records.empty()) {
       const uint64_t streamed = s.forward_records.back().bytes_streamed;
-      const uint64_t expected = s.model_total_bytes - s.model_resident_bytes;
       if (streamed != expected && r.violation.empty())
-        r.violation = s.model_name + ": bytes_streamed " + std::to_string(streamed) + " != non-resident bytes " +
+        r.violation = s.model_name + ": bytes_streamed " + std::to_string(streamed) + " != non-resident DiT bytes " +
                       std::to_string(expected);
     }
   });
