@@ -25,7 +25,7 @@ struct sluice_cache {
 struct sluice_model {
   sluice::Model model;
 };
-struct sluice_lock {
+struct sluice_locked {
   sluice::LockedModel locked;
 };
 struct sluice_lora {
@@ -264,19 +264,19 @@ sluice_status sluice_full_unload(sluice_model* model, int64_t* delta_bytes) {
   return guarded([&] { set_delta(delta_bytes, need(model, "model").model.full_unload()); });
 }
 
-sluice_status sluice_lock(sluice_model* model, sluice_lock** out) {
+sluice_status sluice_lock(sluice_model* model, sluice_locked** out) {
   return guarded([&] {
     need_out(out, "out");
     sluice::LockedModel l = need(model, "model").model.lock();
-    *out = new sluice_lock{std::move(l)};
+    *out = new sluice_locked{std::move(l)};
   });
 }
 
-void sluice_unlock(sluice_lock* lock) {
+void sluice_unlock(sluice_locked* lock) {
   (void)guarded([&] { delete lock; });
 }
 
-sluice_status sluice_forward(sluice_lock* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
+sluice_status sluice_forward(sluice_locked* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
                              const DLManagedTensor* context, DLManagedTensor** out) {
   return guarded([&] {
     need_out(out, "out");
@@ -286,7 +286,7 @@ sluice_status sluice_forward(sluice_lock* lock, const DLManagedTensor* x, const 
   });
 }
 
-sluice_status sluice_encode_text(sluice_lock* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,
+sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,
                                  const DLManagedTensor* t5_weights, DLManagedTensor** out) {
   return guarded([&] {
     need_out(out, "out");
@@ -298,7 +298,7 @@ sluice_status sluice_encode_text(sluice_lock* lock, const DLManagedTensor* qwen_
   });
 }
 
-sluice_status sluice_lora_apply(sluice_lock* lock, const char* path, double scale, sluice_lora** out) {
+sluice_status sluice_lora_apply(sluice_locked* lock, const char* path, double scale, sluice_lora** out) {
   return guarded([&] {
     need_out(out, "out");
     sluice::LoraHandle h = need(lock, "lock").locked.apply_lora(str(path), scale);

@@ -53,7 +53,7 @@ typedef enum sluice_status {
 
 typedef struct sluice_cache sluice_cache; /* a ModelCache: models in RAM, one device, one budget */
 typedef struct sluice_model sluice_model; /* a handle on one cached model */
-typedef struct sluice_lock sluice_lock;   /* a model in use: never evicted while held */
+typedef struct sluice_locked sluice_locked; /* a locked model: in use, never evicted while held */
 typedef struct sluice_lora sluice_lora;   /* a LoRA applied to a locked model */
 
 /* The library version ("0.1.0") and the C ABI version it implements. */
@@ -126,20 +126,20 @@ sluice_status sluice_full_load(sluice_model* model, int64_t* delta_bytes);
 sluice_status sluice_full_unload(sluice_model* model, int64_t* delta_bytes);
 
 /* Locking: the model is loaded if evicted and kept in use until sluice_unlock. */
-sluice_status sluice_lock(sluice_model* model, sluice_lock** out);
-void sluice_unlock(sluice_lock* lock); /* NULL is fine */
+sluice_status sluice_lock(sluice_model* model, sluice_locked** out);
+void sluice_unlock(sluice_locked* lock); /* NULL is fine */
 
 /* DiT velocity: x [B,C,T,H,W], timesteps [B], context [B,S,D] (any float dtype, any device)
  * -> *out [B,C_out,T,H,W] in the compute dtype on the model's device. */
-sluice_status sluice_forward(sluice_lock* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
+sluice_status sluice_forward(sluice_locked* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
                              const DLManagedTensor* context, DLManagedTensor** out);
 /* LLM adapter: qwen_hidden [B,S,Dq], t5_ids [B,S_t] (integers), t5_weights [B,S_t] or NULL
  * -> *out context [B, output_tokens, D]. */
-sluice_status sluice_encode_text(sluice_lock* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,
+sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,
                                  const DLManagedTensor* t5_weights, DLManagedTensor** out);
 
 /* LoRA sidecars on a locked model (the stored weights are never modified). */
-sluice_status sluice_lora_apply(sluice_lock* lock, const char* path, double scale, sluice_lora** out);
+sluice_status sluice_lora_apply(sluice_locked* lock, const char* path, double scale, sluice_lora** out);
 void sluice_lora_remove(sluice_lora* lora); /* NULL is fine */
 
 #ifdef __cplusplus

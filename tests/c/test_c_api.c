@@ -121,7 +121,7 @@ static DLManagedTensor* run_forward(double max_resident, char** stats_json) {
   t->data[0] = 0.5f;
   OwnedTensor* ctx = make_tensor(3, cs, 3);
 
-  sluice_lock* lock = NULL;
+  sluice_locked* lock = NULL;
   REQUIRE_OK(sluice_lock(model, &lock));
   DLManagedTensor* v = NULL;
   REQUIRE_OK(sluice_forward(lock, &x->managed, &t->managed, &ctx->managed, &v));
