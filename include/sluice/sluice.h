@@ -5,8 +5,10 @@
  *   o.device = "cpu";  o.vram_budget = "50%";
  *   sluice_cache* cache;     if (sluice_cache_create(&o, &cache) != SLUICE_OK) puts(sluice_last_error());
  *   sluice_model* model;     sluice_load(cache, "anima.safetensors", NULL, &model);
- *   DLManagedTensor* v;      sluice_forward(model, x, timesteps, context, &v);
- *   ...                      v->deleter(v);  sluice_model_release(model);  sluice_cache_destroy(cache);
+ *   sluice_locked* m;        sluice_lock(model, &m);                  (never evicted while locked)
+ *   DLManagedTensor* v;      sluice_forward(m, x, timesteps, context, &v);
+ *   ...                      v->deleter(v);  sluice_unlock(m);  sluice_model_release(model);
+ *                            sluice_cache_destroy(cache);
  *
  * Rules:
  *  - Every call that can fail returns a sluice_status. On failure the out-parameters are
