@@ -66,11 +66,10 @@ _BLOCK = {
 _BLOCK_RE = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 # sluice's fp8 skip set on Anima (default patterns + the model's t_embedder, x_embedder,
-# final_layer) expressed over diffusers' module names, for `enable_layerwise_casting`.
-# diffusers' own defaults ("norm" searched anywhere) would also keep every block's
-# norm1/norm2/norm3 Linears (the adaLN modulations, 168 MiB on anima-2b) in bf16, so the two
-# contenders would store different weights; these patterns give the same fp8 set as sluice.
-# compare.py checks that the fp8 byte totals agree.
+# final_layer) over diffusers' module names, for `diffusers.hooks.apply_layerwise_casting`.
+# `model.enable_layerwise_casting()` always adds the class's own patterns ("norm" searched
+# anywhere), which also keeps every block's norm1/norm2/norm3 Linears (the adaLN
+# modulations, 168 MiB on anima-2b) in bf16; with these patterns the fp8 set is sluice's.
 SLUICE_SKIP_PATTERNS = (r"^patch_embed(\.|$)", r"^time_embed(\.|$)", r"^norm_out(\.|$)", r"^proj_out$")
 
 
