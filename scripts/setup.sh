@@ -42,9 +42,10 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
 fi
 "$VENV/bin/python" -c "import numpy, einops, safetensors" 2>/dev/null || "$VENV/bin/pip" install -q numpy einops safetensors
-# diffusers: the diffusers parity test and bench/gpu/compare.py (pinned: the key mapping in
-# bench/gpu/anima_diffusers.py follows this version's CosmosTransformer3DModel).
-"$VENV/bin/python" -c "import diffusers" 2>/dev/null || "$VENV/bin/pip" install -q "diffusers==0.42.1"
+# diffusers (+ accelerate, which its group offloading needs): the diffusers parity test and
+# bench/gpu/compare.py. Pinned: bench/gpu/anima_diffusers.py maps keys onto this version's
+# CosmosTransformer3DModel.
+"$VENV/bin/python" -c "import diffusers, accelerate" 2>/dev/null || "$VENV/bin/pip" install -q "diffusers==0.42.1" "accelerate==1.15.0"
 # The independent reference Anima for the parity tests (tests/python/).
 VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
 

@@ -283,6 +283,18 @@ class _InvokeLinear(torch.nn.Linear):
         return torch.nn.functional.linear(input, w, b)
 
 
+# ModelLoader._wrap_forward_with_fp8_cast: cast a layer's parameters where they lie (on the
+# host for a streamed layer) on entry, and back to fp8 on exit (even when forward raises).
+def _fp8_pre_hook(mod, _args):
+    for p in mod.parameters(recurse=False):
+        p.data = p.data.to(BF16)
+
+
+def _fp8_post_hook(mod, _args, _output):
+    for p in mod.parameters(recurse=False):
+        p.data = p.data.to(FP8)
+
+
 def invokeai_style(dit, device, resident_bytes):
     """Applies the re-created InvokeAI fp8 storage + partial load to `dit` (bf16, on the CPU).
     Returns (resident bytes loaded, bytes a step copies host->device by accounting)."""
@@ -297,10 +309,8 @@ def invokeai_style(dit, device, resident_bytes):
             continue
         for p in params:
             p.data = p.data.to(FP8)
-        # ModelLoader._wrap_forward_with_fp8_cast: cast where the parameter lies.
-        mod.register_forward_pre_hook(lambda m, a: [setattr(p, "data", p.data.to(BF16)) for p in m.parameters(False)])
-        mod.register_forward_hook(lambda m, a, o: [setattr(p, "data", p.data.to(FP8)) for p in m.parameters(False)],
-                                  always_call=True)
+        mod.register_forward_pre_hook(_fp8_pre_hook)
+        mod.register_forward_hook(_fp8_post_hook, always_call=True)
         cast_modules.add(name)
     autocast = set()
     for name, mod in dit.named_modules():
