@@ -45,6 +45,10 @@ fi
 # testing the Python bindings (python/, installed with --no-build-isolation against this torch).
 "$VENV/bin/python" -c "import numpy, einops, safetensors, pytest, scikit_build_core" 2>/dev/null ||
   "$VENV/bin/pip" install -q numpy einops safetensors pytest "scikit-build-core>=0.10"
+# diffusers (+ accelerate, which its group offloading needs): the diffusers parity test and
+# bench/gpu/compare.py. Pinned: bench/gpu/anima_diffusers.py maps keys onto this version's
+# CosmosTransformer3DModel.
+"$VENV/bin/python" -c "import diffusers, accelerate" 2>/dev/null || "$VENV/bin/pip" install -q "diffusers==0.42.1" "accelerate==1.15.0"
 # The independent reference Anima for the parity tests (tests/python/).
 VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
 
