@@ -5,7 +5,7 @@
     model = cache.load("anima.safetensors", storage="float8_e4m3fn")
     with model.lock() as m:
         v = m(x, timesteps, context)
-    cache.stats()   # dict: cache counters plus each model's --stats-json document
+    cache.stats()   # {"cache": counters, "models": {name: --stats-json document}}
 
 Tensors are passed zero-copy as torch tensors. Errors are sluice.Error subclasses
 (FileError, CheckpointError, InvalidArgument, ResourceError) carrying the C++ message.
@@ -188,11 +188,11 @@ class ModelCache:
         self._cache.set_vram_budget(str(budget))
 
     def stats(self) -> dict:
-        """Cache counters (hits, misses, loads, evictions, ram, vram ...) and, under
-        "models", the --stats-json document of every model loaded through this object."""
-        stats = json.loads(self._cache.stats_json())
-        stats["models"] = {m.name: m.stats() for m in list(self._models)}
-        return stats
+        """{"cache": the counters of --stats-json's "cache" object (hits, misses, loads,
+        evictions, ram, vram ...), "models": {name: that model's --stats-json document}}
+        for every model loaded through this object."""
+        return {"cache": json.loads(self._cache.stats_json()),
+                "models": {m.name: m.stats() for m in list(self._models)}}
 
 
 Runtime = ModelCache

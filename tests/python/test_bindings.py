@@ -74,7 +74,10 @@ def test_stats_and_dtypes(checkpoint):
         assert f["bytes_streamed"] == s["model"]["streamed_bytes_by_forward"]["dit"] > 0
         for key in ("h2d_gbps", "stall_ms", "upcast_ms", "wall_ms"):
             assert key in f
-    assert set(s["model"]["residency"]) >= {"R", "S"}
+    # One character per block: at half residency some blocks stream (S) or partly stream (P).
+    blocks = s["model"]["residency"].split(";")[0]
+    assert blocks.startswith("blocks: ")
+    assert set(blocks[len("blocks: "):]) & {"S", "P"}
     cs = cache.stats()
     assert cs["models"][model.name]["model"]["total_bytes"] == s["model"]["total_bytes"]
     assert {"hits", "misses", "evictions"} <= set(cs["cache"])
@@ -124,10 +127,16 @@ def test_lora_context_manager(checkpoint, workdir):
     assert torch.equal(after, before)
 
 
-def test_forward_in_a_second_thread_releases_the_gil(checkpoint):
+def test_forward_in_a_second_thread_releases_the_gil():
+    # A forward long enough (about a second on a 2-core machine) that the main thread is
+    # certainly scheduled while it runs, whatever the machine's load.
     cache = sluice.ModelCache(device="cpu")
-    model = cache.load(checkpoint)
-    x, t, ctx = inputs(model.info, batch=2)
+    model = cache.load("anima-small", seed=3)
+    info = model.info
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, info["in_channels"], 1, 32, 32, generator=g)
+    t = torch.full((4,), 0.5)
+    ctx = torch.randn(4, 8, info["crossattn_emb_channels"], generator=g)
     with model.lock() as m:
         reference = m(x, t, ctx)
     state = {"in_forward": False, "seen_in_forward": None, "result": None}
