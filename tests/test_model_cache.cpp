@@ -79,11 +79,13 @@ at::Tensor forward(ModelCache& cache, const std::shared_ptr<Entry>& e, const Inp
   return forward(cache, l, in);
 }
 
-// Stored dtype of every managed layer of a locked model.
+// Stored dtype of every parameter of a locked model, keyed by module name for the managed
+// layers' weights ("blocks.0.mlp.layer1") and by parameter name for everything else.
 std::map<std::string, at::ScalarType> stored_dtypes(ModelCache& cache, const Lock& lock) {
   std::map<std::string, at::ScalarType> out;
   cache.run(lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine&) {
     for (const auto& [name, l] : offload::managed_layers(m)) out[name] = l->stored_weight().scalar_type();
+    for (const auto& p : m.named_parameters(true)) out[p.key()] = p.value().scalar_type();
   });
   return out;
 }
