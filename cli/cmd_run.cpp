@@ -9,7 +9,7 @@
 // With neither --checkpoint nor --synthetic it runs the embedded default:
 //  - on a GPU (--device cuda, or no --device and a CUDA/ROCm device present): the real
 //    model's shape, anima-2b with random weights, at a 50% VRAM budget, 1024 px, 30 steps;
-//  - on the CPU (CPU-as-device mode): a generated anima-medium at 384 px, 12 steps, with
+//  - on the CPU (CPU-as-device mode): a generated anima-medium at 512 px, 12 steps, with
 //    half its streamable weights resident (--max-resident 0.5) so that streaming is
 //    exercised; sized to finish in about a minute on a 2-core machine (measured in
 //    docs/BENCHMARKS.md).
@@ -65,7 +65,7 @@ struct RunArgs {
 };
 
 constexpr const char* kCpuDefaultPreset = "anima-medium";
-constexpr int64_t kCpuDefaultResolution = 384;
+constexpr int64_t kCpuDefaultResolution = 512;
 constexpr int kCpuDefaultSteps = 12;
 constexpr double kCpuDefaultMaxResident = 0.5;
 constexpr const char* kGpuDefaultPreset = "anima-2b";
@@ -356,7 +356,7 @@ Subcommand add_run(CLI::App& root) {
   sub->add_option("--cfg", a->cfg, "Classifier-free guidance scale (1: conditional only)")
       ->check(finite_validator())
       ->capture_default_str();
-  sub->add_option("--resolution", a->resolution, "Image side in pixels, a multiple of 16 (default: 384 cpu, 1024 GPU)")
+  sub->add_option("--resolution", a->resolution, "Image side in pixels, a multiple of 16 (default: 512 cpu, 1024 GPU)")
       ->check(resolution_validator());
   sub->add_option("--prefetch", a->prefetch, "Streamed layers copied ahead of compute")
       ->check(CLI::Range(0, 64))

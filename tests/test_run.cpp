@@ -240,4 +240,6 @@ TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
   expect_error({"run", "--checkpoint", "a.safetensors", "--synthetic", "anima-tiny"}, 2, {"--checkpoint", "--synthetic"});
   TempDir dir;
   expect_error({"run", "--device", "cpu", "--checkpoint", dir / "absent.safetensors"}, 1, {"absent.safetensors"});
+  // A budget below one layer plus the ring is a runtime error that names the minimum.
+  expect_error(small_run({"--vram-budget", "2MiB", "--working-memory", "1MiB"}), 1, {"anima-small", "minimum"});
 }

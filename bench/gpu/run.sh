@@ -90,18 +90,19 @@ fi
 BUILD="${SLUICE_BUILD_DIR:-build-gpu}"
 if [ ! -f "$BUILD/build.ninja" ]; then
   log "configuring $BUILD"
+  mkdir -p "$BUILD"
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIXES" \
     -DSLUICE_PYTHON="$PY" -DSLUICE_BUILD_TESTS=ON -DSLUICE_BUILD_BENCH=ON \
-    -DSLUICE_WITH_CUDA="$( ((CUDA)) && echo AUTO || echo OFF)" ${SLUICE_CMAKE_ARGS:-} >"$BUILD.configure.log" 2>&1 ||
-    { tail -40 "$BUILD.configure.log"; exit 1; }
-  grep -E "sluice: torch" "$BUILD.configure.log" || true
+    -DSLUICE_WITH_CUDA="$( ((CUDA)) && echo AUTO || echo OFF)" ${SLUICE_CMAKE_ARGS:-} >"$BUILD/gpu-bench.configure.log" 2>&1 ||
+    { tail -40 "$BUILD/gpu-bench.configure.log"; exit 1; }
+  grep -E "sluice: torch" "$BUILD/gpu-bench.configure.log" || true
 fi
 TESTS=(sluice_test_device sluice_test_fp8 sluice_test_dtype_policy sluice_test_engine)
 TARGETS=(sluice_cli sluice_bench_pipeline)
 ((SKIP_TESTS)) || TARGETS+=("${TESTS[@]}")
 log "building ${TARGETS[*]}"
-timed cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}" >"$BUILD.build.log" 2>&1 ||
-  { tail -40 "$BUILD.build.log"; log "build failed"; exit 1; }
+timed cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}" >"$BUILD/gpu-bench.build.log" 2>&1 ||
+  { tail -40 "$BUILD/gpu-bench.build.log"; log "build failed"; exit 1; }
 log "built"
 
 # --- Tests ---------------------------------------------------------------------------
@@ -110,12 +111,12 @@ if ((! SKIP_TESTS)); then
   for t in "${TESTS[@]}"; do
     bin="$BUILD/tests/$t"
     # One intra-op thread: the CPU device's copy worker needs a core (offload/cpu_device.h).
-    if OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn timed "$bin" >"$BUILD.$t.log" 2>&1; then
-      log "$t: $(tail -3 "$BUILD.$t.log" | grep -E 'passed|assertions' | head -1)"
+    if OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn timed "$bin" >"$BUILD/gpu-bench.$t.log" 2>&1; then
+      log "$t: $(tail -3 "$BUILD/gpu-bench.$t.log" | grep -E 'passed|assertions' | head -1)"
     else
       FAILED=1
       log "$t FAILED:"
-      tail -30 "$BUILD.$t.log"
+      tail -30 "$BUILD/gpu-bench.$t.log"
     fi
   done
 fi
