@@ -144,14 +144,17 @@ class CpuDevice final : public DeviceBackend {
   }
 
   double elapsed_ms(const DeviceEvent& from, const DeviceEvent& to) const override {
-    const auto& a = state_of(from);
-    const auto& b = state_of(to);
-    std::lock_guard<std::mutex> la(a.mutex);
-    TORCH_INTERNAL_ASSERT(a.recorded > 0 && a.completed >= a.recorded, "elapsed_ms: 'from' event not done");
-    const auto ta = a.done_at;
-    std::lock_guard<std::mutex> lb(b.mutex);
-    TORCH_INTERNAL_ASSERT(b.recorded > 0 && b.completed >= b.recorded, "elapsed_ms: 'to' event not done");
-    return std::chrono::duration<double, std::milli>(b.done_at - ta).count();
+    // One event's lock at a time: nesting them made elapsed_ms(a, b) and elapsed_ms(b, a)
+    // a lock-order inversion (TSan), and elapsed_ms(e, e) a self-deadlock. A done event's
+    // time no longer changes until it is recorded again, which only this thread does.
+    const auto done_at = [](const CpuEventState& e, const char* which) {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      TORCH_INTERNAL_ASSERT(e.recorded > 0 && e.completed >= e.recorded, "elapsed_ms: '", which, "' event not done");
+      return e.done_at;
+    };
+    const auto ta = done_at(state_of(from), "from");
+    const auto tb = done_at(state_of(to), "to");
+    return std::chrono::duration<double, std::milli>(tb - ta).count();
   }
 
   void copy_to_device(const at::Tensor& dst, const at::Tensor& src, std::function<void()> before) override {

@@ -251,7 +251,9 @@ TEST_CASE("make-checkpoint is deterministic per seed") {
   CHECK(bytes_a.size() == bytes_c.size());
   CHECK(bytes_a != bytes_c);
   // Default dtype is bfloat16.
-  for (const auto& t : sluice::safetensors::File::open(a)->tensors()) CHECK(t.dtype == at::kBFloat16);
+  // (The File must outlive the loop: ranging over a temporary's tensors() dangles; ASan.)
+  const auto file = sluice::safetensors::File::open(a);
+  for (const auto& t : file->tensors()) CHECK(t.dtype == at::kBFloat16);
 }
 
 TEST_CASE("forward writes a velocity shaped like x and the adapter context") {
