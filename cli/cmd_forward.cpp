@@ -39,14 +39,6 @@ struct ForwardArgs {
   uint32_t prefetch = 2;          // streamed layers copied ahead
 };
 
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
-
 // Checks one input's rank and the dims that are fixed (-1: any size, bound by name below).
 class InputChecker {
  public:

@@ -74,14 +74,6 @@ constexpr int kGpuDefaultSteps = 30;
 constexpr const char* kGpuDefaultBudget = "50%";
 constexpr int64_t kLatentScale = 8;  // pixels per latent cell (the VAE's downsampling)
 
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
-
 std::string fmt(const char* format, double a) {
   char buf[64];
   std::snprintf(buf, sizeof buf, format, a);
