@@ -1,6 +1,9 @@
 // sluice forward: one DiT forward (optionally preceded by the LLM adapter) on tensors read
 // from a safetensors file, written to another. The scripting face of the model, used by
-// the parity tests.
+// the parity tests and the Python bindings' bit-identity test. It checks the input file
+// and goes through the public API (sluice/sluice.hpp) like any other host: the model is
+// loaded into a ModelCache on --device (the CPU plays the device for "cpu") and run under
+// --vram-budget / --max-resident, with --storage (default: --dtype, i.e. no fp8).
 //
 // Inputs: x [B,C,T,H,W], timesteps [B], and either context [B,S,D] or qwen_hidden
 // [B,S,Dq] + t5_ids [B,S_t] (+ t5_weights [B,S_t]). Output: velocity (+ context when the
@@ -16,10 +19,9 @@
 
 #include "cli/commands.h"
 #include "cli/options.h"
-#include "models/anima/anima.h"
-#include "models/anima/checkpoint.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
+#include "sluice/sluice.hpp"
 
 namespace sluice::cli {
 namespace {
@@ -31,6 +33,10 @@ struct ForwardArgs {
   std::string config;             // optional: preset or JSON (default: inferred from the checkpoint)
   std::string dtype = "float32";  // run dtype of weights and activations
   std::string device = "cpu";     // cpu | cuda[:N]
+  std::string storage;            // stored dtype of the Linears; empty: --dtype (no fp8)
+  std::optional<double> max_resident;  // resident fraction of the streamable weights
+  std::string vram_budget;        // device budget; empty: all of the device
+  uint32_t prefetch = 2;          // streamed layers copied ahead
 };
 
 std::string shape_str(at::IntArrayRef s) {
@@ -87,7 +93,6 @@ void require_floating(const std::string& name, const at::Tensor& t, const std::s
 int run_forward(const ForwardArgs& a) {
   const at::ScalarType dtype = parse_dtype(a.dtype);
   const at::Device device = resolve_device(a.device);
-  c10::InferenceMode guard;
 
   // Read and check the inputs before the (slow) model load.
   const auto in = safetensors::File::open(a.inputs);
@@ -108,12 +113,19 @@ int run_forward(const ForwardArgs& a) {
   if (!use_adapter && in->contains("t5_weights"))
     throw InvalidArgument("inputs file '" + a.inputs + "' has 't5_weights' without 'qwen_hidden' + 't5_ids'");
 
-  anima::LoadOptions opts;
-  if (!a.config.empty()) opts.config = load_config(a.config);
-  opts.dtype = dtype;
-  opts.device = device;
-  anima::AnimaModel model = anima::load_anima(a.checkpoint, opts);
-  const anima::AnimaConfig& cfg = model->config();
+  RuntimeOptions ro;
+  ro.device = device.str();
+  ro.vram_budget = a.vram_budget;
+  ro.prefetch = a.prefetch;
+  ModelCache cache(ro);
+  LoadOptions lo;
+  lo.storage = a.storage.empty() ? a.dtype : a.storage;
+  lo.compute = a.dtype;
+  lo.config = a.config;
+  lo.max_resident = a.max_resident;
+  Model handle = cache.load(a.checkpoint, lo);
+  LockedModel model = handle.lock();
+  const ModelInfo& cfg = model.info();
 
   InputChecker check(a.inputs);
   const at::Tensor x = in->tensor("x");
@@ -126,13 +138,13 @@ int run_forward(const ForwardArgs& a) {
   std::vector<std::pair<std::string, at::Tensor>> outputs;
   at::Tensor context;
   if (use_adapter) {
-    if (!cfg.adapter.enabled)
+    if (!cfg.has_adapter)
       throw InvalidArgument("inputs file '" + a.inputs + "' has adapter inputs but model '" + a.checkpoint +
                             "' has no LLM adapter");
     const at::Tensor qwen = in->tensor("qwen_hidden");
     const at::Tensor ids = in->tensor("t5_ids");
     require_floating("qwen_hidden", qwen, a.inputs);
-    check.check("qwen_hidden", qwen, {"B", "S", std::to_string(cfg.adapter.source_dim)});
+    check.check("qwen_hidden", qwen, {"B", "S", std::to_string(cfg.adapter_source_dim)});
     check.check("t5_ids", ids, {"B", "S_t"});
     if (at::isFloatingType(ids.scalar_type()) || ids.scalar_type() == at::kBool)
       throw InvalidArgument("input 't5_ids' in '" + a.inputs + "' has dtype " +
@@ -140,10 +152,10 @@ int run_forward(const ForwardArgs& a) {
     const at::Tensor ids_long = ids.to(at::kLong);
     if (ids_long.numel() > 0) {
       const int64_t lo = ids_long.min().item<int64_t>(), hi = ids_long.max().item<int64_t>();
-      if (lo < 0 || hi >= cfg.adapter.vocab_size)
+      if (lo < 0 || hi >= cfg.adapter_vocab_size)
         throw InvalidArgument("input 't5_ids' in '" + a.inputs + "' has ids in [" + std::to_string(lo) + ", " +
                               std::to_string(hi) + "], outside the vocabulary [0, " +
-                              std::to_string(cfg.adapter.vocab_size) + ")");
+                              std::to_string(cfg.adapter_vocab_size) + ")");
     }
     std::optional<at::Tensor> weights;
     if (in->contains("t5_weights")) {
@@ -152,20 +164,20 @@ int run_forward(const ForwardArgs& a) {
       check.check("t5_weights", w, {"B", "S_t"});
       weights = w.to(device, dtype);
     }
-    context = model->encode_text(qwen.to(device, dtype), ids_long.to(device), weights);
+    context = model.encode_text(qwen.to(device, dtype), ids_long.to(device), weights);
     outputs.emplace_back("context", context);
   } else {
     context = in->tensor("context");
     require_floating("context", context, a.inputs);
-    check.check("context", context, {"B", "S", std::to_string(cfg.crossattn_emb_channels)});
+    check.check("context", context, {"B", "S", std::to_string(cfg.context_dim)});
     context = context.to(device, dtype);
   }
   // Timesteps stay fp32: the sinusoid is computed in fp32 (DESIGN.md §1), and rounding
   // sigma to bf16 first would change the embedding.
-  const at::Tensor velocity = model->forward(x.to(device, dtype), timesteps.to(device, at::kFloat), context);
+  const at::Tensor velocity = model.forward(x.to(device, dtype), timesteps.to(device, at::kFloat), context);
   outputs.emplace_back("velocity", velocity);
   safetensors::save(a.output, outputs,
-                    {{"checkpoint", a.checkpoint}, {"dtype", a.dtype}, {"device", device.str()}, {"model", cfg.name}});
+                    {{"checkpoint", a.checkpoint}, {"dtype", a.dtype}, {"device", device.str()}, {"model", cfg.name}, {"storage", cfg.storage_dtype}});
   std::cout << "wrote " << a.output << ": velocity " << shape_str(velocity.sizes())
             << (use_adapter ? ", context " + shape_str(context.sizes()) : std::string()) << " (" << a.dtype << ", "
             << device.str() << ")\n";
@@ -187,7 +199,15 @@ Subcommand add_forward(CLI::App& root) {
   sub->add_option("--dtype", args->dtype, "Run dtype: float32|bfloat16|float16")
       ->check(dtype_validator({"float32", "bfloat16", "float16"}))
       ->capture_default_str();
-  sub->add_option("--device", args->device, "Device: cpu|cuda[:N]")->check(device_validator())->capture_default_str();
+  sub->add_option("--device", args->device, "Device: cpu|cuda[:N] (cpu: the CPU plays the device)")
+      ->check(device_validator())
+      ->capture_default_str();
+  sub->add_option("--storage", args->storage,
+                  "Stored dtype of Linear/Embedding weights: float8_e4m3fn|float8_e5m2|bfloat16|... (default: --dtype)");
+  sub->add_option("--max-resident", args->max_resident, "Resident fraction (0..1) of the streamable weights")
+      ->check(CLI::Range(0.0, 1.0));
+  sub->add_option("--vram-budget", args->vram_budget, "Device budget: 50%, 6GiB or bytes (default: all of it)");
+  sub->add_option("--prefetch", args->prefetch, "Streamed layers copied ahead of compute")->capture_default_str();
   return {sub, [args] { return run_forward(*args); }};
 }
 

@@ -17,11 +17,18 @@ struct Subcommand {
   std::function<int()> run;  // returns the exit status; throws on error
 };
 
-// sluice inspect <file.safetensors> | --config NAME|FILE.json [--json]
+// sluice inspect <file.safetensors> | --config NAME|FILE.json [--storage D [--skip P]...
+//                [--no-default-skips] [--no-model-skips]] [--json]
 Subcommand add_inspect(CLI::App& root);
 // sluice forward --checkpoint F --inputs IN --output OUT [--config] [--dtype] [--device]
 Subcommand add_forward(CLI::App& root);
 // sluice make-checkpoint --config NAME|FILE.json --seed N --out F [--dtype]
 Subcommand add_make_checkpoint(CLI::App& root);
+// sluice fp8-report <checkpoint> [--storage float8_e4m3fn|float8_e5m2] [--forward] [--json]
+Subcommand add_fp8_report(CLI::App& root);
+// sluice run [--checkpoint F | --synthetic PRESET] [--device] [--vram-budget] [--max-resident]
+//            [--working-memory] [--storage] [--steps] [--cfg] [--resolution] [--prefetch]
+//            [--pin-memory] [--seed] [--context F] [--output F] [--stats-json F] [--trace F]
+Subcommand add_run(CLI::App& root);
 
 }  // namespace sluice::cli

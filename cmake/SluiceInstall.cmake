@@ -12,6 +12,8 @@ foreach(dir runtime offload cache models)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir} DESTINATION include/sluice
           FILES_MATCHING PATTERN "*.h")
 endforeach()
+# The public API headers: <prefix>/include/sluice/{sluice.hpp,inspect.hpp,sluice.h}, included as <sluice/...>.
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/sluice DESTINATION include FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
 install(EXPORT sluiceTargets NAMESPACE sluice:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/sluice)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/sluiceConfig.cmake.in
   ${PROJECT_BINARY_DIR}/sluiceConfig.cmake INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/sluice)

@@ -92,6 +92,12 @@ class DeviceBackend {
                       const std::shared_ptr<MemoryLedger>& budget = nullptr);
   // Everything allocate() handed out and not yet freed, on this backend.
   DeviceMemoryStats memory_stats() const { return ledger_->stats(); }
+  // Hard limit on what allocate() may hand out on this backend in total, over all budgets
+  // (nullopt: the device's own memory is the only limit). The model cache sets it to the
+  // shared budget minus working memory.
+  void set_memory_limit(std::optional<uint64_t> limit) { ledger_->set_limit(limit); }
+  // Resets the backend's peak to its current use.
+  void reset_memory_peak() { ledger_->reset_peak(); }
   void set_allocation_fault(AllocationFault fault);
 
   virtual std::unique_ptr<DeviceEvent> create_event() = 0;

@@ -91,9 +91,7 @@ double StreamingEngine::now_us() const {
 // ---------------------------------------------------------------------------------------
 // attach / detach
 
-void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
-  if (attached_) throw InvalidArgument("engine already has model '" + model_name_ + "' attached");
-  const auto t0 = std::chrono::steady_clock::now();
+std::vector<std::regex> StreamingEngine::required_regexes() const {
   std::vector<std::regex> required;
   for (const auto& p : options_.required_patterns) {
     try {
@@ -102,6 +100,103 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
       throw InvalidArgument("required layer pattern '" + p + "' is not a valid regex: " + e.what());
     }
   }
+  return required;
+}
+
+void StreamingEngine::collect(torch::nn::Module& model, const std::vector<std::regex>& required, bool check_host) {
+  const auto managed = managed_layers(model);
+  std::unordered_set<const c10::TensorImpl*> managed_impls;
+  layers_.reserve(managed.size());
+  for (const auto& [name, layer] : managed) {
+    LayerRec r;
+    r.layer = layer;
+    r.name = name;
+    r.host_w = host_alias(layer->stored_weight());
+    r.host_b = host_alias(layer->stored_bias());
+    r.host_s = host_alias(layer->weight_scale());
+    if (check_host && r.host_s.defined() && !r.host_s.device().is_cpu()) {
+      throw InvalidArgument("attach: weight scale of layer '" + name + "' is not on the host");
+    }
+    managed_impls.insert(layer->stored_weight().unsafeGetTensorImpl());
+    if (layer->has_bias()) managed_impls.insert(layer->stored_bias().unsafeGetTensorImpl());
+    r.stored_dtype = r.host_w.scalar_type();
+    r.compute = layer->compute_dtype();
+    r.upcast_w = r.stored_dtype != r.compute || r.host_s.defined();
+    r.upcast_b = r.host_b.defined() && r.host_b.scalar_type() != r.compute;
+    r.stored_bytes = static_cast<uint64_t>(layer->stored_bytes());
+    uint64_t end = r.host_w.nbytes();
+    if (r.host_b.defined()) {
+      r.off_b = align_up(end);
+      end = r.off_b + r.host_b.nbytes();
+    }
+    if (r.host_s.defined()) {
+      r.off_s = align_up(end);
+      end = r.off_s + r.host_s.nbytes();
+    }
+    r.slot_bytes = end;
+    const uint64_t csize = c10::elementSize(r.compute);
+    if (r.upcast_w) {
+      r.scratch_bytes = static_cast<uint64_t>(r.host_w.numel()) * csize;
+      r.scratch_off_b = align_up(r.scratch_bytes);
+    }
+    if (r.upcast_b) r.scratch_bytes = r.scratch_off_b + static_cast<uint64_t>(r.host_b.numel()) * csize;
+    r.required = layer->kind() == LayerKind::embedding || (options_.require_unconverted && !r.upcast_w);
+    for (const auto& re : required) r.required = r.required || std::regex_search(name, re);
+    std::tie(r.group, r.block) = parse_block(name);
+    index_[layer] = static_cast<int64_t>(layers_.size());
+    layers_.push_back(std::move(r));
+  }
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    if (managed_impls.count(item.value().unsafeGetTensorImpl())) continue;
+    extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
+  }
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
+    extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
+  }
+  for (const auto& e : extras_) {
+    if (check_host && !e.host.device().is_cpu()) throw InvalidArgument("attach: a parameter of model '" + model_name_ + "' is not on the host");
+    extra_bytes_ += e.host.nbytes();
+  }
+  for (const auto& r : layers_) scratch_bytes_ = std::max(scratch_bytes_, r.scratch_bytes);
+}
+
+WeightNeeds StreamingEngine::needs(torch::nn::Module& model, const EngineOptions& options) {
+  StreamingEngine probe(options);
+  probe.model_name_ = "(sizing)";
+  probe.collect(model, probe.required_regexes(), /*check_host=*/false);
+  WeightNeeds n;
+  n.model_bytes = probe.extra_bytes_;
+  uint64_t largest_slot = 0;
+  for (const auto& r : probe.layers_) {
+    n.model_bytes += r.stored_bytes;
+    largest_slot = std::max(largest_slot, r.slot_bytes);
+  }
+  n.full = n.model_bytes + probe.scratch_bytes_;
+  n.minimum = minimum_weight_budget(probe.plan_input(0, options.max_resident));
+  // With no budget limit the plan is bounded by max_resident alone.
+  const uint64_t unlimited = n.full + static_cast<uint64_t>(probe.options_.ring_slots) * largest_slot;
+  n.wanted = plan_residency(probe.plan_input(unlimited, options.max_resident)).device_bytes();
+  probe.layers_.clear();
+  probe.extras_.clear();
+  probe.index_.clear();
+  return n;
+}
+
+void StreamingEngine::set_max_resident(std::optional<double> max_resident) {
+  if (max_resident && !(*max_resident >= 0.0 && *max_resident <= 1.0)) {
+    throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*max_resident));
+  }
+  if (!attached_) {
+    max_resident_ = max_resident;
+    return;
+  }
+  replan(weight_budget_, max_resident);
+}
+
+void StreamingEngine::attach(torch::nn::Module& model, std::string model_name, std::optional<uint64_t> budget_bytes) {
+  if (attached_) throw InvalidArgument("engine already has model '" + model_name_ + "' attached");
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<std::regex> required = required_regexes();
   auto managed = managed_layers(model);
   for (const auto& [name, layer] : managed) {
     if (layer->provider()) {
@@ -114,61 +209,8 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
   }
   model_name_ = std::move(model_name);
   try {
-    std::unordered_set<const c10::TensorImpl*> managed_impls;
-    layers_.reserve(managed.size());
-    for (const auto& [name, layer] : managed) {
-      LayerRec r;
-      r.layer = layer;
-      r.name = name;
-      r.host_w = host_alias(layer->stored_weight());
-      r.host_b = host_alias(layer->stored_bias());
-      r.host_s = host_alias(layer->weight_scale());
-      if (r.host_s.defined() && !r.host_s.device().is_cpu()) {
-        throw InvalidArgument("attach: weight scale of layer '" + name + "' is not on the host");
-      }
-      managed_impls.insert(layer->stored_weight().unsafeGetTensorImpl());
-      if (layer->has_bias()) managed_impls.insert(layer->stored_bias().unsafeGetTensorImpl());
-      r.stored_dtype = r.host_w.scalar_type();
-      r.compute = layer->compute_dtype();
-      r.upcast_w = r.stored_dtype != r.compute || r.host_s.defined();
-      r.upcast_b = r.host_b.defined() && r.host_b.scalar_type() != r.compute;
-      r.stored_bytes = static_cast<uint64_t>(layer->stored_bytes());
-      uint64_t end = r.host_w.nbytes();
-      if (r.host_b.defined()) {
-        r.off_b = align_up(end);
-        end = r.off_b + r.host_b.nbytes();
-      }
-      if (r.host_s.defined()) {
-        r.off_s = align_up(end);
-        end = r.off_s + r.host_s.nbytes();
-      }
-      r.slot_bytes = end;
-      const uint64_t csize = c10::elementSize(r.compute);
-      if (r.upcast_w) {
-        r.scratch_bytes = static_cast<uint64_t>(r.host_w.numel()) * csize;
-        r.scratch_off_b = align_up(r.scratch_bytes);
-      }
-      if (r.upcast_b) r.scratch_bytes = r.scratch_off_b + static_cast<uint64_t>(r.host_b.numel()) * csize;
-      r.required = layer->kind() == LayerKind::embedding || (options_.require_unconverted && !r.upcast_w);
-      for (const auto& re : required) r.required = r.required || std::regex_search(name, re);
-      std::tie(r.group, r.block) = parse_block(name);
-      index_[layer] = static_cast<int64_t>(layers_.size());
-      layers_.push_back(std::move(r));
-    }
-    for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-      if (managed_impls.count(item.value().unsafeGetTensorImpl())) continue;
-      extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
-    }
-    for (const auto& item : model.named_buffers(/*recurse=*/true)) {
-      extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
-    }
-    for (const auto& e : extras_) {
-      if (!e.host.device().is_cpu()) throw InvalidArgument("attach: a parameter of model '" + model_name_ + "' is not on the host");
-      extra_bytes_ += e.host.nbytes();
-    }
-    for (const auto& r : layers_) scratch_bytes_ = std::max(scratch_bytes_, r.scratch_bytes);
-
-    budget_bytes_ = options_.budget_bytes ? options_.budget_bytes : device_->total_memory();
+    collect(model, required, /*check_host=*/true);
+    budget_bytes_ = budget_bytes ? *budget_bytes : options_.budget_bytes ? options_.budget_bytes : device_->total_memory();
     if (budget_bytes_ == 0) {
       throw InvalidArgument("the memory of device " + device_->name() + " is unknown: give the budget in bytes");
     }
@@ -211,6 +253,7 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name) {
     throw;
   }
 
+  if (!options_.log_attach) return;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   uint64_t total = extra_bytes_;
   for (const auto& r : layers_) total += r.stored_bytes;
@@ -688,6 +731,7 @@ void StreamingEngine::end_forward(bool aborted) {
 
   ForwardRecord rec;
   rec.index = forwards_++;
+  rec.kind = kind_name_;
   rec.bytes_streamed = acc_cur_.bytes;
   rec.copies = acc_cur_.copies;
   rec.demand_copies = acc_cur_.demand;

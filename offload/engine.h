@@ -57,6 +57,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -93,6 +94,16 @@ struct EngineOptions {
   bool timing = true;                          // device-timed stall/upcast/copy stats (a few events per layer)
   bool trace = false;                          // record per-layer spans for trace() (implies timing)
   size_t max_forward_records = 1024;           // per-forward records kept in stats()
+  bool log_attach = true;                      // INFO "Loaded model ..." and residency lines at attach (the model cache logs its own)
+};
+
+// Device bytes a model needs under an engine's options, known before attaching it (the
+// model cache sizes its share of a shared budget with it). Working memory excluded.
+struct WeightNeeds {
+  uint64_t model_bytes = 0;  // stored bytes of every parameter and buffer (the host copy)
+  uint64_t minimum = 0;      // smallest weight budget the model attaches under
+  uint64_t full = 0;         // every layer resident (plus upcast scratch): what full_load() needs
+  uint64_t wanted = 0;       // what the plan takes with no budget limit: `full`, or less under max_resident
 };
 
 class StreamingEngine final : public WeightProvider {
@@ -104,8 +115,9 @@ class StreamingEngine final : public WeightProvider {
 
   // Takes over every ManagedLayer of `model` (which must be on the host, and not attached
   // elsewhere). Throws ResourceError naming the minimum budget when it is too small;
-  // leaves the model as it was on any error.
-  void attach(torch::nn::Module& model, std::string model_name);
+  // leaves the model as it was on any error. `budget_bytes` overrides options.budget_bytes
+  // for this attach (the model cache attaches with the model's share of a shared budget).
+  void attach(torch::nn::Module& model, std::string model_name, std::optional<uint64_t> budget_bytes = std::nullopt);
   // Gives the model back on the host (no device->host copies) and frees all device memory.
   // Throws InvalidArgument while leases are open.
   void detach();
@@ -135,6 +147,14 @@ class StreamingEngine final : public WeightProvider {
   int64_t full_unload();                   // the minimum: required layers, ring, scratch
   // New budget (working memory unchanged); replans. ResourceError if too small.
   void set_budget(uint64_t budget_bytes);
+  // New cap on resident streamable bytes (fraction 0..1, nullopt: none); replans under the
+  // current limit (or only kept for the next attach when detached). InvalidArgument for
+  // a fraction outside 0..1.
+  void set_max_resident(std::optional<double> max_resident);
+
+  // WeightNeeds of `model` under `options`, without attaching or allocating anything
+  // (sizes only: the model may be attached to an engine meanwhile).
+  static WeightNeeds needs(torch::nn::Module& model, const EngineOptions& options);
 
   const ResidencyPlan& plan() const { return plan_; }
   bool is_resident(const std::string& layer_name) const;
@@ -209,6 +229,10 @@ class StreamingEngine final : public WeightProvider {
     bool in_use = false;
   };
 
+  std::vector<std::regex> required_regexes() const;
+  // Fills layers_, index_, extras_ and the byte totals from `model` (reads only);
+  // `check_host`: refuse tensors that are not on the host (attach).
+  void collect(torch::nn::Module& model, const std::vector<std::regex>& required, bool check_host);
   void clear_state() noexcept;
   void restore_to_host() noexcept;
   PlanInput plan_input(uint64_t weight_budget, std::optional<double> max_resident) const;

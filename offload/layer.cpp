@@ -1,5 +1,9 @@
 #include "offload/layer.h"
 
+#include <stdexcept>
+
+#include "runtime/fault_injection.h"
+
 #include <c10/util/Exception.h>
 
 #include "runtime/fp8.h"
@@ -55,6 +59,8 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
   at::Tensor y;
   {
     WeightLease lease(*this);
+    // A failure inside the layer's forward while its lease is held (stress driver, tests).
+    if (fault::triggered("layer.forward")) throw std::runtime_error(qualified_name() + ": layer forward failed (injected fault)");
     y = at::linear(x, lease.weight(), lease.bias());
   }
   for (const auto& lora : loras()) {

@@ -57,6 +57,7 @@ std::string EngineStats::to_json(int indent) const {
   nlohmann::json fw = nlohmann::json::array();
   for (const auto& f : forward_records) {
     fw.push_back({{"index", f.index},
+                  {"kind", f.kind},
                   {"bytes_streamed", f.bytes_streamed},
                   {"copies", f.copies},
                   {"demand_copies", f.demand_copies},

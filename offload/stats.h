@@ -55,6 +55,7 @@ struct DeviceMemoryStats {
 // One forward between begin_forward() and end_forward().
 struct ForwardRecord {
   uint64_t index = 0;           // 0-based count of forwards since attach
+  std::string kind;             // the kind given to begin_forward() ("dit", "adapter"; "" when none)
   uint64_t bytes_streamed = 0;  // stored bytes copied host->device for this forward
   uint64_t copies = 0;          // layer copies issued for this forward
   uint64_t demand_copies = 0;   // of which issued when the layer was asked for (not prefetched)

@@ -197,6 +197,7 @@ const std::vector<PointInfo>& known_points() {
       {"safetensors.read", "reading a tensor's bytes from a checkpoint fails (I/O error)"},
       {"lora.read", "reading a LoRA file's tensor fails"},
       {"lora.patch", "converting a LoRA sidecar for a layer fails while a LoraScope is built"},
+      {"layer.forward", "a Linear's forward throws while it holds its weight lease"},
   };
   return points;
 }

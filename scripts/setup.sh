@@ -17,7 +17,7 @@ TORCH_VERSION="2.11.0"
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # 1. Debian packages.
-APT_PKGS=(build-essential cmake ninja-build ccache python3-venv libspdlog-dev libmimalloc-dev catch2
+APT_PKGS=(build-essential cmake ninja-build ccache python3-venv python3-dev libspdlog-dev libmimalloc-dev catch2
           libbenchmark-dev nlohmann-json3-dev libcli11-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
@@ -41,7 +41,14 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
 fi
-"$VENV/bin/python" -c "import numpy, einops, safetensors" 2>/dev/null || "$VENV/bin/pip" install -q numpy einops safetensors
+# numpy/einops/safetensors: the parity tests; pytest + scikit-build-core: building and
+# testing the Python bindings (python/, installed with --no-build-isolation against this torch).
+"$VENV/bin/python" -c "import numpy, einops, safetensors, pytest, scikit_build_core" 2>/dev/null ||
+  "$VENV/bin/pip" install -q numpy einops safetensors pytest "scikit-build-core>=0.10"
+# diffusers (+ accelerate, which its group offloading needs): the diffusers parity test and
+# bench/gpu/compare.py. Pinned: bench/gpu/anima_diffusers.py maps keys onto this version's
+# CosmosTransformer3DModel.
+"$VENV/bin/python" -c "import diffusers, accelerate" 2>/dev/null || "$VENV/bin/pip" install -q "diffusers==0.42.1" "accelerate==1.15.0"
 # The independent reference Anima for the parity tests (tests/python/).
 VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
 

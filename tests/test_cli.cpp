@@ -23,119 +23,11 @@
 
 #include "runtime/safetensors.h"
 
-extern char** environ;
+#include "tests/cli_runner.h"
+
+using namespace sluice::testing;
 
 namespace {
-
-struct Result {
-  int status = -1;  // exit code; -1 when killed by a signal
-  std::string out;
-  std::string err;
-};
-
-// POSIX file helpers: the torch wheel exports its own std::filesystem symbols, which
-// crash when called from code built against the system libstdc++ (remove_all segfaults).
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-bool exists(const std::string& p) {
-  struct stat st;
-  return ::stat(p.c_str(), &st) == 0;
-}
-
-std::string temp_root() {
-  const char* t = std::getenv("TMPDIR");
-  return (t != nullptr && *t != '\0') ? t : "/tmp";
-}
-
-// A scratch folder per test case, removed afterwards (it holds only plain files).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = temp_root() + "/sluice_test_cli_XXXXXX";
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    if (DIR* d = opendir(path.c_str())) {
-      while (const dirent* e = readdir(d)) {
-        const std::string name = e->d_name;
-        if (name != "." && name != "..") ::unlink((path + "/" + name).c_str());
-      }
-      closedir(d);
-    }
-    ::rmdir(path.c_str());
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
-
-// Runs the sluice binary with `args`, capturing stdout and stderr through files. The
-// environment is ours minus SLUICE_LOG_LEVEL, so the CLI's own defaults are what is tested.
-Result run_cli(const std::vector<std::string>& args) {
-  static int counter = 0;
-  const std::string base =
-      temp_root() + "/sluice_test_cli_" + std::to_string(getpid()) + "_" + std::to_string(counter++);
-  const std::string out_path = base + ".out", err_path = base + ".err";
-  std::vector<std::string> argv_s{SLUICE_CLI_PATH};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& s : argv_s) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  std::vector<std::string> env_s;
-  for (char** e = environ; *e != nullptr; ++e)
-    if (std::string(*e).rfind("SLUICE_LOG_LEVEL=", 0) != 0) env_s.emplace_back(*e);
-  std::vector<char*> envp;
-  for (auto& s : env_s) envp.push_back(s.data());
-  envp.push_back(nullptr);
-
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  REQUIRE(rc == 0);
-  int wstatus = 0;
-  REQUIRE(waitpid(pid, &wstatus, 0) == pid);
-  Result r;
-  r.status = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1;
-  r.out = slurp(out_path);
-  r.err = slurp(err_path);
-  ::unlink(out_path.c_str());
-  ::unlink(err_path.c_str());
-  return r;
-}
-
-std::string describe(const std::vector<std::string>& args, const Result& r) {
-  std::string cmd = "sluice";
-  for (const auto& a : args) cmd += " " + a;
-  return cmd + "\n  exit " + std::to_string(r.status) + "\n  stdout: " + r.out + "\n  stderr: " + r.err;
-}
-
-Result run_ok(const std::vector<std::string>& args) {
-  Result r = run_cli(args);
-  INFO(describe(args, r));
-  REQUIRE(r.status == 0);
-  return r;
-}
-
-// The error contract: the given exit status, nothing on stdout, and stderr exactly one
-// line "sluice: error: ..." that mentions every string in `names`.
-void expect_error(const std::vector<std::string>& args, int status, const std::vector<std::string>& names) {
-  const Result r = run_cli(args);
-  INFO(describe(args, r));
-  CHECK(r.status == status);
-  CHECK(r.out.empty());
-  REQUIRE(!r.err.empty());
-  CHECK(r.err.rfind("sluice: error: ", 0) == 0);
-  CHECK(r.err.back() == '\n');
-  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
-  for (const auto& n : names) CHECK(r.err.find(n) != std::string::npos);
-  CHECK(r.err.find("Exception raised from") == std::string::npos);  // no torch backtrace
-}
 
 nlohmann::json inspect_json(const std::vector<std::string>& args) {
   std::vector<std::string> full{"inspect"};
@@ -224,6 +116,101 @@ TEST_CASE("inspect --config --dtype float32 doubles the bytes and the text outpu
   const Result r = run_ok({"inspect", "--config", "anima-small"});
   CHECK(r.out.find(std::to_string(j.at("parameters").get<int64_t>())) != std::string::npos);
   CHECK(r.out.find("anima") != std::string::npos);
+}
+
+// DESIGN.md §2's size table, from the CLI on the shape-only anima-2b build.
+TEST_CASE("inspect --storage reproduces the anima-2b fp8 size table exactly") {
+  auto size = [](std::vector<std::string> extra) {
+    std::vector<std::string> args{"--config", "anima-2b"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto j = inspect_json(args);
+    INFO(j.dump());
+    return std::llround(j.at("param_size_mib").get<double>() * 10.0);
+  };
+  CHECK(size({}) == 39884);
+  CHECK(size({"--storage", "bfloat16"}) == 39884);
+  CHECK(size({"--storage", "float8_e4m3fn", "--no-default-skips", "--no-model-skips"}) == 19942);
+  CHECK(size({"--storage", "float8_e4m3fn", "--no-default-skips", "--no-model-skips", "--skip", "t_embedder"}) == 20102);
+  CHECK(size({"--storage", "float8_e4m3fn"}) == 20120);
+  CHECK(size({"--storage", "float8_e4m3fn", "--no-default-skips"}) == 20120);  // defaults match nothing on anima-2b
+  // The in-block modules are adaln_modulation_{self_attn,cross_attn,mlp}: a whole-component
+  // plain name would not reach them, so the table's "+ adaln_modulation" row is the regex.
+  CHECK(size({"--storage", "float8_e4m3fn", "--skip", "adaln_modulation\\w*"}) == 21800);
+  CHECK(size({"--storage", "float8_e4m3fn", "--skip", "adaln_modulation"}) == 20120);
+  // The text output carries the same figure.
+  const Result r = run_ok({"inspect", "--config", "anima-2b", "--storage", "float8_e4m3fn"});
+  CHECK(r.out.find("param_size  2012.0 MiB") != std::string::npos);
+}
+
+TEST_CASE("inspect --storage lists exactly the 6 modules Anima's declared skips keep on anima-2b") {
+  const auto j = inspect_json({"--config", "anima-2b", "--storage", "float8_e4m3fn"});
+  const auto& f = j.at("fp8");
+  CHECK(f.at("storage") == "float8_e4m3fn");
+  CHECK(f.at("compute") == "bfloat16");
+  std::vector<std::string> skipped;
+  for (const auto& k : f.at("skipped")) skipped.push_back(k.at("module").get<std::string>());
+  std::sort(skipped.begin(), skipped.end());
+  const std::vector<std::string> expected{"final_layer.adaln_modulation.1", "final_layer.adaln_modulation.2",
+                                          "final_layer.linear",             "t_embedder.1.linear_1",
+                                          "t_embedder.1.linear_2",          "x_embedder.proj.1"};
+  CHECK(skipped == expected);
+  // --no-model-skips keeps nothing (the defaults match no anima-2b Linear).
+  const auto none = inspect_json({"--config", "anima-2b", "--storage", "float8_e4m3fn", "--no-model-skips"});
+  CHECK(none.at("fp8").at("skipped").empty());
+  CHECK(none.at("fp8").at("cast_layers").get<int64_t>() == f.at("cast_layers").get<int64_t>() + 6);
+}
+
+TEST_CASE("inspect --storage on a checkpoint file reports the what-if size of its config") {
+  TempDir dir;
+  const std::string ckpt = dir / "tiny.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "3", "--out", ckpt});
+  const auto file = inspect_json({ckpt, "--storage", "float8_e4m3fn"});
+  const auto config = inspect_json({"--config", "anima-tiny", "--storage", "float8_e4m3fn"});
+  CHECK(file.at("fp8").at("param_bytes") == config.at("fp8").at("param_bytes"));
+  CHECK(file.at("fp8").at("skipped") == config.at("fp8").at("skipped"));
+  // fp8 halves every cast parameter's two bf16 bytes.
+  const int64_t bf16 = file.at("bytes").get<int64_t>();
+  CHECK(file.at("fp8").at("param_bytes").get<int64_t>() == bf16 - file.at("fp8").at("cast_parameters").get<int64_t>());
+  expect_error({"inspect", "--config", "anima-tiny", "--storage", "float8_e4m3fn", "--skip", "("}, 1, {"("});
+  expect_error({"inspect", "--config", "anima-tiny", "--storage", "int4"}, 2, {"int4"});
+  expect_error({"inspect", "--config", "anima-tiny", "--skip", "t_embedder"}, 2, {"--storage"});
+}
+
+TEST_CASE("fp8-report runs on a generated checkpoint: groups candidates and forward errors") {
+  TempDir dir;
+  const std::string ckpt = dir / "small.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "5", "--out", ckpt});
+  const auto j = nlohmann::json::parse(run_ok({"fp8-report", ckpt, "--forward", "--latent", "8", "--json"}).out);
+  INFO(j.dump());
+  std::vector<std::string> groups;
+  for (const auto& g : j.at("groups")) {
+    groups.push_back(g.at("group").get<std::string>());
+    CHECK(g.at("parameters").get<int64_t>() > 0);
+    const double err = g.at("roundtrip_rel_error").get<double>();
+    CHECK(err > 0.0);
+    CHECK(err < 0.1);  // e4m3 keeps 3 mantissa bits: about 2-4% relative error on normal values
+  }
+  for (const char* g : {"t_embedder", "x_embedder", "final_layer", "adaln_modulation", "self_attn", "cross_attn", "mlp",
+                        "llm_adapter"})
+    CHECK(std::find(groups.begin(), groups.end(), g) != groups.end());
+  REQUIRE(j.at("candidates").size() == 4);
+  double previous_size = 0;
+  int64_t previous_skipped = -1;
+  for (const auto& c : j.at("candidates")) {
+    // Each candidate keeps more in bf16 than the one before (sizes are rounded to 0.1 MiB,
+    // too coarse to grow at every step on anima-tiny); forward errors are set.
+    CHECK(c.at("skipped_modules").get<int64_t>() > previous_skipped);
+    CHECK(c.at("param_size_mib").get<double>() >= previous_size);
+    previous_skipped = c.at("skipped_modules").get<int64_t>();
+    previous_size = c.at("param_size_mib").get<double>();
+    CHECK(c.at("velocity_rel_l2").get<double>() > 0.0);
+  }
+  CHECK(j.at("candidates").back().at("param_size_mib").get<double>() > j.at("candidates").front().at("param_size_mib").get<double>());
+  const Result text = run_ok({"fp8-report", ckpt, "--storage", "float8_e5m2"});
+  CHECK(text.out.find("llm_adapter") != std::string::npos);
+  CHECK(text.out.find("float8_e5m2") != std::string::npos);
+  expect_error({"fp8-report", dir / "missing.safetensors"}, 1, {"missing.safetensors"});
+  expect_error({"fp8-report", ckpt, "--storage", "bfloat16"}, 2, {"bfloat16"});
 }
 
 TEST_CASE("make-checkpoint writes a checkpoint that inspect describes") {

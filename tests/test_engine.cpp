@@ -611,3 +611,60 @@ TEST_CASE("engine: nested leases get their own slot and scratch") {
   CHECK(engine.stats().slot_violations == 0);
 }
 
+
+TEST_CASE("engine: needs() before attach matches the attached engine") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  for (std::optional<double> cap : {std::optional<double>(), std::optional<double>(0.0), std::optional<double>(0.5)}) {
+    INFO("max_resident " << (cap ? *cap : -1.0));
+    EngineOptions o = options(slowed_cpu());
+    o.max_resident = cap;
+    const WeightNeeds n = StreamingEngine::needs(*model, o);
+    CHECK(n.minimum <= n.wanted);
+    CHECK(n.wanted <= n.full);
+    if (!cap || *cap > 0) CHECK(n.minimum < n.wanted);
+    if (!cap) CHECK(n.wanted == n.full);
+    StreamingEngine engine(o);
+    CHECK_THROWS_AS(engine.attach(*model, "toy", n.minimum - 1 + o.working_memory_bytes), sluice::ResourceError);
+    engine.attach(*model, "toy", n.minimum + o.working_memory_bytes);  // overrides options.budget_bytes
+    CHECK(engine.minimum_budget() == n.minimum + o.working_memory_bytes);
+    CHECK(engine.device_bytes() <= n.minimum);
+    CHECK(engine.stats().model_total_bytes == n.model_bytes);
+    CHECK(at::equal(run(engine, model, x), ref));
+    engine.detach();
+    engine.attach(*model, "toy", n.wanted + o.working_memory_bytes);
+    // Under a cap the plan at exactly `wanted` may pick a different (not larger) layer set.
+    CHECK(engine.device_bytes() <= n.wanted);
+    if (!cap) {
+      CHECK(engine.device_bytes() == n.full);
+      CHECK(engine.plan().streamed_count() == 0);
+    }
+    // Sizes only: needs() of an attached model is the same.
+    const WeightNeeds again = StreamingEngine::needs(*model, o);
+    CHECK(again.minimum == n.minimum);
+    CHECK(again.full == n.full);
+    CHECK(again.wanted == n.wanted);
+    engine.detach();
+  }
+}
+
+TEST_CASE("engine: set_max_resident replans under the current limit") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  StreamingEngine engine(options(slowed_cpu()));
+  engine.attach(*model, "toy");
+  CHECK(engine.plan().streamed_count() == 0);
+  engine.set_max_resident(0.0);
+  CHECK(engine.plan().streamed_count() == 24);  // every block layer
+  CHECK(at::equal(run(engine, model, x), ref));
+  engine.set_max_resident(std::nullopt);
+  CHECK(engine.plan().streamed_count() == 0);
+  CHECK_THROWS_AS(engine.set_max_resident(1.5), sluice::InvalidArgument);
+  engine.detach();
+  engine.set_max_resident(0.0);  // kept for the next attach
+  engine.attach(*model, "toy");
+  CHECK(engine.plan().streamed_count() == 24);
+  CHECK(at::equal(run(engine, model, x), ref));
+}

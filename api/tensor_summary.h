@@ -1,6 +1,6 @@
 #pragma once
 // Tensor counts, parameter counts and bytes, in total, by dtype and by module group:
-// the numbers `sluice inspect` prints, for a checkpoint file or a model built on meta.
+// the numbers sluice::inspect() reports, for a checkpoint file or a model built on meta.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -10,7 +10,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-namespace sluice::cli {
+namespace sluice::api {
 
 struct GroupStats {
   std::string name;        // "t_embedder", "blocks.*.self_attn", "llm_adapter", ...
@@ -40,4 +40,4 @@ nlohmann::json to_json(const TensorSummary& s);
 // Human-readable table (MiB with two decimals, as DESIGN.md quotes sizes).
 std::string to_text(const TensorSummary& s);
 
-}  // namespace sluice::cli
+}  // namespace sluice::api

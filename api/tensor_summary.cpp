@@ -1,11 +1,11 @@
-#include "cli/tensor_summary.h"
+#include "api/tensor_summary.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-namespace sluice::cli {
+namespace sluice::api {
 namespace {
 
 std::vector<std::string> split(const std::string& s) {
@@ -96,4 +96,4 @@ std::string to_text(const TensorSummary& s) {
   return o.str();
 }
 
-}  // namespace sluice::cli
+}  // namespace sluice::api

@@ -1,0 +1,422 @@
+// The public C++ API (include/sluice/sluice.hpp): string options parsed into the internal
+// structs, and thin wrappers over cache::ModelCache.
+#include "sluice/sluice.hpp"
+
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cache/model_cache.h"
+#include "models/anima/config.h"
+#include "models/lora.h"
+#include "offload/cpu_device.h"
+#include "offload/device.h"
+#include "offload/engine.h"
+#include "runtime/dtype_policy.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+#include "runtime/size_parse.h"
+
+#ifndef SLUICE_VERSION_STRING
+#error "SLUICE_VERSION_STRING must be defined by the build (sluice_runtime's public definition)"
+#endif
+
+namespace sluice {
+
+namespace detail {
+
+class CacheImpl {
+ public:
+  RuntimeOptions options;
+  std::shared_ptr<cache::ModelCache> cache;
+};
+
+struct ModelEntry {
+  std::shared_ptr<cache::ModelCache> cache;
+  std::shared_ptr<cache::Entry> entry;
+  ModelInfo info;
+};
+
+struct LockToken {
+  std::shared_ptr<ModelEntry> model;
+  cache::Lock lock;
+};
+
+struct LoraState {
+  std::shared_ptr<ModelEntry> model;
+  cache::Lock lock;  // a patched model stays locked (never evicted or reloaded without its LoRA)
+  std::unique_ptr<LoraScope> scope;
+  int64_t patched = 0;
+};
+
+}  // namespace detail
+
+namespace {
+
+Counter counter(const offload::Stat& s) { return Counter{s.current, s.peak, s.allocated, s.freed}; }
+
+ModelInfo make_info(const cache::ModelCache& c, const std::shared_ptr<cache::Entry>& e) {
+  const anima::AnimaConfig cfg = c.entry_config(e);
+  ModelInfo i;
+  i.name = e->name;
+  i.source = e->spec.source;
+  i.storage_dtype = dtype_name(e->dtypes.storage);
+  i.compute_dtype = dtype_name(e->dtypes.compute);
+  i.in_channels = cfg.in_channels;
+  i.out_channels = cfg.out_channels;
+  i.context_dim = cfg.crossattn_emb_channels;
+  i.patch_spatial = cfg.patch_spatial;
+  i.patch_temporal = cfg.patch_temporal;
+  i.num_blocks = cfg.num_blocks;
+  i.has_adapter = cfg.adapter.enabled;
+  if (cfg.adapter.enabled) {
+    i.adapter_source_dim = cfg.adapter.source_dim;
+    i.adapter_vocab_size = cfg.adapter.vocab_size;
+    i.adapter_output_tokens = cfg.adapter.output_tokens;
+  }
+  i.config_json = anima::config_to_json(cfg).dump();
+  return i;
+}
+
+const std::shared_ptr<detail::ModelEntry>& need(const std::shared_ptr<detail::ModelEntry>& m) {
+  if (!m) throw InvalidArgument("empty sluice::Model handle");
+  return m;
+}
+
+const std::shared_ptr<detail::LockToken>& need(const std::shared_ptr<detail::LockToken>& t) {
+  if (!t) throw InvalidArgument("empty sluice::LockedModel (unlocked or moved from)");
+  return t;
+}
+
+void require_floating(const char* what, const at::Tensor& t) {
+  if (!t.defined()) throw InvalidArgument(std::string("input '") + what + "' is undefined");
+  if (!at::isFloatingType(t.scalar_type())) {
+    throw InvalidArgument(std::string("input '") + what + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
+                          ", expected a floating-point dtype");
+  }
+}
+
+}  // namespace
+
+std::string version() { return SLUICE_VERSION_STRING; }
+
+// ---------------------------------------------------------------------------------------
+// ModelCache
+
+ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::CacheImpl>()) {
+  impl_->options = options;
+  const RuntimeOptions& o = impl_->options;
+  if (!(o.cpu_copy_gbps >= 0.0) || !(o.cpu_copy_latency_us >= 0.0)) {
+    throw InvalidArgument("cpu_copy_gbps and cpu_copy_latency_us must not be negative");
+  }
+  std::shared_ptr<offload::DeviceBackend> device;
+  if (o.device == "cpu") {
+    offload::CpuDeviceOptions c;
+    c.total_memory = o.device_memory;
+    c.copy_bytes_per_second = o.cpu_copy_gbps * 1e9;
+    c.copy_latency_us = o.cpu_copy_latency_us;
+    device = offload::make_cpu_device(c);
+  } else {
+    device = offload::make_device(o.device, o.device_memory, "device");
+  }
+  cache::CacheOptions c;
+  c.device = device;
+  if (!o.vram_budget.empty()) {
+    const uint64_t total = device->total_memory();
+    c.vram_budget = parse_size(o.vram_budget, total ? std::optional<uint64_t>(total) : std::nullopt, "vram_budget");
+    if (c.vram_budget == 0) throw InvalidArgument("vram_budget: must be positive, got '" + o.vram_budget + "'");
+  }
+  if (!o.working_memory.empty()) {
+    const uint64_t budget = c.vram_budget ? c.vram_budget : device->total_memory();
+    c.working_memory = parse_size(o.working_memory, budget ? std::optional<uint64_t>(budget) : std::nullopt,
+                                  "working_memory");
+  }
+  c.resolution = o.resolution;
+  if (!o.ram_limit.empty()) {
+    const uint64_t ram = offload::physical_ram_bytes();
+    c.ram_limit = parse_size(o.ram_limit, ram ? std::optional<uint64_t>(ram) : std::nullopt, "ram_limit");
+  }
+  c.prefetch = o.prefetch;
+  c.pin = offload::parse_pin_mode(o.pin_memory, "pin_memory");
+  c.pin_cap_fraction = o.pin_cap_fraction;
+  c.policy = offload::parse_residency_policy(o.policy, "policy");
+  c.timing = o.timing;
+  c.trace = o.trace;
+  impl_->cache = cache::ModelCache::create(std::move(c));
+}
+
+ModelCache::~ModelCache() = default;
+
+const RuntimeOptions& ModelCache::options() const { return impl_->options; }
+
+Model ModelCache::load(const std::string& path_or_preset, const LoadOptions& options) {
+  if (path_or_preset.empty()) throw InvalidArgument("load: empty model path or preset name");
+  cache::LoadSpec spec;
+  spec.source = path_or_preset;
+  spec.name = options.name;
+  spec.storage.storage = parse_storage_dtype(options.storage);
+  spec.storage.compute = parse_compute_dtype(options.compute);
+  spec.storage.extra_skip_patterns = options.extra_skips;
+  spec.storage.use_default_skips = options.use_default_skips;
+  spec.storage.use_model_skips = options.use_model_skips;
+  if (!options.config.empty()) spec.config = anima::config_from_name_or_file(options.config);
+  spec.seed = options.seed;
+  spec.max_resident = options.max_resident;
+  auto entry = impl_->cache->load(spec);
+  auto m = std::make_shared<detail::ModelEntry>();
+  m->cache = impl_->cache;
+  m->entry = entry;
+  m->info = make_info(*impl_->cache, entry);
+  return Model(std::move(m));
+}
+
+void ModelCache::drop(const Model& model) {
+  const auto& m = need(model.entry_);
+  if (m->cache != impl_->cache) throw InvalidArgument("drop: model '" + m->info.name + "' belongs to another cache");
+  impl_->cache->drop(m->entry);
+}
+
+void ModelCache::set_vram_budget(const std::string& budget) {
+  const uint64_t bytes = impl_->cache->parse_budget(budget, "vram_budget");
+  if (!budget.empty() && bytes == 0) throw InvalidArgument("vram_budget: must be positive, got '" + budget + "'");
+  impl_->cache->set_vram_budget(bytes);
+}
+
+CacheStats ModelCache::stats() const {
+  const cache::CacheStats s = impl_->cache->stats();
+  CacheStats o;
+  o.device = s.device;
+  o.hits = s.hits;
+  o.misses = s.misses;
+  o.loads = s.loads;
+  o.evictions = s.evictions;
+  o.device_unloads = s.device_unloads;
+  o.device_drops = s.device_drops;
+  o.models = s.models;
+  o.locked = s.locked;
+  o.ram_limit_bytes = s.ram_limit;
+  o.ram = counter(s.ram);
+  o.vram_budget_bytes = s.vram_budget;
+  o.working_memory_bytes = s.working_memory;
+  o.vram_limit_bytes = s.vram_limit;
+  o.vram = counter(s.vram);
+  o.vram_reserved_bytes = s.vram_reserved;
+  return o;
+}
+
+std::string ModelCache::stats_json(int indent) const { return impl_->cache->stats_json(indent); }
+
+// ---------------------------------------------------------------------------------------
+// Model
+
+const std::string& Model::name() const { return need(entry_)->info.name; }
+
+ModelInfo Model::info() const { return need(entry_)->info; }
+
+LockedModel Model::lock() {
+  const auto& m = need(entry_);
+  auto token = std::make_shared<detail::LockToken>();
+  token->model = m;
+  token->lock = m->cache->lock(m->entry);
+  return LockedModel(std::move(token));
+}
+
+int64_t Model::partial_load(uint64_t bytes) {
+  const auto& m = need(entry_);
+  return m->cache->partial_load(m->entry, bytes);
+}
+
+int64_t Model::partial_unload(uint64_t bytes) {
+  const auto& m = need(entry_);
+  return m->cache->partial_unload(m->entry, bytes);
+}
+
+int64_t Model::full_load() {
+  const auto& m = need(entry_);
+  return m->cache->full_load(m->entry);
+}
+
+int64_t Model::full_unload() {
+  const auto& m = need(entry_);
+  return m->cache->full_unload(m->entry);
+}
+
+void Model::set_max_resident(std::optional<double> fraction) {
+  const auto& m = need(entry_);
+  m->cache->set_max_resident(m->entry, fraction);
+}
+
+ModelStats Model::stats() const {
+  const auto& m = need(entry_);
+  const offload::EngineStats es = m->cache->engine_stats(m->entry);
+  const cache::ModelCache::EntryState st = m->cache->entry_state(m->entry);
+  ModelStats s;
+  s.name = m->info.name;
+  s.device = es.device;
+  s.in_ram = st.in_ram;
+  s.on_device = st.attached;
+  s.locks = static_cast<uint64_t>(st.locks);
+  s.total_bytes = st.in_ram ? st.ram_bytes : es.model_total_bytes;
+  if (st.attached) {
+    s.resident_bytes = es.model_resident_bytes;
+    s.streamed_bytes = es.model_total_bytes - std::min(es.model_total_bytes, es.model_resident_bytes);
+    s.residency = es.residency;
+    s.layers = es.layers;
+    s.resident_layers = es.resident_layers;
+    s.streamed_layers = es.streamed_layers;
+    s.device_peak_bytes = static_cast<uint64_t>(es.device_memory.total.peak);
+  }
+  s.streamed_dit_bytes = st.streamed_dit;
+  s.streamed_adapter_bytes = st.streamed_adapter;
+  s.share_bytes = st.share;
+  s.device_bytes = st.device_bytes;
+  s.minimum_bytes = st.minimum;
+  s.forwards = es.forwards;
+  for (const auto& r : es.forward_records) {
+    ForwardStats f;
+    f.index = r.index;
+    f.kind = r.kind;
+    f.bytes_streamed = r.bytes_streamed;
+    f.copies = r.copies;
+    f.stalls = r.stalls;
+    f.h2d_gbps = r.h2d_gbps;
+    f.stall_ms = r.stall_ms;
+    f.upcast_ms = r.upcast_ms;
+    f.wall_ms = r.wall_ms;
+    f.aborted = r.aborted;
+    s.forward_records.push_back(f);
+  }
+  return s;
+}
+
+std::string Model::stats_json(int indent) const {
+  const auto& m = need(entry_);
+  return m->cache->model_stats_json(m->entry, indent);
+}
+
+void Model::write_trace(const std::string& path) const {
+  const auto& m = need(entry_);
+  m->cache->write_trace(m->entry, path);
+}
+
+std::string Model::residency_map() const {
+  const auto& m = need(entry_);
+  return m->cache->entry_state(m->entry).residency;
+}
+
+// ---------------------------------------------------------------------------------------
+// LockedModel
+
+LockedModel::LockedModel(std::shared_ptr<detail::LockToken> token) : token_(std::move(token)) {}
+
+LockedModel& LockedModel::operator=(LockedModel&& other) noexcept {
+  if (this != &other) {
+    unlock();
+    token_ = std::move(other.token_);
+  }
+  return *this;
+}
+
+LockedModel::~LockedModel() { unlock(); }
+
+void LockedModel::unlock() {
+  if (!token_) return;
+  token_->lock.unlock();
+  token_.reset();
+}
+
+const ModelInfo& LockedModel::info() const { return need(token_)->model->info; }
+
+Model LockedModel::model() const { return Model(need(token_)->model); }
+
+at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context) {
+  const auto& t = need(token_);
+  require_floating("x", x);
+  require_floating("context", context);
+  if (!timesteps.defined()) throw InvalidArgument("input 'timesteps' is undefined");
+  at::Tensor out;
+  t->model->cache->run(t->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+    c10::InferenceMode inference;
+    const at::Device dev = engine.device().device();
+    const at::ScalarType dt = m.compute_dtype();
+    offload::ForwardScope scope(engine, "dit");
+    out = m.forward(x.to(dev, dt), timesteps.to(dev), context.to(dev, dt));
+  });
+  return out;
+}
+
+at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                    const std::optional<at::Tensor>& t5_weights) {
+  const auto& t = need(token_);
+  require_floating("qwen_hidden", qwen_hidden);
+  if (!t5_ids.defined()) throw InvalidArgument("input 't5_ids' is undefined");
+  if (at::isFloatingType(t5_ids.scalar_type()) || at::isComplexType(t5_ids.scalar_type()) ||
+      t5_ids.scalar_type() == at::kBool) {
+    throw InvalidArgument("input 't5_ids' has dtype " + std::string(c10::toString(t5_ids.scalar_type())) +
+                          ", expected an integer dtype");
+  }
+  if (t5_weights) require_floating("t5_weights", *t5_weights);
+  at::Tensor out;
+  t->model->cache->run(t->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+    c10::InferenceMode inference;
+    const at::Device dev = engine.device().device();
+    const at::ScalarType dt = m.compute_dtype();
+    std::optional<at::Tensor> w;
+    if (t5_weights) w = t5_weights->to(dev, dt);
+    offload::ForwardScope scope(engine, "adapter");
+    out = m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w);
+  });
+  return out;
+}
+
+LoraHandle LockedModel::apply_lora(const std::string& path, double scale) {
+  const auto& t = need(token_);
+  auto st = std::make_shared<detail::LoraState>();
+  st->model = t->model;
+  st->lock = t->model->cache->lock(t->model->entry);
+  t->model->cache->run(st->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+    const LoraAdapter adapter = load_lora(path, m);
+    st->scope = std::make_unique<LoraScope>(m, adapter, scale, engine.device().device());
+    st->patched = st->scope->patched_layers();
+  });
+  return LoraHandle(std::move(st));
+}
+
+// ---------------------------------------------------------------------------------------
+// LoraHandle
+
+LoraHandle& LoraHandle::operator=(LoraHandle&& other) noexcept {
+  if (this != &other) {
+    try {
+      remove();
+    } catch (const std::exception& e) {
+      log::error(std::string("removing a LoRA failed: ") + e.what());
+    }
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+LoraHandle::~LoraHandle() {
+  try {
+    remove();
+  } catch (const std::exception& e) {
+    log::error(std::string("removing a LoRA failed: ") + e.what());
+  }
+}
+
+int64_t LoraHandle::patched_layers() const {
+  if (!state_) throw InvalidArgument("empty sluice::LoraHandle");
+  return state_->patched;
+}
+
+void LoraHandle::remove() {
+  if (!state_) return;
+  std::shared_ptr<detail::LoraState> st = std::move(state_);
+  // Serialized with forwards of the model (lora.h: patching during a forward is unsafe).
+  st->model->cache->run(st->lock, [&](anima::AnimaModelImpl&, offload::StreamingEngine&) { st->scope.reset(); });
+  st->lock.unlock();
+}
+
+}  // namespace sluice

@@ -1,2 +1,0 @@
-// Model cache: filled in by the cache issue.
-namespace sluice::cache {}

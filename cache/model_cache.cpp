@@ -1,0 +1,944 @@
+#include "cache/model_cache.h"
+
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <unordered_set>
+
+#include "models/anima/checkpoint.h"
+#include "models/anima/generator.h"
+#include "offload/cpu_device.h"
+#include "offload/layer.h"
+#include "offload/storage.h"
+#include "runtime/error.h"
+#include "runtime/host_memory.h"
+#include "runtime/logging.h"
+#include "runtime/safetensors.h"
+#include "runtime/size_parse.h"
+#include "runtime/skip_patterns.h"
+
+namespace sluice::cache {
+
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string file_stem(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  const size_t dot = base.find_last_of('.');
+  return dot == std::string::npos || dot == 0 ? base : base.substr(0, dot);
+}
+
+// Absolute path without symlinks, or `path` itself when it cannot be resolved (the load
+// then reports the missing file).
+std::string canonical(const std::string& path) {
+  char* r = ::realpath(path.c_str(), nullptr);
+  if (!r) return path;
+  std::string out(r);
+  std::free(r);
+  return out;
+}
+
+std::string percent(uint64_t part, uint64_t whole) {
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(1);
+  o << (whole ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 100.0) << "%";
+  return o.str();
+}
+
+// The config a generated or loaded model uses.
+anima::AnimaConfig config_of(const LoadSpec& spec) {
+  if (spec.config) return *spec.config;
+  switch (source_kind(spec.source)) {
+    case SourceKind::preset:
+    case SourceKind::json_config: return anima::config_from_name_or_file(spec.source);
+    case SourceKind::checkpoint: break;
+  }
+  const auto file = safetensors::File::open(spec.source);
+  const anima::CheckpointProbe probe = anima::probe_checkpoint(*file);
+  if (!probe.has_dit) throw CheckpointError("'" + spec.source + "' is not an Anima checkpoint: " + probe.reason);
+  return probe.inferred;
+}
+
+// Reads or generates the model of `spec` on the host, in its storage dtypes.
+anima::AnimaModel read_model(const LoadSpec& spec, const DtypePair& dtypes, const std::string& name) {
+  Fp8Options storage = spec.storage;
+  storage.storage = dtypes.storage;
+  storage.compute = dtypes.compute;
+  if (source_kind(spec.source) == SourceKind::checkpoint) {
+    anima::LoadOptions o;
+    o.config = spec.config;
+    o.device = at::kCPU;
+    o.storage = storage;
+    return anima::load_anima(spec.source, o);
+  }
+  anima::AnimaConfig config = config_of(spec);
+  anima::AnimaModel model(config, anima::BuildOptions{dtypes.compute, at::kCPU});
+  auto params = model->named_parameters(/*recurse=*/true);
+  auto weights = anima::random_weights(config, spec.seed, dtypes.compute);
+  for (auto& [key, t] : weights) {
+    at::Tensor* p = params.find(key);
+    TORCH_INTERNAL_ASSERT(p, "generated tensor '", key, "' is not a parameter of the model");
+    p->set_data(to_host_owned(t, dtypes.compute));
+    t = at::Tensor();  // one copy at a time
+  }
+  offload::apply_storage(*model, name, storage, anima::declared_fp8_skips());
+  return model;
+}
+
+nlohmann::json stat_json(const offload::Stat& s) {
+  return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
+}
+
+nlohmann::json cache_json(const CacheStats& s) {
+  return {{"device", s.device},
+          {"hits", s.hits},
+          {"misses", s.misses},
+          {"loads", s.loads},
+          {"evictions", s.evictions},
+          {"device_unloads", s.device_unloads},
+          {"device_drops", s.device_drops},
+          {"models", s.models},
+          {"locked", s.locked},
+          {"ram_limit_bytes", s.ram_limit},
+          {"ram", stat_json(s.ram)},
+          {"vram_budget_bytes", s.vram_budget},
+          {"working_memory_bytes", s.working_memory},
+          {"vram_limit_bytes", s.vram_limit},
+          {"vram", stat_json(s.vram)},
+          {"vram_reserved_bytes", s.vram_reserved}};
+}
+
+}  // namespace
+
+uint64_t default_working_memory(uint64_t budget, int64_t resolution) {
+  const double scale = std::pow(static_cast<double>(std::max<int64_t>(resolution, 1)) / 1024.0, 2.0);
+  const uint64_t sized = std::max<uint64_t>(256 * kMiB, static_cast<uint64_t>(static_cast<double>(kGiB) * scale));
+  return std::min(sized, budget / 4);
+}
+
+uint64_t default_ram_limit() {
+  const uint64_t ram = offload::physical_ram_bytes();
+  const uint64_t half = ram / 2 > 2 * kGiB ? ram / 2 - 2 * kGiB : 0;
+  return std::max<uint64_t>(4 * kGiB, half);
+}
+
+SourceKind source_kind(const std::string& source) {
+  for (const auto& p : anima::preset_names()) {
+    if (p == source) return SourceKind::preset;
+  }
+  return ends_with(source, ".json") ? SourceKind::json_config : SourceKind::checkpoint;
+}
+
+uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device) {
+  const DtypePair dt = resolve_dtypes(spec.storage.storage, spec.storage.compute, device);
+  const anima::AnimaConfig config = config_of(spec);
+  anima::AnimaModel meta(config, anima::BuildOptions{dt.compute, at::kMeta});
+  const SkipList skips = SkipList::from_options(spec.storage, anima::declared_fp8_skips());
+  // Note [layerwise storage] (offload/storage.h): unskipped managed layers are stored in
+  // the storage dtype, everything else stays as built.
+  uint64_t bytes = 0;
+  std::unordered_set<const c10::TensorImpl*> managed;
+  for (const auto& [name, layer] : offload::managed_layers(*meta)) {
+    const at::ScalarType t = skips.matches(name) ? dt.compute : dt.storage;
+    int64_t n = layer->stored_weight().numel();
+    managed.insert(layer->stored_weight().unsafeGetTensorImpl());
+    if (layer->has_bias()) {
+      n += layer->stored_bias().numel();
+      managed.insert(layer->stored_bias().unsafeGetTensorImpl());
+    }
+    bytes += static_cast<uint64_t>(n) * c10::elementSize(t);
+  }
+  for (const auto& p : meta->named_parameters(true)) {
+    if (!managed.count(p.value().unsafeGetTensorImpl())) bytes += p.value().nbytes();
+  }
+  for (const auto& b : meta->named_buffers(true)) bytes += b.value().nbytes();
+  return bytes;
+}
+
+// ---------------------------------------------------------------------------------------
+// Lock
+
+Lock::Lock(std::shared_ptr<ModelCache> cache, std::shared_ptr<Entry> entry)
+    : cache_(std::move(cache)), entry_(std::move(entry)) {}
+
+Lock::Lock(Lock&& other) noexcept : cache_(std::move(other.cache_)), entry_(std::move(other.entry_)) {}
+
+Lock& Lock::operator=(Lock&& other) noexcept {
+  if (this != &other) {
+    unlock();
+    cache_ = std::move(other.cache_);
+    entry_ = std::move(other.entry_);
+  }
+  return *this;
+}
+
+Lock::~Lock() { unlock(); }
+
+void Lock::unlock() {
+  if (!entry_) return;
+  cache_->unlock(*entry_);
+  entry_.reset();
+  cache_.reset();
+}
+
+// ---------------------------------------------------------------------------------------
+// construction
+
+std::shared_ptr<ModelCache> ModelCache::create(CacheOptions options) {
+  return std::shared_ptr<ModelCache>(new ModelCache(std::move(options)));
+}
+
+ModelCache::ModelCache(CacheOptions options) : options_(std::move(options)) {
+  device_ = options_.device ? options_.device : std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  if (options_.prefetch > 64) throw InvalidArgument("prefetch must be at most 64, got " + std::to_string(options_.prefetch));
+  if (!(options_.pin_cap_fraction >= 0.0 && options_.pin_cap_fraction <= 1.0)) {
+    throw InvalidArgument("pin cap fraction must be between 0 and 1, got " + std::to_string(options_.pin_cap_fraction));
+  }
+  if (options_.resolution <= 0) {
+    throw InvalidArgument("resolution must be positive, got " + std::to_string(options_.resolution));
+  }
+  ram_limit_ = options_.ram_limit ? *options_.ram_limit : default_ram_limit();
+  set_vram_budget(options_.vram_budget);
+}
+
+ModelCache::~ModelCache() {
+  // Locks keep the cache alive, so nothing is locked here; engines detach in their
+  // destructors, before the models they manage go.
+  for (auto& e : entries_) {
+    if (e->engine && e->attached) e->engine->detach();
+  }
+}
+
+uint64_t ModelCache::parse_budget(const std::string& text, const std::string& flag) const {
+  if (text.empty()) return 0;
+  const uint64_t total = device_->total_memory();
+  return parse_size(text, total ? std::optional<uint64_t>(total) : std::nullopt, flag);
+}
+
+uint64_t ModelCache::vram_budget() const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return budget_;
+}
+
+uint64_t ModelCache::working_memory() const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return working_memory_;
+}
+
+offload::EngineOptions ModelCache::engine_options(const Entry& e) const {
+  offload::EngineOptions o;
+  o.device = device_;
+  o.budget_bytes = e.share;
+  o.working_memory_bytes = 0;  // the cache keeps the working memory out of every share
+  o.max_resident = e.max_resident;
+  o.prefetch_depth = options_.prefetch;
+  o.policy = options_.policy;
+  o.pin = options_.pin;
+  o.pin_cap_fraction = options_.pin_cap_fraction;
+  o.timing = options_.timing;
+  o.trace = options_.trace;
+  o.log_attach = false;
+  return o;
+}
+
+void ModelCache::refresh_needs(Entry& e) {
+  e.needs = offload::StreamingEngine::needs(*e.model, engine_options(e));
+}
+
+uint64_t ModelCache::reserved() const {
+  uint64_t sum = 0;
+  for (const auto& e : entries_) {
+    if (e->attached) sum += e->share;
+  }
+  return sum;
+}
+
+uint64_t ModelCache::wanted_share(const Entry& e) const {
+  uint64_t want = e.needs.wanted;
+  if (e.target) want = std::clamp(*e.target, e.needs.minimum, std::max(e.needs.minimum, e.needs.wanted));
+  return std::min(want, limit());
+}
+
+std::string ModelCache::budget_error(const Entry& e) const {
+  // The smallest budget B with B - working_memory(B) >= minimum.
+  const uint64_t m = e.needs.minimum;
+  uint64_t need;
+  if (options_.working_memory) {
+    need = m + *options_.working_memory;
+  } else {
+    // B - default_working_memory(B) never decreases as B grows: bisect.
+    uint64_t lo = m, hi = m + default_working_memory(UINT64_MAX / 4, options_.resolution);
+    while (lo < hi) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      if (mid - default_working_memory(mid, options_.resolution) >= m) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    need = lo;
+  }
+  std::ostringstream msg;
+  msg << "vram budget " << format_mib(budget_) << " is too small for model '" << e.name << "' on " << device_->name()
+      << ": the minimum that would work is " << format_mib(need) << " (" << need << " bytes: " << format_mib(m)
+      << " for always-resident layers, upcast scratch and the staging ring, plus working memory)";
+  return msg.str();
+}
+
+// ---------------------------------------------------------------------------------------
+// device tier (cache mutex held)
+
+void ModelCache::attach(Entry& e, uint64_t share) {
+  std::lock_guard<std::mutex> run(e.run);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!e.engine) e.engine = std::make_unique<offload::StreamingEngine>(engine_options(e));
+  e.engine->set_max_resident(e.max_resident);
+  e.engine->attach(*e.model, e.name, share);
+  e.attached = true;
+  e.share = share;
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const offload::ResidencyPlan& plan = e.engine->plan();
+  std::ostringstream line;
+  line.setf(std::ios::fixed);
+  if (!e.announced) {
+    line.precision(2);
+    line << "Loaded model '" << e.name << "' onto " << device_->name() << " in " << e.load_seconds + secs
+         << "s. Total model size: " << format_mib(e.needs.model_bytes) << ", VRAM: " << format_mib(plan.resident_bytes)
+         << " (" << percent(plan.resident_bytes, e.needs.model_bytes) << ")";
+    log::info(line.str());
+    e.announced = true;
+  } else {
+    line.precision(2);
+    line << "Model '" << e.name << "' back onto " << device_->name() << " in " << secs
+         << "s, VRAM: " << format_mib(plan.resident_bytes) << " (" << percent(plan.resident_bytes, e.needs.model_bytes)
+         << ")";
+    log::info(line.str());
+  }
+  std::ostringstream map;
+  map << "Residency of '" << e.name << "' (" << offload::residency_policy_name(plan.policy)
+      << "): " << plan.residency_map() << "; ring " << plan.ring_slots << " x " << format_mib(plan.slot_bytes)
+      << ", share " << format_mib(share) << " of " << format_mib(limit()) << " (budget " << format_mib(budget_)
+      << ", working memory " << format_mib(working_memory_) << ")";
+  log::info(map.str());
+}
+
+void ModelCache::detach(Entry& e) {
+  if (!e.attached) return;
+  std::lock_guard<std::mutex> run(e.run);
+  e.engine->detach();
+  e.attached = false;
+  e.share = 0;
+}
+
+void ModelCache::resize(Entry& e, uint64_t share) {
+  TORCH_INTERNAL_ASSERT(e.attached, "resize of a detached model");
+  if (share == e.share) return;
+  std::lock_guard<std::mutex> run(e.run);
+  e.engine->set_budget(share);
+  e.share = share;
+  log::debug("Residency of '" + e.name + "': " + e.engine->plan().residency_map() + ", share " + format_mib(share));
+}
+
+uint64_t ModelCache::device_bytes_of(Entry& e) {
+  if (!e.attached) return 0;
+  std::lock_guard<std::mutex> run(e.run);
+  return e.engine->device_bytes();
+}
+
+void ModelCache::make_device_room(uint64_t bytes, const Entry* exclude) {
+  std::vector<Entry*> victims;
+  for (auto& p : entries_) {
+    if (p.get() != exclude && p->attached && p->locks == 0) victims.push_back(p.get());
+  }
+  std::sort(victims.begin(), victims.end(), [](Entry* a, Entry* b) { return a->last_used < b->last_used; });
+  uint64_t left = bytes;
+  // Partial unloads first, least recently used first, each only as much as still needed.
+  for (Entry* v : victims) {
+    if (left == 0) return;
+    const uint64_t can = v->share > v->needs.minimum ? v->share - v->needs.minimum : 0;
+    const uint64_t take = std::min(can, left);
+    if (take == 0) continue;
+    resize(*v, v->share - take);
+    left -= take;
+    ++device_unloads_;
+  }
+  // Then whole models off the device (their RAM copy stays).
+  for (Entry* v : victims) {
+    if (left == 0) return;
+    const uint64_t freed = v->share;
+    detach(*v);
+    left -= std::min(left, freed);
+    ++device_drops_;
+    log::info("Model '" + v->name + "' taken off " + device_->name() + " to make room (" + format_mib(freed) + ")");
+  }
+}
+
+void ModelCache::ensure_device(Entry& e, Guard& g, bool required) {
+  TORCH_INTERNAL_ASSERT(e.model, "ensure_device: model not in RAM");
+  if (e.needs.minimum > limit()) throw ResourceError(budget_error(e));
+  const uint64_t desired = wanted_share(e);
+  const uint64_t have = e.attached ? e.share : 0;
+  if (e.attached && have >= desired) return;
+  const uint64_t need = desired - have;
+  uint64_t free = limit() - std::min(limit(), reserved());
+  if (free < need) make_device_room(need - free, &e);
+  free = limit() - std::min(limit(), reserved());
+  const uint64_t grant = have + std::min(need, free);
+  if (!e.attached) {
+    if (grant < e.needs.minimum) {
+      std::ostringstream msg;
+      msg << "cannot put model '" << e.name << "' on " << device_->name() << ": it needs at least "
+          << format_mib(e.needs.minimum) << " of device memory, but models in use hold "
+          << format_mib(reserved()) << " of the " << format_mib(limit()) << " that the budget ("
+          << format_mib(budget_) << ") leaves beside the working memory; unlock them or raise the budget";
+      if (required) throw ResourceError(msg.str());
+      log::info(msg.str() + " (it stays in RAM until it is locked)");
+      return;
+    }
+    attach(e, grant);
+  } else if (grant > have) {
+    resize(e, grant);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// RAM tier (cache mutex held)
+
+void ModelCache::evict(Entry& e) {
+  TORCH_INTERNAL_ASSERT(e.locks == 0 && !e.loading, "evicting a model in use");
+  if (e.model) {
+    detach(e);
+    {
+      std::lock_guard<std::mutex> run(e.run);
+      e.model = anima::AnimaModel(nullptr);
+    }
+    ram_.decrease(static_cast<int64_t>(e.ram_bytes));
+    e.ram_bytes = 0;
+    e.announced = false;
+    ++evictions_;
+    log::info("Evicted model '" + e.name + "' from RAM" + (e.dropped ? " (dropped)" : ""));
+  }
+  if (e.dropped) {
+    entries_.remove_if([&](const std::shared_ptr<Entry>& p) { return p.get() == &e; });
+  }
+}
+
+void ModelCache::make_ram_room(uint64_t bytes, const Entry* exclude) {
+  if (ram_limit_ == 0) return;
+  while (static_cast<uint64_t>(ram_.current) + bytes > ram_limit_) {
+    Entry* victim = nullptr;
+    for (auto& p : entries_) {
+      if (p.get() == exclude || !p->model || p->locks > 0 || p->loading) continue;
+      if (!victim || p->last_used < victim->last_used) victim = p.get();
+    }
+    if (!victim) {
+      if (!ram_warned_) {
+        log::warn("RAM limit " + format_mib(ram_limit_) + " exceeded: models in use hold " +
+                  format_mib(static_cast<uint64_t>(ram_.current)) + " and " + format_mib(bytes) + " more are needed");
+        ram_warned_ = true;
+      }
+      return;
+    }
+    evict(*victim);
+  }
+}
+
+void ModelCache::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool count_hit) {
+  Entry& e = *ep;
+  loaded_.wait(g, [&] { return !e.loading; });
+  if (e.dropped) throw InvalidArgument("model '" + e.name + "' was dropped from the cache; load it again");
+  if (e.model) {
+    if (count_hit) ++hits_;
+    return;
+  }
+  ++misses_;
+  e.loading = true;
+  make_ram_room(e.estimate, &e);
+  g.unlock();
+  anima::AnimaModel model(nullptr);
+  offload::WeightNeeds needs;
+  double secs = 0;
+  try {
+    const auto t0 = std::chrono::steady_clock::now();
+    model = read_model(e.spec, e.dtypes, e.name);
+    secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } catch (...) {
+    g.lock();
+    e.loading = false;
+    loaded_.notify_all();
+    throw;
+  }
+  g.lock();
+  e.model = model;
+  e.config = model->config();
+  e.loading = false;
+  loaded_.notify_all();
+  try {
+    refresh_needs(e);
+  } catch (...) {
+    e.model = anima::AnimaModel(nullptr);
+    throw;
+  }
+  e.ram_bytes = e.needs.model_bytes;
+  e.load_seconds = secs;
+  e.announced = false;
+  ram_.increase(static_cast<int64_t>(e.ram_bytes));
+  ++loads_;
+  if (e.ram_bytes != e.estimate) {
+    log::debug("model '" + e.name + "' takes " + std::to_string(e.ram_bytes) + " bytes in RAM, estimated " +
+               std::to_string(e.estimate));
+  }
+  if (e.dropped) {  // dropped while it was being read
+    evict(e);
+    throw InvalidArgument("model '" + e.name + "' was dropped from the cache; load it again");
+  }
+  make_ram_room(0, &e);
+}
+
+void ModelCache::mark_dropped(const std::shared_ptr<Entry>& e) {
+  if (e->dropped) return;
+  e->dropped = true;
+  if (e->locks == 0 && !e->loading) {
+    evict(*e);
+  } else {
+    log::info("Model '" + e->name + "' is in use: it is dropped when its last lock ends");
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// public operations
+
+std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
+  const SourceKind kind = source_kind(spec.source);
+  if (spec.max_resident && !(*spec.max_resident >= 0.0 && *spec.max_resident <= 1.0)) {
+    throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*spec.max_resident));
+  }
+  const DtypePair dtypes = resolve_dtypes(spec.storage.storage, spec.storage.compute, device_->device());
+  const SkipList skips = SkipList::from_options(spec.storage, anima::declared_fp8_skips());
+
+  std::string key = kind == SourceKind::preset ? "preset:" + spec.source : "file:" + canonical(spec.source);
+  if (kind != SourceKind::checkpoint) key += "#seed=" + std::to_string(spec.seed);
+  std::ostringstream settings;
+  settings << "storage=" << dtype_name(dtypes.storage) << " compute=" << dtype_name(dtypes.compute) << " skips=[";
+  for (const auto& p : skips.patterns()) settings << p << ";";
+  settings << "] config=" << (spec.config ? anima::config_to_json(*spec.config).dump() : "");
+
+  Guard g(mutex_);
+  std::shared_ptr<Entry> e;
+  for (auto& p : entries_) {
+    if (p->key == key && !p->dropped) e = p;
+  }
+  if (e && e->settings != settings.str()) {
+    log::info("Reloading model '" + e->name + "': loading settings changed (" + e->settings + " -> " +
+              settings.str() + ")");
+    mark_dropped(e);
+    e.reset();
+  }
+  const bool created = !e;
+  if (created) {
+    e = std::make_shared<Entry>();
+    e->key = key;
+    e->settings = settings.str();
+    e->spec = spec;
+    e->dtypes = dtypes;
+    e->max_resident = spec.max_resident;
+    if (!spec.name.empty()) {
+      e->name = spec.name;
+    } else if (spec.config) {
+      e->name = spec.config->name;
+    } else {
+      e->name = kind == SourceKind::checkpoint ? file_stem(spec.source) : spec.source;
+      if (kind == SourceKind::json_config) e->name = config_of(spec).name;
+    }
+    g.unlock();
+    const uint64_t estimate = estimate_model_bytes(spec, device_->device());  // reads a file header
+    g.lock();
+    e->estimate = estimate;
+    std::shared_ptr<Entry> raced;  // another thread created it meanwhile
+    for (auto& p : entries_) {
+      if (p->key == key && !p->dropped && p->settings == e->settings) raced = p;
+    }
+    if (raced) {
+      e = raced;
+    } else {
+      entries_.push_back(e);
+    }
+  }
+  g.unlock();
+  with_pinned(e, /*count_hit=*/true, [&](Entry& en, Guard& gg) {
+    if (!created && spec.max_resident && spec.max_resident != en.max_resident) {
+      apply_max_resident(en, spec.max_resident);
+    }
+    try {
+      ensure_device(en, gg, /*required=*/false);
+    } catch (const ResourceError&) {
+      // The budget cannot hold this model at all: do not keep it (evicted as it is unpinned).
+      if (created) en.dropped = true;
+      throw;
+    }
+  });
+  return e;
+}
+
+int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit,
+                                const std::function<void(Entry&, Guard&)>& op) {
+  Guard g(mutex_);
+  ensure_loaded(ep, g, count_hit);
+  Entry& e = *ep;
+  e.locks += 1;
+  touch(e);
+  const uint64_t before = device_bytes_of(e);
+  try {
+    op(e, g);
+  } catch (...) {
+    e.locks -= 1;
+    if (e.locks == 0 && e.dropped) evict(e);
+    throw;
+  }
+  const uint64_t after = device_bytes_of(e);
+  e.locks -= 1;
+  if (e.locks == 0) {
+    if (e.dropped) {
+      evict(e);
+    } else {
+      make_ram_room(0, &e);  // just used: others go first
+    }
+  }
+  return static_cast<int64_t>(after) - static_cast<int64_t>(before);
+}
+
+Lock ModelCache::lock(const std::shared_ptr<Entry>& ep) {
+  Guard g(mutex_);
+  ensure_loaded(ep, g, /*count_hit=*/true);
+  Entry& e = *ep;
+  e.locks += 1;
+  touch(e);
+  if (e.locks == 1 || !e.attached) {
+    try {
+      ensure_device(e, g, /*required=*/true);
+    } catch (...) {
+      e.locks -= 1;
+      if (e.locks == 0 && e.dropped) evict(e);
+      throw;
+    }
+  }
+  return Lock(shared_from_this(), ep);
+}
+
+void ModelCache::unlock(Entry& e) {
+  Guard g(mutex_);
+  TORCH_INTERNAL_ASSERT(e.locks > 0, "unlock of '", e.name, "' without a lock");
+  e.locks -= 1;
+  if (e.locks > 0) return;
+  if (e.dropped) {
+    evict(e);
+  } else {
+    make_ram_room(0, nullptr);
+  }
+}
+
+void ModelCache::drop(const std::shared_ptr<Entry>& e) {
+  Guard g(mutex_);
+  mark_dropped(e);
+}
+
+int64_t ModelCache::partial_load(const std::shared_ptr<Entry>& ep, uint64_t bytes) {
+  return with_pinned(ep, /*count_hit=*/false, [&](Entry& e, Guard& g) {
+    const uint64_t have = e.attached ? e.share : 0;
+    const uint64_t room = std::max(e.needs.minimum, e.needs.wanted);
+    e.target = bytes >= room - std::min(room, have) ? room : have + bytes;
+    ensure_device(e, g, /*required=*/true);
+  });
+}
+
+int64_t ModelCache::partial_unload(const std::shared_ptr<Entry>& ep, uint64_t bytes) {
+  return with_pinned(ep, /*count_hit=*/false, [&](Entry& e, Guard&) {
+    const uint64_t now = device_bytes_of(e);
+    e.target = std::max(e.needs.minimum, now > bytes ? now - bytes : 0);
+    if (e.attached && *e.target < e.share) resize(e, *e.target);
+  });
+}
+
+int64_t ModelCache::full_load(const std::shared_ptr<Entry>& ep) {
+  return with_pinned(ep, /*count_hit=*/false, [&](Entry& e, Guard& g) {
+    if (e.needs.full > limit()) {
+      throw ResourceError("full_load: model '" + e.name + "' needs " + format_mib(e.needs.full) +
+                          " of device memory to be fully resident; the budget " + format_mib(budget_) +
+                          " leaves " + format_mib(limit()) + " beside the working memory");
+    }
+    if (e.max_resident) {
+      e.max_resident.reset();
+      if (e.attached) {
+        std::lock_guard<std::mutex> run(e.run);
+        e.engine->set_max_resident(std::nullopt);
+      }
+      refresh_needs(e);
+    }
+    e.target = e.needs.full;
+    ensure_device(e, g, /*required=*/true);
+    if (e.share < e.needs.full) {
+      throw ResourceError("full_load: model '" + e.name + "' needs " + format_mib(e.needs.full) +
+                          " of device memory to be fully resident; models in use hold " +
+                          format_mib(reserved() - e.share) + " of " + format_mib(limit()));
+    }
+  });
+}
+
+int64_t ModelCache::full_unload(const std::shared_ptr<Entry>& ep) {
+  return with_pinned(ep, /*count_hit=*/false, [&](Entry& e, Guard&) {
+    e.target = e.needs.minimum;
+    if (e.attached) resize(e, e.needs.minimum);
+  });
+}
+
+void ModelCache::set_max_resident(const std::shared_ptr<Entry>& ep, std::optional<double> fraction) {
+  if (fraction && !(*fraction >= 0.0 && *fraction <= 1.0)) {
+    throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*fraction));
+  }
+  with_pinned(ep, /*count_hit=*/false, [&](Entry& e, Guard&) { apply_max_resident(e, fraction); });
+}
+
+void ModelCache::apply_max_resident(Entry& e, std::optional<double> fraction) {
+  {
+    offload::EngineOptions o = engine_options(e);
+    o.max_resident = fraction;
+    const offload::WeightNeeds n = offload::StreamingEngine::needs(*e.model, o);
+    if (e.attached && e.share < n.minimum) {
+      // A lower cap can raise the minimum (the ring may have to hold a larger layer): grow
+      // the share first, under the old cap.
+      if (n.minimum > limit()) throw ResourceError(budget_error(e));
+      const uint64_t need = n.minimum - e.share;
+      uint64_t free = limit() - std::min(limit(), reserved());
+      if (free < need) make_device_room(need - free, &e);
+      free = limit() - std::min(limit(), reserved());
+      if (free < need) {
+        throw ResourceError("set_max_resident: model '" + e.name + "' needs " + format_mib(n.minimum) +
+                            " of device memory under that cap; models in use hold the rest of the budget");
+      }
+      resize(e, n.minimum);
+    }
+    if (e.attached) {
+      std::lock_guard<std::mutex> run(e.run);
+      e.engine->set_max_resident(fraction);
+    } else if (e.engine) {
+      e.engine->set_max_resident(fraction);  // kept for the next attach
+    }
+    e.max_resident = fraction;
+    e.needs = n;
+    e.target.reset();
+    if (!e.attached) return;
+    const uint64_t want = wanted_share(e);
+    if (e.share > want) {
+      resize(e, want);
+    } else if (e.share < want) {
+      const uint64_t free = limit() - std::min(limit(), reserved());
+      if (free > 0) resize(e, e.share + std::min(free, want - e.share));
+    }
+  }
+}
+
+void ModelCache::set_vram_budget(uint64_t budget_request) {
+  Guard g(mutex_);
+  const uint64_t budget = budget_request ? budget_request : device_->total_memory();
+  if (budget == 0) {
+    throw InvalidArgument("the memory of device " + device_->name() + " is unknown: give the vram budget in bytes");
+  }
+  const uint64_t wm = options_.working_memory ? *options_.working_memory
+                                              : default_working_memory(budget, options_.resolution);
+  if (budget <= wm) {
+    throw ResourceError("vram budget " + format_mib(budget) + " leaves nothing beside the working memory of " +
+                        format_mib(wm));
+  }
+  const uint64_t new_limit = budget - wm;
+  uint64_t locked_min = 0;
+  for (auto& e : entries_) {
+    if (e->attached && e->locks > 0) locked_min += e->needs.minimum;
+  }
+  if (locked_min > new_limit) {
+    throw ResourceError("vram budget " + format_mib(budget) + " is too small for the models in use: they need " +
+                        format_mib(locked_min + wm) + " (" + std::to_string(locked_min + wm) +
+                        " bytes, working memory included)");
+  }
+  const uint64_t old_budget = budget_, old_wm = working_memory_;
+  budget_ = budget;
+  working_memory_ = wm;
+  uint64_t res = reserved();
+  if (res > new_limit) {
+    try {
+      // Unlocked models first (partially, then whole), then locked ones partially.
+      make_device_room(res - new_limit, nullptr);
+      res = reserved();
+      std::vector<Entry*> locked;
+      for (auto& e : entries_) {
+        if (e->attached && e->locks > 0) locked.push_back(e.get());
+      }
+      std::sort(locked.begin(), locked.end(), [](Entry* a, Entry* b) { return a->last_used < b->last_used; });
+      for (Entry* e : locked) {
+        if (res <= new_limit) break;
+        const uint64_t take = std::min(res - new_limit, e->share - std::min(e->share, e->needs.minimum));
+        if (take == 0) continue;
+        resize(*e, e->share - take);  // waits for a running forward of this model
+        res -= take;
+      }
+    } catch (...) {
+      budget_ = old_budget;
+      working_memory_ = old_wm;
+      throw;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
+  device_->set_memory_limit(new_limit);
+  device_->reset_memory_peak();  // peaks count under the current budget
+  log::info("vram budget " + format_mib(budget) + " on " + device_->name() + " (working memory " + format_mib(wm) +
+            ")");
+  // More room: attached models grow towards what they want, most recently used first.
+  std::vector<Entry*> grow;
+  for (auto& e : entries_) {
+    if (e->attached && e->model) grow.push_back(e.get());
+  }
+  std::sort(grow.begin(), grow.end(), [](Entry* a, Entry* b) { return a->last_used > b->last_used; });
+  for (Entry* e : grow) {
+    const uint64_t want = wanted_share(*e);
+    if (e->share >= want) continue;
+    const uint64_t free = limit() - std::min(limit(), reserved());
+    if (free == 0) break;
+    resize(*e, e->share + std::min(free, want - e->share));
+  }
+}
+
+void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn) {
+  TORCH_CHECK(lock, "run: the lock is empty");
+  Entry& e = lock.entry();
+  std::lock_guard<std::mutex> run(e.run);
+  // Locked entries are in RAM and attached (Note [cache tiers]); no cache mutex needed.
+  TORCH_INTERNAL_ASSERT(e.model && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
+  fn(*e.model, *e.engine);
+}
+
+// ---------------------------------------------------------------------------------------
+// stats
+
+CacheStats ModelCache::stats_locked() const {
+  CacheStats s;
+  s.device = device_->name();
+  s.hits = hits_;
+  s.misses = misses_;
+  s.loads = loads_;
+  s.evictions = evictions_;
+  s.device_unloads = device_unloads_;
+  s.device_drops = device_drops_;
+  for (const auto& e : entries_) {
+    if (!e->model) continue;
+    s.models += 1;
+    if (e->locks > 0) s.locked += 1;
+  }
+  s.ram_limit = ram_limit_;
+  s.ram = ram_;
+  s.vram_budget = budget_;
+  s.working_memory = working_memory_;
+  s.vram_limit = limit();
+  s.vram = device_->memory_stats().total;
+  s.vram_reserved = reserved();
+  return s;
+}
+
+CacheStats ModelCache::stats() const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return stats_locked();
+}
+
+std::string ModelCache::stats_json(int indent) const { return cache_json(stats()).dump(indent); }
+
+offload::EngineStats ModelCache::engine_stats(const std::shared_ptr<Entry>& e) const {
+  std::lock_guard<std::mutex> g(mutex_);
+  std::lock_guard<std::mutex> run(e->run);
+  offload::EngineStats s;
+  if (e->engine) s = e->engine->stats();
+  s.model_name = e->name;
+  s.device = device_->name();
+  if (!e->attached) s.model_total_bytes = e->model ? e->needs.model_bytes : 0;
+  return s;
+}
+
+std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int indent) const {
+  offload::EngineStats s = engine_stats(e);
+  nlohmann::json j = nlohmann::json::parse(s.to_json(-1));
+  std::lock_guard<std::mutex> g(mutex_);
+  j["budget"]["budget_bytes"] = budget_;
+  j["budget"]["working_memory_bytes"] = working_memory_;
+  j["budget"]["share_bytes"] = e->attached ? e->share : 0;
+  {
+    const EntryState st = entry_state_locked(e);
+    j["model"]["streamed_bytes_by_forward"] = {{"dit", st.streamed_dit}, {"adapter", st.streamed_adapter}};
+  }
+  j["model"]["in_ram"] = static_cast<bool>(e->model);
+  j["model"]["on_device"] = e->attached;
+  j["model"]["storage_dtype"] = dtype_name(e->dtypes.storage);
+  j["model"]["compute_dtype"] = dtype_name(e->dtypes.compute);
+  j["cache"] = cache_json(stats_locked());
+  return j.dump(indent);
+}
+
+void ModelCache::write_trace(const std::shared_ptr<Entry>& e, const std::string& path) const {
+  std::lock_guard<std::mutex> g(mutex_);
+  std::lock_guard<std::mutex> run(e->run);
+  if (!e->engine) {
+    offload::TraceWriter().write(path);
+    return;
+  }
+  e->engine->trace().write(path);
+}
+
+anima::AnimaConfig ModelCache::entry_config(const std::shared_ptr<Entry>& e) const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return e->config;
+}
+
+ModelCache::EntryState ModelCache::entry_state(const std::shared_ptr<Entry>& e) const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return entry_state_locked(e);
+}
+
+ModelCache::EntryState ModelCache::entry_state_locked(const std::shared_ptr<Entry>& e) const {
+  std::lock_guard<std::mutex> run(e->run);
+  EntryState s;
+  s.in_ram = static_cast<bool>(e->model);
+  s.attached = e->attached;
+  s.dropped = e->dropped;
+  s.locks = e->locks;
+  s.ram_bytes = e->ram_bytes;
+  s.share = e->attached ? e->share : 0;
+  s.device_bytes = e->attached ? e->engine->device_bytes() : 0;
+  if (e->model) {
+    s.minimum = e->needs.minimum;
+    s.wanted = e->needs.wanted;
+    s.full = e->needs.full;
+  }
+  if (e->attached) {
+    const offload::ResidencyPlan& plan = e->engine->plan();
+    s.residency = plan.residency_map();
+    for (size_t i = 0; i < plan.layers.size(); ++i) {
+      if (plan.resident[i]) continue;
+      (plan.layers[i].name.rfind("llm_adapter.", 0) == 0 ? s.streamed_adapter : s.streamed_dit) +=
+          plan.layers[i].stored_bytes;
+    }
+  }
+  return s;
+}
+
+}  // namespace sluice::cache

@@ -1,0 +1,280 @@
+#pragma once
+// ModelCache: several models in RAM (storage dtype, fp8 by default) under a RAM limit, and
+// on one device under one budget that all of them share. The public API
+// (include/sluice/sluice.hpp, api/) is a thin layer over this class.
+//
+// Note [cache tiers]
+// ~~~~~~~~~~~~~~~~~~
+// RAM tier: a model is read (or generated) once and kept on the host. When the RAM limit
+// would be passed, unlocked models are evicted least-recently-used first; a model whose
+// handle is locked again afterwards is read again (a miss). Locked models are never
+// evicted: when only they are left, the limit is exceeded with one warning.
+// Device tier: each model in RAM that is attached to the device owns a StreamingEngine
+// whose budget is the model's *share*. The cache keeps
+//     sum of shares <= vram budget - working memory
+// and each engine keeps its own device bytes within its share (its ledger refuses any
+// allocation beyond), so the device total never passes the budget minus working memory.
+// The backend's ledger is also given that total as a hard limit, as a backstop. A model
+// being locked (or loaded) gets its wanted share (everything resident, or what
+// max_resident allows, or the target the user set with partial_load/unload): first from
+// the free part of the budget, then by partially unloading other unlocked models, least
+// recently used first and only as much as needed, and only then by taking whole unlocked
+// models off the device (their RAM copy stays). Models in use are never unloaded by the
+// cache. Weights never move device->host: unloading only drops device copies.
+//
+// Note [cache locking]
+// ~~~~~~~~~~~~~~~~~~~~
+// One cache mutex guards the entries, shares, lock counts and counters; each entry has a
+// run mutex that serializes the use of its engine and model (forwards, residency changes,
+// LoRA patches), because the engine is single-threaded. Order: cache mutex, then run
+// mutex; forwards take only the run mutex. The cache touches another entry's engine only
+// when that entry has no locks, and nobody holds a run mutex of an entry without a lock
+// unless they also hold the cache mutex, so these acquisitions never wait.
+// Reading a model from disk happens outside the cache mutex; other threads asking for the
+// same model wait for it on a condition variable.
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/anima/anima.h"
+#include "models/anima/config.h"
+#include "offload/device.h"
+#include "offload/engine.h"
+#include "offload/stats.h"
+#include "runtime/dtype_policy.h"
+
+namespace sluice {
+class LoraScope;
+}
+
+namespace sluice::cache {
+
+struct CacheOptions {
+  std::shared_ptr<offload::DeviceBackend> device;  // the device; null: a CPU device
+  uint64_t vram_budget = 0;                        // device bytes for all models, working memory included; 0: all device memory
+  std::optional<uint64_t> working_memory;          // kept free for activations; none: default_working_memory(budget, resolution)
+  int64_t resolution = 1024;                       // image side the default working memory is sized for
+  std::optional<uint64_t> ram_limit;               // host bytes for models; 0: unlimited; none: default_ram_limit()
+  uint32_t prefetch = 2;                           // engine prefetch depth
+  offload::PinMode pin = offload::PinMode::auto_;  // pinned host copies of streamed layers
+  double pin_cap_fraction = 0.5;                   // pinned bytes cap per model, fraction of RAM
+  offload::ResidencyPolicy policy = offload::ResidencyPolicy::spread;  // residency plan policy
+  bool timing = true;                              // per-forward device timings
+  bool trace = false;                              // per-layer trace spans
+};
+
+// Note [working memory default]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Activations of an anima-2b forward at 1024x1024 (4096 tokens, CFG batch 2, bf16) peak at
+// a few hundred MiB (the 8192-wide MLP hidden state is 128 MiB, q/k/v 96 MiB) plus the
+// allocator's slack; 1 GiB covers that. Activations grow with the token count, so the
+// default is 1 GiB x (resolution / 1024)^2, at least 256 MiB, and never more than a quarter
+// of the budget (so that small budgets for small models stay usable).
+uint64_t default_working_memory(uint64_t budget, int64_t resolution);
+// InvokeAI's rule: max(4 GiB, 50% of RAM - 2 GiB).
+uint64_t default_ram_limit();
+
+// Where a model comes from.
+enum class SourceKind { preset, json_config, checkpoint };
+// Preset name, "*.json" (a config to generate from), or a checkpoint path.
+SourceKind source_kind(const std::string& source);
+
+// What to load and how.
+struct LoadSpec {
+  std::string source;                       // preset name, .json config or .safetensors path
+  std::string name;                         // for logs and stats; empty: preset/config name or file stem
+  Fp8Options storage;                       // storage/compute dtypes and skip patterns
+  std::optional<anima::AnimaConfig> config; // overrides the file's inferred config / the preset's
+  uint64_t seed = 0;                        // generated weights (preset and .json sources)
+  std::optional<double> max_resident;       // cap on resident fraction; none: the budget decides
+};
+
+// Host bytes the model of `spec` will take once loaded (every parameter and buffer in its
+// stored dtype), computed on a shape-only model. `device` decides fp8 support.
+uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device);
+
+struct CacheStats {
+  std::string device;
+  uint64_t hits = 0, misses = 0, loads = 0, evictions = 0;
+  uint64_t device_unloads = 0;  // partial unloads to make room for another model
+  uint64_t device_drops = 0;    // whole models taken off the device to make room
+  uint64_t models = 0;          // in RAM
+  uint64_t locked = 0;          // in RAM and locked
+  uint64_t ram_limit = 0;       // 0: unlimited
+  offload::Stat ram;            // host bytes of models in RAM
+  uint64_t vram_budget = 0;
+  uint64_t working_memory = 0;
+  uint64_t vram_limit = 0;      // budget - working memory
+  offload::Stat vram;           // the device backend's total (all models); peak since the last budget change
+  uint64_t vram_reserved = 0;   // sum of shares
+};
+
+// One cached model. Fields are guarded by the cache mutex unless noted; see Note [cache
+// locking].
+struct Entry {
+  // Fixed at creation.
+  std::string key;            // identity: source (+ seed for generated models)
+  std::string settings;       // the loading settings; a load with other settings reloads
+  std::string name;
+  LoadSpec spec;
+  DtypePair dtypes;           // resolved for the device
+  uint64_t estimate = 0;      // estimate_model_bytes()
+  anima::AnimaConfig config;  // set when first loaded
+
+  anima::AnimaModel model{nullptr};                  // null while not in RAM
+  std::unique_ptr<offload::StreamingEngine> engine;  // created at first attach, kept for its stats
+  offload::WeightNeeds needs;                        // valid while in RAM
+  std::optional<double> max_resident;                // current cap
+  std::optional<uint64_t> target;                    // share the user asked for; none: needs.wanted
+  bool attached = false;
+  bool loading = false;
+  bool dropped = false;       // drop() or replaced: evicted when unlocked, never loaded again
+  bool announced = false;     // "Loaded model" logged for the current RAM copy
+  double load_seconds = 0;    // reading/generating the current RAM copy
+  int locks = 0;
+  uint64_t ram_bytes = 0;     // host bytes while in RAM
+  uint64_t share = 0;         // engine budget while attached
+  uint64_t last_used = 0;     // LRU tick
+
+  std::mutex run;             // serializes engine/model use (see Note [cache locking])
+};
+
+class ModelCache;
+
+// A lock on an entry (RAII, movable). While it lives the model is in RAM, on the device,
+// and neither evicted nor unloaded by the cache.
+class Lock {
+ public:
+  Lock() = default;
+  Lock(std::shared_ptr<ModelCache> cache, std::shared_ptr<Entry> entry);
+  Lock(Lock&& other) noexcept;
+  Lock& operator=(Lock&& other) noexcept;
+  ~Lock();
+  Lock(const Lock&) = delete;
+  Lock& operator=(const Lock&) = delete;
+
+  explicit operator bool() const { return entry_ != nullptr; }
+  Entry& entry() const { return *entry_; }
+  const std::shared_ptr<Entry>& entry_ptr() const { return entry_; }
+  ModelCache& cache() const { return *cache_; }
+  void unlock();
+
+ private:
+  std::shared_ptr<ModelCache> cache_;
+  std::shared_ptr<Entry> entry_;
+};
+
+class ModelCache : public std::enable_shared_from_this<ModelCache> {
+ public:
+  // Use create(): locks keep the cache alive through shared_from_this().
+  static std::shared_ptr<ModelCache> create(CacheOptions options);
+  ~ModelCache();
+  ModelCache(const ModelCache&) = delete;
+  ModelCache& operator=(const ModelCache&) = delete;
+
+  // The entry for spec's source; loads it (a miss) unless it is in RAM with the same
+  // settings (a hit). Other settings replace the cached model (Note [cache tiers]). The
+  // model is put on the device as for a lock when the budget allows; ResourceError names
+  // the minimum budget when the model cannot run under it at all.
+  std::shared_ptr<Entry> load(const LoadSpec& spec);
+  // Locks `entry` (see Lock). Reloads it when evicted. Throws InvalidArgument after drop(),
+  // ResourceError when locked models hold the budget it needs.
+  Lock lock(const std::shared_ptr<Entry>& entry);
+  // Drops now, or at the last unlock.
+  void drop(const std::shared_ptr<Entry>& entry);
+
+  // Residency of one model (Model API). Each returns the change in device bytes.
+  int64_t partial_load(const std::shared_ptr<Entry>& entry, uint64_t bytes);
+  int64_t partial_unload(const std::shared_ptr<Entry>& entry, uint64_t bytes);
+  int64_t full_load(const std::shared_ptr<Entry>& entry);
+  int64_t full_unload(const std::shared_ptr<Entry>& entry);
+  void set_max_resident(const std::shared_ptr<Entry>& entry, std::optional<double> fraction);
+
+  // New budget in bytes (0: all device memory). See ModelCache::set_vram_budget in the
+  // public header for the rules.
+  void set_vram_budget(uint64_t budget);
+  // Parses a budget string ("50%", "6GiB", "" = all) against this device.
+  uint64_t parse_budget(const std::string& text, const std::string& flag) const;
+
+  // Runs fn(model, engine) with the entry's run mutex held; `lock` must lock the entry.
+  void run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn);
+
+  CacheStats stats() const;
+  std::string stats_json(int indent = 2) const;
+  // The engine's stats of `entry` (a default record naming the model when it never ran).
+  offload::EngineStats engine_stats(const std::shared_ptr<Entry>& entry) const;
+  // EngineStats::to_json of the entry, with budget.{budget_bytes,working_memory_bytes}
+  // set to the cache's, budget.share_bytes, and a "cache" object (CacheStats).
+  std::string model_stats_json(const std::shared_ptr<Entry>& entry, int indent = 2) const;
+  void write_trace(const std::shared_ptr<Entry>& entry, const std::string& path) const;
+  // Snapshot of an entry's cache-side state.
+  struct EntryState {
+    bool in_ram = false, attached = false, dropped = false;
+    int locks = 0;
+    uint64_t ram_bytes = 0, share = 0, device_bytes = 0, minimum = 0, wanted = 0, full = 0;
+    uint64_t streamed_dit = 0;      // stored bytes of streamed DiT layers: what a DiT forward streams
+    uint64_t streamed_adapter = 0;  // of streamed llm_adapter layers: what encode_text streams
+    std::string residency;
+  };
+  EntryState entry_state(const std::shared_ptr<Entry>& entry) const;
+  // The config of a model that has been loaded once.
+  anima::AnimaConfig entry_config(const std::shared_ptr<Entry>& entry) const;
+
+  offload::DeviceBackend& device() const { return *device_; }
+  uint64_t vram_budget() const;
+  uint64_t working_memory() const;
+  const CacheOptions& options() const { return options_; }
+
+ private:
+  explicit ModelCache(CacheOptions options);
+  friend class Lock;
+  using Guard = std::unique_lock<std::mutex>;
+
+  void unlock(Entry& e);
+  void ensure_loaded(const std::shared_ptr<Entry>& e, Guard& g, bool count_hit);
+  void ensure_device(Entry& e, Guard& g, bool required);
+  void make_ram_room(uint64_t bytes, const Entry* exclude);
+  void make_device_room(uint64_t bytes, const Entry* exclude);
+  void evict(Entry& e);
+  void mark_dropped(const std::shared_ptr<Entry>& e);
+  void attach(Entry& e, uint64_t share);
+  void detach(Entry& e);
+  void resize(Entry& e, uint64_t share);
+  uint64_t device_bytes_of(Entry& e);
+  uint64_t reserved() const;
+  uint64_t limit() const { return budget_ - working_memory_; }
+  uint64_t wanted_share(const Entry& e) const;
+  offload::EngineOptions engine_options(const Entry& e) const;
+  void refresh_needs(Entry& e);
+  void apply_max_resident(Entry& e, std::optional<double> fraction);
+  void touch(Entry& e) { e.last_used = ++tick_; }
+  std::string budget_error(const Entry& e) const;
+  CacheStats stats_locked() const;
+  EntryState entry_state_locked(const std::shared_ptr<Entry>& e) const;
+  // Runs op on a pinned entry (locks + 1, loaded first) with the cache mutex held, then
+  // unpins; returns the change in the entry's device bytes. `count_hit`: a hit is counted.
+  int64_t with_pinned(const std::shared_ptr<Entry>& e, bool count_hit, const std::function<void(Entry&, Guard&)>& op);
+
+  CacheOptions options_;
+  std::shared_ptr<offload::DeviceBackend> device_;
+  mutable std::mutex mutex_;
+  std::condition_variable loaded_;
+  std::list<std::shared_ptr<Entry>> entries_;
+  uint64_t budget_ = 0;
+  uint64_t working_memory_ = 0;
+  uint64_t ram_limit_ = 0;
+  uint64_t tick_ = 0;
+  bool ram_warned_ = false;
+  offload::Stat ram_;
+  uint64_t hits_ = 0, misses_ = 0, loads_ = 0, evictions_ = 0, device_unloads_ = 0, device_drops_ = 0;
+};
+
+}  // namespace sluice::cache

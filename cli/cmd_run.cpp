@@ -1,0 +1,375 @@
+// sluice run: the main job. A flow-matching denoising loop (models/sampling.h) over an
+// Anima model held by the public API's ModelCache, under a device budget: the layers that
+// fit stay resident, the rest stream every forward. Prints the residency map, one line
+// per step and the final stats; writes the final latent, the stats JSON and the trace on
+// request.
+//
+// Note [run defaults]
+// ~~~~~~~~~~~~~~~~~~~
+// With neither --checkpoint nor --synthetic it runs the embedded default:
+//  - on a GPU (--device cuda, or no --device and a CUDA/ROCm device present): the real
+//    model's shape, anima-2b with random weights, at a 50% VRAM budget, 1024 px, 30 steps;
+//  - on the CPU (CPU-as-device mode): a generated anima-medium at 512 px, 12 steps, with
+//    half its streamable weights resident (--max-resident 0.5) so that streaming is
+//    exercised; sized to finish in about a minute on a 2-core machine (measured in
+//    docs/BENCHMARKS.md).
+// Every flag given overrides its default. With a model named (--checkpoint/--synthetic)
+// only the device-dependent defaults apply (resolution, steps), not the budget ones.
+//
+// The output depends only on the model, the seed, the context and the sampling flags: on
+// the CPU device it is bit-identical whatever --vram-budget, --max-resident, --prefetch
+// or --pin-memory (tests/test_run.cpp).
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "cli/commands.h"
+#include "cli/options.h"
+#include <sluice/sluice.hpp>
+#include "models/sampling.h"
+#include "runtime/error.h"
+#include "runtime/safetensors.h"
+#include "runtime/size_parse.h"
+
+namespace sluice::cli {
+namespace {
+
+struct RunArgs {
+  std::string checkpoint;                 // model file (.safetensors)
+  std::string synthetic;                  // or: preset / JSON config of a random-weight model
+  std::string device;                     // empty: cuda when present, else cpu
+  std::string vram_budget;                // empty: embedded default or all device memory
+  std::optional<double> max_resident;     // cap on the resident fraction of streamable weights
+  std::string working_memory;             // empty: the runtime sizes it for the resolution
+  std::string storage = "float8_e4m3fn";  // stored dtype of Linear/Embedding weights
+  std::optional<int> steps;               // Euler steps
+  double cfg = 4.5;                       // classifier-free guidance scale
+  std::optional<int64_t> resolution;      // image side in pixels (latent = px / 8)
+  uint32_t prefetch = 2;                  // streamed layers copied ahead of compute
+  std::string pin_memory = "auto";        // page-locked host copies of streamed layers
+  uint64_t seed = 0;                      // noise and random-context seed
+  std::string context;                    // safetensors with `context` [B,S,D] (+ optional `negative_context`)
+  std::string output;                     // final latent (.safetensors)
+  std::string stats_json;                 // stats JSON file
+  std::string trace;                      // Chrome/Perfetto trace file
+};
+
+constexpr const char* kCpuDefaultPreset = "anima-medium";
+constexpr int64_t kCpuDefaultResolution = 512;
+constexpr int kCpuDefaultSteps = 12;
+constexpr double kCpuDefaultMaxResident = 0.5;
+constexpr const char* kGpuDefaultPreset = "anima-2b";
+constexpr int64_t kGpuDefaultResolution = 1024;
+constexpr int kGpuDefaultSteps = 30;
+constexpr const char* kGpuDefaultBudget = "50%";
+constexpr int64_t kLatentScale = 8;  // pixels per latent cell (the VAE's downsampling)
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+std::string fmt(const char* format, double a) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, a);
+  return buf;
+}
+
+std::string mb(uint64_t bytes) { return format_mib(bytes); }
+
+// Syntax-only check of a size flag (the real value needs the device's memory): turns a
+// malformed value into a usage error (exit 2).
+CLI::Validator size_validator(const std::string& flag, bool allow_percent) {
+  return CLI::Validator(
+      [flag, allow_percent](std::string& value) -> std::string {
+        try {
+          parse_size(value, allow_percent ? std::optional<uint64_t>(1ull << 40) : std::nullopt, flag);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      },
+      allow_percent ? "BYTES|N%" : "BYTES", "size");
+}
+
+CLI::Validator finite_validator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          const double v = std::stod(value, &used);
+          if (used == value.size() && std::isfinite(v)) return {};
+        } catch (const std::exception&) {
+        }
+        return "expected a finite number, got '" + value + "'";
+      },
+      "FLOAT", "finite");
+}
+
+CLI::Validator resolution_validator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          const long long v = std::stoll(value, &used);
+          if (used == value.size() && v >= 16 && v <= 16384 && v % 16 == 0) return {};
+        } catch (const std::exception&) {
+        }
+        return "resolution must be a multiple of 16 between 16 and 16384 pixels, got '" + value + "'";
+      },
+      "PX", "resolution");
+}
+
+struct Context {
+  at::Tensor cond;    // [B, S, D]
+  at::Tensor uncond;  // [B, S, D]
+  std::string source;
+};
+
+Context load_context(const RunArgs& a, const ModelInfo& info) {
+  Context c;
+  if (a.context.empty()) {
+    // A random prompt embedding from its own stream (seed + 1), the unconditional one zero.
+    const int64_t S = info.has_adapter ? info.adapter_output_tokens : 512;
+    at::Generator gen = at::detail::createCPUGenerator(a.seed + 1);
+    c.cond = at::randn({1, S, info.context_dim}, gen);
+    c.uncond = at::zeros_like(c.cond);
+    c.source = "random [1, " + std::to_string(S) + ", " + std::to_string(info.context_dim) + "] (seed " +
+               std::to_string(a.seed + 1) + "), unconditional zeros";
+    return c;
+  }
+  const auto f = safetensors::File::open(a.context);
+  for (const auto& t : f->tensors())
+    if (t.name != "context" && t.name != "negative_context")
+      throw InvalidArgument("unexpected tensor '" + t.name + "' in context file '" + a.context +
+                            "' (expected context [+ negative_context])");
+  if (!f->contains("context")) throw InvalidArgument("context file '" + a.context + "' has no 'context' tensor");
+  auto check = [&](const std::string& name, const at::Tensor& t) {
+    if (t.dim() != 3 || t.size(0) < 1 || t.size(1) < 1 || t.size(2) != info.context_dim)
+      throw InvalidArgument("tensor '" + name + "' in '" + a.context + "' has shape " + shape_str(t.sizes()) +
+                            ", expected [B, S, " + std::to_string(info.context_dim) + "]");
+    if (!at::isFloatingType(t.scalar_type()))
+      throw InvalidArgument("tensor '" + name + "' in '" + a.context + "' has dtype " +
+                            std::string(c10::toString(t.scalar_type())) + ", expected a floating-point dtype");
+  };
+  c.cond = f->tensor("context").to(at::kFloat).contiguous();
+  check("context", c.cond);
+  if (f->contains("negative_context")) {
+    c.uncond = f->tensor("negative_context").to(at::kFloat).contiguous();
+    check("negative_context", c.uncond);
+    if (c.uncond.sizes() != c.cond.sizes())
+      throw InvalidArgument("tensor 'negative_context' in '" + a.context + "' has shape " +
+                            shape_str(c.uncond.sizes()) + ", expected the shape of 'context' " +
+                            shape_str(c.cond.sizes()));
+  } else {
+    c.uncond = at::zeros_like(c.cond);
+  }
+  c.source = a.context + " " + shape_str(c.cond.sizes()) +
+             (f->contains("negative_context") ? " with negative_context" : ", unconditional zeros");
+  return c;
+}
+
+int run(const RunArgs& args) {
+  RunArgs a = args;
+  const bool embedded = a.checkpoint.empty() && a.synthetic.empty();
+  if (a.device.empty()) a.device = at::hasCUDA() ? "cuda" : "cpu";
+  const at::Device device = resolve_device(a.device);  // ResourceError when absent
+  const bool gpu = !device.is_cpu();
+  if (embedded) {  // Note [run defaults]
+    a.synthetic = gpu ? kGpuDefaultPreset : kCpuDefaultPreset;
+    if (gpu && a.vram_budget.empty()) a.vram_budget = kGpuDefaultBudget;
+    if (!gpu && !a.max_resident && a.vram_budget.empty()) a.max_resident = kCpuDefaultMaxResident;
+  }
+  const int64_t px = a.resolution.value_or(gpu ? kGpuDefaultResolution : kCpuDefaultResolution);
+  sampling::SamplerOptions so;
+  so.steps = a.steps.value_or(gpu ? kGpuDefaultSteps : kCpuDefaultSteps);
+  so.cfg = a.cfg;
+  sampling::validate(so);
+
+  if (!gpu) {
+    // The CPU device's copy stream is a worker thread that needs a core of its own; with
+    // intra-op threads on every core it starves (offload/cpu_device.h).
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    if (cores > 1 && at::get_num_threads() >= cores) at::set_num_threads(cores - 1);
+  }
+  c10::InferenceMode guard;
+  RuntimeOptions ro;
+  ro.device = a.device;
+  ro.vram_budget = a.vram_budget;
+  ro.working_memory = a.working_memory;
+  ro.resolution = px;
+  ro.prefetch = a.prefetch;
+  ro.pin_memory = a.pin_memory;
+  ro.trace = !a.trace.empty();
+  ModelCache cache(ro);
+
+  LoadOptions lo;
+  lo.storage = a.storage;
+  lo.max_resident = a.max_resident;
+  const std::string source = a.checkpoint.empty() ? a.synthetic : a.checkpoint;
+  const auto t_load = std::chrono::steady_clock::now();
+  Model model = cache.load(source, lo);
+  LockedModel locked = model.lock();
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+  const ModelInfo& info = locked.info();
+  const Context ctx = load_context(a, info);  // before any output: errors leave stdout empty
+  const ModelStats ms0 = model.stats();
+  const CacheStats cs0 = cache.stats();
+
+  std::cout << "sluice run: " << info.name << (a.checkpoint.empty() ? " (random weights)" : " from " + a.checkpoint)
+            << " on " << cs0.device << ", storage " << info.storage_dtype << ", compute " << info.compute_dtype
+            << (embedded ? " [embedded default]" : "") << "\n";
+  std::cout << "loaded in " << fmt("%.2f", load_s) << " s: total " << mb(ms0.total_bytes) << ", resident "
+            << mb(ms0.resident_bytes) << " ("
+            << fmt("%.1f", ms0.total_bytes ? 100.0 * static_cast<double>(ms0.resident_bytes) / static_cast<double>(ms0.total_bytes) : 0.0)
+            << "%), streamed per forward " << mb(ms0.streamed_dit_bytes) << " (+ " << mb(ms0.streamed_adapter_bytes)
+            << " of LLM adapter layers, unused here)\n";
+  std::cout << "budget " << mb(cs0.vram_budget_bytes) << " (working memory " << mb(cs0.working_memory_bytes)
+            << "), max-resident "
+            << (a.max_resident ? fmt("%.2f", *a.max_resident) : std::string("none")) << ", prefetch " << a.prefetch
+            << ", pin-memory " << a.pin_memory << "\n";
+  std::cout << "residency: " << ms0.residency << "\n";
+
+  const int64_t B = ctx.cond.size(0);
+  const int64_t lat = px / kLatentScale;
+  const at::Tensor noise = sampling::initial_noise({B, info.in_channels, 1, lat, lat}, a.seed);
+  const at::Tensor ctx_both = at::cat({ctx.uncond, ctx.cond}, 0);
+  std::cout << "sampling: " << so.steps << " steps, cfg " << fmt("%g", so.cfg) << ", shift " << fmt("%g", so.shift)
+            << ", " << px << "x" << px << " px (latent " << shape_str(noise.sizes()) << "), seed " << a.seed
+            << ", context " << ctx.source << "\n";
+  std::cout.flush();
+
+  auto velocity = [&](const at::Tensor& x, double sigma, sampling::Guidance which) {
+    const at::Tensor& c = which == sampling::Guidance::cond     ? ctx.cond
+                          : which == sampling::Guidance::uncond ? ctx.uncond
+                                                                : ctx_both;
+    return locked.forward(x, at::full({x.size(0)}, sigma, at::kFloat), c);
+  };
+  uint64_t seen = ms0.forwards;
+  double total_ms = 0;
+  auto on_step = [&](const sampling::StepInfo& s) {
+    total_ms += s.ms;
+    const ModelStats st = model.stats();
+    uint64_t bytes = 0;
+    double stall = 0, upcast = 0, gbps = 0;
+    const uint64_t n = st.forwards - seen;  // forwards of this step
+    for (uint64_t i = 0; i < n && i < st.forward_records.size(); ++i) {
+      const ForwardStats& f = st.forward_records[st.forward_records.size() - 1 - i];
+      bytes += f.bytes_streamed;
+      stall += f.stall_ms;
+      upcast += f.upcast_ms;
+      gbps = f.h2d_gbps;
+    }
+    seen = st.forwards;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "step %*d/%d  sigma %.3f -> %.3f  %8.1f ms  streamed %s at %.2f GB/s  stall %.1f ms  upcast %.1f ms\n",
+                  static_cast<int>(std::to_string(s.steps).size()), s.step + 1, s.steps, s.sigma, s.sigma_next, s.ms,
+                  mb(bytes).c_str(), gbps, stall, upcast);
+    std::cout << line << std::flush;
+  };
+  const at::Tensor latent = sampling::sample_euler(noise, velocity, so, on_step);
+
+  const ModelStats st = model.stats();
+  const CacheStats cs = cache.stats();
+  double stall = 0, upcast = 0, gbps = 0;
+  uint64_t bytes = 0;
+  for (const auto& f : st.forward_records) {
+    stall += f.stall_ms;
+    upcast += f.upcast_ms;
+    gbps += f.h2d_gbps;
+    bytes += f.bytes_streamed;
+  }
+  const double nf = st.forward_records.empty() ? 1.0 : static_cast<double>(st.forward_records.size());
+  std::cout << "done: " << so.steps << " steps in " << fmt("%.2f", total_ms / 1000.0) << " s ("
+            << fmt("%.1f", total_ms / so.steps) << " ms/step), " << st.forwards << " forwards; per forward "
+            << mb(static_cast<uint64_t>(static_cast<double>(bytes) / nf)) << " streamed at " << fmt("%.2f", gbps / nf)
+            << " GB/s, stall " << fmt("%.1f", stall / nf) << " ms, upcast " << fmt("%.1f", upcast / nf) << " ms\n";
+  std::cout << "device: peak " << mb(st.device_peak_bytes) << " (model), " << mb(static_cast<uint64_t>(cs.vram.peak))
+            << " (cache) of limit " << mb(cs.vram_limit_bytes) << "; cache hits " << cs.hits << ", misses "
+            << cs.misses << ", evictions " << cs.evictions << "\n";
+
+  if (!a.output.empty()) {
+    safetensors::save(a.output, {{"latent", latent.contiguous()}},
+                      {{"model", info.name},
+                       {"source", info.source},
+                       {"seed", std::to_string(a.seed)},
+                       {"steps", std::to_string(so.steps)},
+                       {"cfg", fmt("%g", so.cfg)},
+                       {"shift", fmt("%g", so.shift)},
+                       {"resolution", std::to_string(px)},
+                       {"storage", info.storage_dtype},
+                       {"compute", info.compute_dtype}});
+    std::cout << "wrote " << a.output << ": latent " << shape_str(latent.sizes()) << " float32\n";
+  }
+  if (!a.stats_json.empty()) {
+    const std::string json = model.stats_json();
+    std::FILE* f = std::fopen(a.stats_json.c_str(), "wb");
+    if (f == nullptr) throw FileError("cannot write stats file '" + a.stats_json + "'");
+    const bool ok = std::fwrite(json.data(), 1, json.size(), f) == json.size() && std::fputc('\n', f) != EOF;
+    if (std::fclose(f) != 0 || !ok) throw FileError("cannot write stats file '" + a.stats_json + "'");
+    std::cout << "wrote " << a.stats_json << "\n";
+  }
+  if (!a.trace.empty()) {
+    model.write_trace(a.trace);
+    std::cout << "wrote " << a.trace << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+Subcommand add_run(CLI::App& root) {
+  auto a = std::make_shared<RunArgs>();
+  CLI::App* sub = root.add_subcommand(
+      "run", "Denoise a latent with an Anima model under a VRAM budget (no arguments: the embedded default)");
+  auto* ckpt = sub->add_option("--checkpoint", a->checkpoint, "Model checkpoint (.safetensors)");
+  auto* synth = sub->add_option("--synthetic", a->synthetic, "Random-weight model: preset name or JSON config")
+                    ->check(config_validator());
+  ckpt->excludes(synth);
+  synth->excludes(ckpt);
+  sub->add_option("--device", a->device, "cpu|cuda[:N] (default: cuda when present, else cpu)")
+      ->check(device_validator());
+  sub->add_option("--vram-budget", a->vram_budget, "Device budget: bytes (6GiB, 512MiB) or a percentage (50%)")
+      ->check(size_validator("--vram-budget", true));
+  sub->add_option("--max-resident", a->max_resident, "Cap on the resident fraction of streamable weights (0..1)")
+      ->check(CLI::Range(0.0, 1.0));
+  sub->add_option("--working-memory", a->working_memory, "Budget part kept for activations (bytes)")
+      ->check(size_validator("--working-memory", false));
+  sub->add_option("--storage", a->storage, "Stored weight dtype")
+      ->check(CLI::IsMember({"float8_e4m3fn", "bfloat16"}))
+      ->capture_default_str();
+  sub->add_option("--steps", a->steps, "Euler steps (default: 12 on cpu, 30 on a GPU)")->check(CLI::Range(1, 100000));
+  sub->add_option("--cfg", a->cfg, "Classifier-free guidance scale (1: conditional only)")
+      ->check(finite_validator())
+      ->capture_default_str();
+  sub->add_option("--resolution", a->resolution, "Image side in pixels, a multiple of 16 (default: 512 cpu, 1024 GPU)")
+      ->check(resolution_validator());
+  sub->add_option("--prefetch", a->prefetch, "Streamed layers copied ahead of compute")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  sub->add_option("--pin-memory", a->pin_memory, "Page-locked host memory for streamed layers (off on ROCm if it stalls)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  sub->add_option("--seed", a->seed, "Seed of the initial noise and of the random context")->capture_default_str();
+  sub->add_option("--context", a->context, "safetensors file with 'context' [B,S,D] (+ 'negative_context'); default random");
+  sub->add_option("--output", a->output, "Write the final latent here (.safetensors, tensor 'latent')");
+  sub->add_option("--stats-json", a->stats_json, "Write the model/budget/device/forward/cache stats here (JSON)");
+  sub->add_option("--trace", a->trace, "Write a Chrome/Perfetto trace (copy, upcast and compute tracks) here");
+  return {sub, [a] { return run(*a); }};
+}
+
+}  // namespace sluice::cli

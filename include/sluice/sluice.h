@@ -1,0 +1,151 @@
+/* sluice's C API: a C boundary over the C++ API (sluice/sluice.hpp) for hosts that are not
+ * C++ (C programs, FFI from other languages).
+ *
+ *   sluice_cache_options o;  sluice_cache_options_init(&o);
+ *   o.device = "cpu";  o.vram_budget = "50%";
+ *   sluice_cache* cache;     if (sluice_cache_create(&o, &cache) != SLUICE_OK) puts(sluice_last_error());
+ *   sluice_model* model;     sluice_load(cache, "anima.safetensors", NULL, &model);
+ *   sluice_locked* m;        sluice_lock(model, &m);                  (never evicted while locked)
+ *   DLManagedTensor* v;      sluice_forward(m, x, timesteps, context, &v);
+ *   ...                      v->deleter(v);  sluice_unlock(m);  sluice_model_release(model);
+ *                            sluice_cache_destroy(cache);
+ *
+ * Rules:
+ *  - Every call that can fail returns a sluice_status. On failure the out-parameters are
+ *    untouched and sluice_last_error() returns a one-line message naming the file, flag or
+ *    tensor at fault. The message is thread-local and valid until the thread's next sluice
+ *    call. No C++ exception ever crosses this boundary.
+ *  - Handles are opaque. A sluice_model stays valid after its cache is destroyed (calls on
+ *    it may then fail with SLUICE_ERROR_INVALID_ARGUMENT if the model was dropped).
+ *  - Tensors cross as DLPack (DLManagedTensor). Inputs are borrowed: the caller keeps
+ *    ownership and calls their deleter itself; sluice reads them zero-copy where the
+ *    device and dtype already match. Outputs are new DLManagedTensors the caller owns and
+ *    releases with their deleter.
+ *  - Strings returned through char** are malloc'ed; free them with sluice_free_string().
+ *
+ * ABI: SLUICE_C_ABI_VERSION is bumped whenever an existing function, enum value or struct
+ * field changes meaning or layout. Within one ABI version, functions and status codes are
+ * only added, and option structs only grow at their end: each starts with struct_size,
+ * which *_init() sets, so a library can tell which fields an older caller knows. Callers
+ * must call the matching *_init() before setting fields. sluice_abi_version() reports the
+ * library's version; a host should refuse a different one.
+ */
+#ifndef SLUICE_SLUICE_H
+#define SLUICE_SLUICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <ATen/dlpack.h> /* DLPack: DLManagedTensor (the header is plain C; torch ships it) */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SLUICE_C_ABI_VERSION 1
+
+typedef enum sluice_status {
+  SLUICE_OK = 0,
+  SLUICE_ERROR_INVALID_ARGUMENT = 1, /* a bad value: flag, budget string, tensor shape/dtype, null handle */
+  SLUICE_ERROR_FILE = 2,             /* a file that cannot be opened, read or parsed */
+  SLUICE_ERROR_CHECKPOINT = 3,       /* a checkpoint whose keys or shapes do not match the model */
+  SLUICE_ERROR_RESOURCE = 4,         /* budget too small, out of memory, device missing */
+  SLUICE_ERROR_INTERNAL = 5          /* anything else (a bug: please report the message) */
+} sluice_status;
+
+typedef struct sluice_cache sluice_cache; /* a ModelCache: models in RAM, one device, one budget */
+typedef struct sluice_model sluice_model; /* a handle on one cached model */
+typedef struct sluice_locked sluice_locked; /* a locked model: in use, never evicted while held */
+typedef struct sluice_lora sluice_lora;   /* a LoRA applied to a locked model */
+
+/* The library version ("0.1.0") and the C ABI version it implements. */
+const char* sluice_version(void);
+int sluice_abi_version(void);
+
+/* The calling thread's last error message ("" when none). */
+const char* sluice_last_error(void);
+
+/* Frees a string returned by sluice (NULL is fine). */
+void sluice_free_string(char* s);
+
+/* Options of sluice_cache_create. Strings are copied; NULL or "" means the default.
+ * Sizes use sluice's size syntax: bytes ("123456"), units ("6GiB", "512MiB"), or "50%". */
+typedef struct sluice_cache_options {
+  size_t struct_size;        /* set by sluice_cache_options_init */
+  const char* device;        /* "cpu" (CPU plays the device), "cuda", "cuda:N"; default "cpu" */
+  const char* vram_budget;   /* device bytes for all models, working memory included; default: all */
+  const char* working_memory; /* part of the budget kept for activations; default: sized for resolution */
+  int64_t resolution;        /* image side the default working memory is sized for; default 1024 */
+  const char* ram_limit;     /* host bytes for cached models, LRU eviction; "0": unlimited */
+  uint32_t prefetch;         /* streamed layers copied ahead of compute; default 2 */
+  const char* pin_memory;    /* "auto" | "on" | "off"; default "auto" */
+  const char* policy;        /* "spread" | "front-first"; default "spread" */
+  int timing;                /* nonzero: device-timed per-forward stats; default 1 */
+  int trace;                 /* nonzero: record spans for sluice_model_write_trace; default 0 */
+  uint64_t device_memory;    /* device memory to assume for percentages; 0: ask the device */
+} sluice_cache_options;
+
+/* Options of sluice_load; NULL means all defaults. */
+typedef struct sluice_load_options {
+  size_t struct_size;        /* set by sluice_load_options_init */
+  const char* storage;       /* stored dtype: "float8_e4m3fn" (default), "bfloat16" (no fp8), ... */
+  const char* compute;       /* "bfloat16" (default), "float16", "float32" */
+  const char* const* extra_skips; /* more skip patterns (kept in the compute dtype) */
+  size_t n_extra_skips;
+  int use_default_skips;     /* nonzero (default): include the default skip patterns */
+  int use_model_skips;       /* nonzero (default): include the model's declared patterns */
+  double max_resident;       /* resident fraction 0..1 of the streamable weights; < 0 (default): budget decides */
+  const char* config;        /* preset name or JSON file overriding the inferred config */
+  uint64_t seed;             /* seed of a generated (preset) model; default 0 */
+  const char* name;          /* name in logs and stats; default: preset name or file stem */
+} sluice_load_options;
+
+void sluice_cache_options_init(sluice_cache_options* options);
+void sluice_load_options_init(sluice_load_options* options);
+
+/* Cache. */
+sluice_status sluice_cache_create(const sluice_cache_options* options, sluice_cache** out);
+void sluice_cache_destroy(sluice_cache* cache); /* NULL is fine; models stay valid */
+/* New budget for all models ("50%", "6GiB", bytes). */
+sluice_status sluice_cache_set_vram_budget(sluice_cache* cache, const char* budget);
+/* Cache statistics as JSON (hits, misses, loads, evictions, ram, vram ...); *out to free. */
+sluice_status sluice_cache_stats_json(sluice_cache* cache, char** out);
+
+/* Models: a preset name ("anima-small"), a JSON config, or a .safetensors checkpoint. */
+sluice_status sluice_load(sluice_cache* cache, const char* path_or_preset, const sluice_load_options* options,
+                          sluice_model** out);
+void sluice_model_release(sluice_model* model); /* releases the handle, not the cached model */
+sluice_status sluice_drop(sluice_cache* cache, sluice_model* model); /* removes it from the cache */
+/* The model's --stats-json document (model, budget, device, forwards[], cache); *out to free. */
+sluice_status sluice_model_stats_json(sluice_model* model, char** out);
+/* The model's config as JSON; *out to free. */
+sluice_status sluice_model_info_json(sluice_model* model, char** out);
+sluice_status sluice_model_write_trace(sluice_model* model, const char* path);
+/* Residency changes; *delta_bytes (may be NULL) receives the change in device bytes. */
+sluice_status sluice_partial_load(sluice_model* model, uint64_t bytes, int64_t* delta_bytes);
+sluice_status sluice_partial_unload(sluice_model* model, uint64_t bytes, int64_t* delta_bytes);
+sluice_status sluice_full_load(sluice_model* model, int64_t* delta_bytes);
+sluice_status sluice_full_unload(sluice_model* model, int64_t* delta_bytes);
+
+/* Locking: the model is loaded if evicted and kept in use until sluice_unlock. */
+sluice_status sluice_lock(sluice_model* model, sluice_locked** out);
+void sluice_unlock(sluice_locked* lock); /* NULL is fine */
+
+/* DiT velocity: x [B,C,T,H,W], timesteps [B], context [B,S,D] (any float dtype, any device)
+ * -> *out [B,C_out,T,H,W] in the compute dtype on the model's device. */
+sluice_status sluice_forward(sluice_locked* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
+                             const DLManagedTensor* context, DLManagedTensor** out);
+/* LLM adapter: qwen_hidden [B,S,Dq], t5_ids [B,S_t] (integers), t5_weights [B,S_t] or NULL
+ * -> *out context [B, output_tokens, D]. */
+sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,
+                                 const DLManagedTensor* t5_weights, DLManagedTensor** out);
+
+/* LoRA sidecars on a locked model (the stored weights are never modified). */
+sluice_status sluice_lora_apply(sluice_locked* lock, const char* path, double scale, sluice_lora** out);
+void sluice_lora_remove(sluice_lora* lora); /* NULL is fine */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SLUICE_SLUICE_H */

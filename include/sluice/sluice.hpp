@@ -1,0 +1,315 @@
+#pragma once
+// sluice's public C++ API: the one header an embedder includes.
+//
+//   sluice::RuntimeOptions ro;
+//   ro.device = "cuda";
+//   ro.vram_budget = "50%";
+//   sluice::ModelCache cache(ro);
+//   sluice::Model model = cache.load("anima.safetensors");   // or a preset: "anima-small"
+//   {
+//     sluice::LockedModel m = model.lock();                   // RAII: in use, never evicted
+//     at::Tensor v = m(x, timesteps, context);                 // DiT velocity
+//   }
+//   std::string json = model.stats_json();
+//
+// The cache keeps models in RAM (weights in their storage dtype, fp8 by default) and, under
+// a device-memory budget shared by all of them, keeps as many layers of each on the device
+// as fit; the others are streamed host->device for every forward. See README.md.
+//
+// Errors are sluice exceptions (std::runtime_error subclasses) whose one-line what() names
+// the file, flag, tensor or model at fault.
+//
+// Thread-safety: every class here may be used from several threads. Different models run
+// concurrently; forwards (and encode_text) on one model serialize on that model.
+//
+// Stability: fields may be added to the option and stats structs (always defaulted); the
+// existing ones keep their meaning.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace sluice {
+
+namespace detail {
+class CacheImpl;
+struct ModelEntry;
+struct LockToken;
+struct LoraState;
+}  // namespace detail
+
+// The library version, "MAJOR.MINOR.PATCH".
+std::string version();
+
+// Options for a ModelCache (one per device). Sizes are strings parsed with sluice's size
+// rules: plain bytes ("123456"), binary units ("6GiB", "512MiB", "8G"), decimal units
+// ("6GB"), or a percentage ("50%") where the field says of what.
+struct RuntimeOptions {
+  std::string device = "cpu";           // "cpu" (the CPU plays the device, for tests and CI), "cuda", "cuda:N"
+  std::string vram_budget;              // device bytes for all models, working memory included ("50%" of device memory); empty: all of it
+  std::string working_memory;           // part of the budget kept free for activations ("10%" of the budget); empty: 1GiB x (resolution/1024)^2, at least 256MiB, at most 25% of the budget
+  int64_t resolution = 1024;            // image side (pixels) the default working memory is sized for
+  std::string ram_limit;                // host bytes for cached models ("50%" of RAM), LRU eviction; "0": unlimited; empty: max(4GiB, 50% of RAM - 2GiB)
+  uint32_t prefetch = 2;                // streamed layers copied ahead of compute
+  std::string pin_memory = "auto";      // page-locked host copies of streamed layers: "auto" (on for CUDA), "on", "off" (turn off on ROCm if it stalls)
+  double pin_cap_fraction = 0.5;        // most pinned host bytes per model, as a fraction of RAM
+  std::string policy = "spread";        // residency plan: "spread" (streamed layers spread for overlap) or "front-first"
+  bool timing = true;                   // device-timed stall/upcast/copy numbers per forward (a few events per layer)
+  bool trace = false;                   // record per-layer spans for Model::write_trace (implies timing)
+  uint64_t device_memory = 0;           // device memory to assume (the 100% of "50%"); 0: ask the device (CPU: physical RAM)
+  double cpu_copy_gbps = 0;             // CPU device only: modelled host->device bandwidth in GB/s (1e9 B/s); 0: memcpy speed
+  double cpu_copy_latency_us = 0;       // CPU device only: modelled fixed cost of each host->device copy
+};
+
+// How a model is loaded. Changing a field marked [reload] for a model already in the cache
+// replaces it: the old copy is dropped and the model is read again.
+struct LoadOptions {
+  std::string storage = "float8_e4m3fn";  // [reload] stored dtype of Linear/Embedding weights; "bfloat16" (or any non-fp8 dtype): no fp8
+  std::string compute = "bfloat16";       // [reload] dtype forwards compute in: "bfloat16", "float16", "float32"
+  std::vector<std::string> extra_skips;   // [reload] more skip patterns: layers kept in the compute dtype
+  bool use_default_skips = true;          // [reload] include the default skip patterns (pos_embed, patch_embed, norm, ...)
+  bool use_model_skips = true;            // [reload] include the model's declared patterns (Anima: t_embedder, x_embedder, final_layer)
+  std::optional<double> max_resident;     // cap on the resident fraction (0..1) of the streamable weights; none: the budget decides
+  std::string config;                     // [reload] preset name or JSON file: overrides the config inferred from a file / the preset's
+  uint64_t seed = 0;                      // [reload] seed of a generated model's weights (presets and .json configs)
+  std::string name;                       // name in logs and stats; empty: the preset name or the file's stem
+};
+
+// Current, peak and accumulated values of one quantity (bytes), like c10's DeviceStats.
+struct Counter {
+  int64_t current = 0;    // now
+  int64_t peak = 0;       // most since creation or the last peak reset
+  int64_t allocated = 0;  // accumulated increases
+  int64_t freed = 0;      // accumulated decreases
+};
+
+// Whole-cache counters. See ModelCache::stats().
+struct CacheStats {
+  std::string device;                   // "cpu", "cuda:0"
+  uint64_t hits = 0;                    // load()/lock() that found the model in RAM
+  uint64_t misses = 0;                  // load()/lock() that had to read or generate it
+  uint64_t loads = 0;                   // models read from disk or generated
+  uint64_t evictions = 0;               // models removed from RAM (RAM limit, drop, reload)
+  uint64_t device_unloads = 0;          // partial unloads of a model to make room for another
+  uint64_t device_drops = 0;            // models taken off the device entirely to make room
+  uint64_t models = 0;                  // models in RAM now
+  uint64_t locked = 0;                  // of which locked (in use)
+  uint64_t ram_limit_bytes = 0;         // 0: unlimited
+  Counter ram;                          // host bytes of cached models' weights
+  uint64_t vram_budget_bytes = 0;       // the device budget
+  uint64_t working_memory_bytes = 0;    // part of it kept for activations
+  uint64_t vram_limit_bytes = 0;        // budget - working memory: what models may hold together
+  Counter vram;                         // device bytes all models hold (weights, staging rings, upcast scratch); peak since the last budget change
+  uint64_t vram_reserved_bytes = 0;     // sum of the models' device shares (>= vram.current)
+};
+
+// One forward (or encode_text) of a model.
+struct ForwardStats {
+  uint64_t index = 0;           // 0-based count of the model's forwards
+  std::string kind;             // "dit" (forward) or "adapter" (encode_text)
+  uint64_t bytes_streamed = 0;  // stored bytes copied host->device for it
+  uint64_t copies = 0;          // layer copies
+  uint64_t stalls = 0;          // times compute waited for a copy
+  double h2d_gbps = 0;          // achieved host->device rate (1e9 B/s)
+  double stall_ms = 0;          // compute waiting on copies
+  double upcast_ms = 0;         // storage -> compute dtype conversions
+  double wall_ms = 0;           // begin to end of the forward on the device
+  bool aborted = false;         // ended by an exception
+};
+
+// One model. See Model::stats().
+struct ModelStats {
+  std::string name;
+  std::string device;
+  bool in_ram = false;                 // loaded (false after eviction; the next lock() reloads)
+  bool on_device = false;              // attached to the device (some layers resident)
+  uint64_t locks = 0;                  // open LockedModel/LoraHandle
+  uint64_t total_bytes = 0;            // stored bytes of every weight
+  uint64_t resident_bytes = 0;         // of which resident on the device
+  uint64_t streamed_bytes = 0;         // of which streamed (not resident)
+  uint64_t streamed_dit_bytes = 0;     // of which DiT layers: what each forward streams
+  uint64_t streamed_adapter_bytes = 0; // of which LLM adapter layers: what each encode_text streams
+  std::string residency;               // residency map: "blocks: RRSRRS...; other: ..."
+  uint64_t share_bytes = 0;            // device bytes reserved for this model (weights, ring, scratch)
+  uint64_t device_bytes = 0;           // device bytes it holds now
+  uint64_t device_peak_bytes = 0;      // most it held since the last residency change
+  uint64_t minimum_bytes = 0;          // smallest share it runs with
+  uint64_t layers = 0, resident_layers = 0, streamed_layers = 0;
+  uint64_t forwards = 0;               // forwards run since load
+  std::vector<ForwardStats> forward_records;  // the most recent, oldest first
+};
+
+// What a model takes and gives (from its config).
+struct ModelInfo {
+  std::string name;
+  std::string source;                 // the path or preset it was loaded from
+  std::string storage_dtype;          // effective (fp8 may fall back on devices without it)
+  std::string compute_dtype;
+  int64_t in_channels = 0;            // x is [B, in_channels, T, H, W]
+  int64_t out_channels = 0;
+  int64_t context_dim = 0;            // context is [B, S, context_dim]
+  int64_t patch_spatial = 0;          // H and W are padded to multiples of it
+  int64_t patch_temporal = 0;
+  int64_t num_blocks = 0;
+  bool has_adapter = false;           // encode_text available
+  int64_t adapter_source_dim = 0;     // qwen_hidden is [B, S, adapter_source_dim]
+  int64_t adapter_vocab_size = 0;     // t5_ids in [0, adapter_vocab_size)
+  int64_t adapter_output_tokens = 0;  // encode_text returns [B, adapter_output_tokens, context_dim]
+  std::string config_json;            // the full config
+};
+
+class LockedModel;
+class LoraHandle;
+
+// A shared handle on a cached model. Copies refer to the same model. Valid while any copy
+// lives, even after the cache is destroyed; after drop() (or a [reload] load of the same
+// source) lock() throws.
+class Model {
+ public:
+  Model() = default;
+  explicit operator bool() const { return entry_ != nullptr; }
+
+  const std::string& name() const;
+  ModelInfo info() const;
+
+  // Marks the model in use until the LockedModel is destroyed: it is loaded if it was
+  // evicted, gets its device share (other unlocked models give up residency first), and
+  // is neither evicted nor unloaded by the cache meanwhile. Several locks may be held.
+  // Throws ResourceError when the budget cannot hold it, InvalidArgument after drop().
+  LockedModel lock();
+
+  // Residency changes, applied now (they wait for a running forward of this model) and
+  // kept as the model's target for later locks. Each returns the change in device bytes.
+  int64_t partial_load(uint64_t bytes);    // up to `bytes` more (others unloaded if needed)
+  int64_t partial_unload(uint64_t bytes);  // at least `bytes` less, down to the minimum
+  int64_t full_load();                     // every layer resident; ResourceError if it cannot fit
+  int64_t full_unload();                   // the minimum: always-resident layers, ring, scratch
+  // Caps the resident fraction (0..1) of streamable weights; nullopt lifts the cap.
+  void set_max_resident(std::optional<double> fraction);
+
+  ModelStats stats() const;
+  // JSON with model.{name,total_bytes,resident_bytes,residency,streamed_bytes_by_forward
+  // {dit,adapter}}, budget.{budget_bytes,
+  // working_memory_bytes,share_bytes}, device.{peak_bytes,...}, forwards[] {kind,
+  // bytes_streamed, h2d_gbps, stall_ms, upcast_ms, wall_ms, ...}, cache.{hits,misses,
+  // evictions,...}. A forward's bytes_streamed equals streamed_bytes_by_forward[kind].
+  std::string stats_json(int indent = 2) const;
+  // Chrome/Perfetto trace of the recorded forwards (RuntimeOptions::trace); FileError.
+  void write_trace(const std::string& path) const;
+  // "blocks: RRSRRS...; other: ..." (empty while the model is off the device).
+  std::string residency_map() const;
+
+ private:
+  friend class ModelCache;
+  friend class LockedModel;
+  explicit Model(std::shared_ptr<detail::ModelEntry> entry) : entry_(std::move(entry)) {}
+  std::shared_ptr<detail::ModelEntry> entry_;
+};
+
+// A LoRA applied to a locked model as a forward-time sidecar (the stored weights are never
+// touched). Removed when destroyed or by remove(); while alive it keeps the model locked.
+class LoraHandle {
+ public:
+  LoraHandle() = default;
+  LoraHandle(LoraHandle&&) noexcept = default;
+  LoraHandle& operator=(LoraHandle&& other) noexcept;
+  ~LoraHandle();
+  LoraHandle(const LoraHandle&) = delete;
+  LoraHandle& operator=(const LoraHandle&) = delete;
+
+  explicit operator bool() const { return state_ != nullptr; }
+  // Layers the adapter patches.
+  int64_t patched_layers() const;
+  // Removes the sidecars now (waits for a running forward); the handle becomes empty.
+  void remove();
+
+ private:
+  friend class LockedModel;
+  explicit LoraHandle(std::shared_ptr<detail::LoraState> state) : state_(std::move(state)) {}
+  std::shared_ptr<detail::LoraState> state_;
+};
+
+// A model in use (RAII). Movable, not copyable; unlocks when destroyed or by unlock().
+class LockedModel {
+ public:
+  LockedModel() = default;
+  LockedModel(LockedModel&&) noexcept = default;
+  LockedModel& operator=(LockedModel&& other) noexcept;
+  ~LockedModel();
+  LockedModel(const LockedModel&) = delete;
+  LockedModel& operator=(const LockedModel&) = delete;
+
+  explicit operator bool() const { return token_ != nullptr; }
+
+  // DiT velocity. x [B, in_channels, T, H, W], timesteps [B] (sigma in [0, 1]), context
+  // [B, S, context_dim]. Inputs may be on any device and of any floating dtype: they are
+  // moved to the model's device and compute dtype. Returns [B, out_channels, T, H, W] in
+  // the compute dtype on the model's device. InvalidArgument names a bad input.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context);
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context) {
+    return forward(x, timesteps, context);
+  }
+
+  // LLM adapter: qwen_hidden [B, S, adapter_source_dim], t5_ids [B, S_t] (integers),
+  // optional per-token weights [B, S_t] -> context [B, adapter_output_tokens, context_dim].
+  at::Tensor encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                         const std::optional<at::Tensor>& t5_weights = std::nullopt);
+
+  // Reads a LoRA safetensors file and patches the model with it at `scale`.
+  // FileError / CheckpointError name the file and the mismatching keys.
+  LoraHandle apply_lora(const std::string& path, double scale = 1.0);
+  // Same as handle.remove().
+  void remove_lora(LoraHandle& handle) { handle.remove(); }
+
+  const ModelInfo& info() const;
+  Model model() const;
+  // Releases the lock now; the LockedModel becomes empty.
+  void unlock();
+
+ private:
+  friend class Model;
+  explicit LockedModel(std::shared_ptr<detail::LockToken> token);
+  std::shared_ptr<detail::LockToken> token_;
+};
+
+// The runtime: models in RAM under a RAM limit (LRU eviction of unlocked models) and on one
+// device under one budget shared by all of them. `Runtime` is the same class.
+class ModelCache {
+ public:
+  // Throws InvalidArgument naming the field for a bad option, ResourceError for a budget
+  // that leaves nothing beside the working memory.
+  explicit ModelCache(RuntimeOptions options = {});
+  ~ModelCache();
+  ModelCache(const ModelCache&) = delete;
+  ModelCache& operator=(const ModelCache&) = delete;
+
+  // A model by preset name ("anima-small": generated from options.seed, no file), by JSON
+  // config file (generated likewise), or from a .safetensors checkpoint. A source already
+  // cached with the same [reload] options is a hit and returns the same model. Logs at
+  // INFO: "Loaded model 'NAME' onto DEVICE in 0.36s. Total model size: 2012.0MB, VRAM:
+  // 1006.0MB (50.0%)" and the residency map. Throws FileError, CheckpointError,
+  // InvalidArgument, or ResourceError naming the minimum budget that would work.
+  Model load(const std::string& path_or_preset, const LoadOptions& options = {});
+
+  // Removes a model: now, or when its last lock ends. Its handles' lock() throws afterwards.
+  void drop(const Model& model);
+
+  // New budget for all models (RuntimeOptions::vram_budget forms). Unlocked models give up
+  // residency first; locked ones are only partially unloaded. ResourceError (nothing
+  // changed) when the locked models' minimum does not fit.
+  void set_vram_budget(const std::string& budget);
+
+  CacheStats stats() const;
+  std::string stats_json(int indent = 2) const;
+  const RuntimeOptions& options() const;
+
+ private:
+  std::shared_ptr<detail::CacheImpl> impl_;
+};
+
+using Runtime = ModelCache;
+
+}  // namespace sluice

@@ -1,0 +1,204 @@
+"""sluice: run large diffusion transformers on GPUs too small to hold them.
+
+    import torch, sluice
+    cache = sluice.ModelCache(device="cuda", vram_budget="50%")
+    model = cache.load("anima.safetensors", storage="float8_e4m3fn")
+    with model.lock() as m:
+        v = m(x, timesteps, context)
+    cache.stats()   # {"cache": counters, "models": {name: --stats-json document}}
+
+Tensors are passed zero-copy as torch tensors. Errors are sluice.Error subclasses
+(FileError, CheckpointError, InvalidArgument, ResourceError) carrying the C++ message.
+The GIL is released while sluice loads, locks and runs forwards.
+"""
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Iterable, Optional
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C
+from ._C import CheckpointError, Error, FileError, InvalidArgument, ResourceError
+
+__all__ = [
+    "ModelCache", "Runtime", "Model", "LockedModel", "Lora", "inspect", "version",
+    "Error", "FileError", "CheckpointError", "InvalidArgument", "ResourceError",
+]
+__version__ = _C.version()
+
+
+def version() -> str:
+    """The library version, "MAJOR.MINOR.PATCH"."""
+    return _C.version()
+
+
+class Lora:
+    """A LoRA applied to a locked model; a context manager that removes it on exit."""
+
+    def __init__(self, handle: _C.LoraHandle):
+        self._handle = handle
+
+    @property
+    def patched_layers(self) -> int:
+        return self._handle.patched_layers
+
+    @property
+    def active(self) -> bool:
+        return self._handle.active
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def __enter__(self) -> "Lora":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+class LockedModel:
+    """A model in use: never evicted or unloaded while locked. Call it for the velocity."""
+
+    def __init__(self, locked: _C.LockedModel):
+        self._locked = locked
+
+    def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self._locked.forward(x, timesteps, context)
+
+    forward = __call__
+
+    def encode_text(self, qwen_hidden: torch.Tensor, t5_ids: torch.Tensor,
+                    t5_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """LLM adapter: Qwen hidden states and T5 ids -> the DiT's cross-attention context."""
+        return self._locked.encode_text(qwen_hidden, t5_ids, t5_weights)
+
+    def lora(self, path: str, scale: float = 1.0) -> Lora:
+        """Applies a LoRA file as a forward-time sidecar; use it as a context manager."""
+        return Lora(self._locked.apply_lora(path, scale))
+
+    @property
+    def info(self) -> dict:
+        return json.loads(self._locked.info_json())
+
+    def unlock(self) -> None:
+        self._locked.unlock()
+
+    def __enter__(self) -> "LockedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unlock()
+
+
+class _Lock:
+    """What Model.lock() returns: a context manager yielding a LockedModel (the lock is
+    taken on entry, or at once when .acquire() is called)."""
+
+    def __init__(self, model: _C.Model):
+        self._model = model
+        self._locked: Optional[LockedModel] = None
+
+    def acquire(self) -> LockedModel:
+        self._locked = LockedModel(self._model.lock())
+        return self._locked
+
+    def __enter__(self) -> LockedModel:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        if self._locked is not None:
+            self._locked.unlock()
+            self._locked = None
+
+
+class Model:
+    """A handle on a cached model."""
+
+    def __init__(self, model: _C.Model):
+        self._model = model
+
+    @property
+    def name(self) -> str:
+        return self._model.name
+
+    @property
+    def info(self) -> dict:
+        """The model's config (in_channels, crossattn_emb_channels, adapter dims, ...)."""
+        return json.loads(self._model.info_json())
+
+    def lock(self) -> _Lock:
+        return _Lock(self._model)
+
+    def stats(self) -> dict:
+        """The --stats-json document: model, budget, device, forwards[], cache."""
+        return json.loads(self._model.stats_json())
+
+    def residency_map(self) -> str:
+        return self._model.residency_map()
+
+    def write_trace(self, path: str) -> None:
+        self._model.write_trace(path)
+
+    def partial_load(self, nbytes: int) -> int:
+        return self._model.partial_load(nbytes)
+
+    def partial_unload(self, nbytes: int) -> int:
+        return self._model.partial_unload(nbytes)
+
+    def full_load(self) -> int:
+        return self._model.full_load()
+
+    def full_unload(self) -> int:
+        return self._model.full_unload()
+
+    def set_max_resident(self, fraction: Optional[float]) -> None:
+        self._model.set_max_resident(fraction)
+
+
+class ModelCache:
+    """Models in RAM (fp8 storage by default) on one device under one VRAM budget.
+
+    Keyword arguments are the fields of the C++ RuntimeOptions: device ("cpu" plays the
+    device for tests), vram_budget ("50%", "6GiB"), working_memory, resolution, ram_limit,
+    prefetch, pin_memory ("auto"|"on"|"off"), pin_cap_fraction, policy, timing, trace,
+    device_memory, cpu_copy_gbps.
+    """
+
+    def __init__(self, device: str = "cpu", vram_budget: str = "", **options):
+        self._cache = _C.ModelCache(_C.RuntimeOptions(device=device, vram_budget=str(vram_budget), **options))
+        self._models: "weakref.WeakSet[Model]" = weakref.WeakSet()
+
+    def load(self, path_or_preset: str, storage: str = "float8_e4m3fn", compute: str = "bfloat16",
+             extra_skips: Iterable[str] = (), use_default_skips: bool = True, use_model_skips: bool = True,
+             max_resident: Optional[float] = None, config: str = "", seed: int = 0, name: str = "") -> Model:
+        """A checkpoint (.safetensors), a preset name ("anima-small", generated from `seed`) or a JSON config."""
+        opts = _C.LoadOptions(storage=storage, compute=compute, extra_skips=list(extra_skips),
+                              use_default_skips=use_default_skips, use_model_skips=use_model_skips,
+                              max_resident=max_resident, config=config, seed=seed, name=name)
+        model = Model(self._cache.load(str(path_or_preset), opts))
+        self._models.add(model)
+        return model
+
+    def drop(self, model: Model) -> None:
+        self._cache.drop(model._model)
+
+    def set_vram_budget(self, budget: str) -> None:
+        self._cache.set_vram_budget(str(budget))
+
+    def stats(self) -> dict:
+        """{"cache": the counters of --stats-json's "cache" object (hits, misses, loads,
+        evictions, ram, vram ...), "models": {name: that model's --stats-json document}}
+        for every model loaded through this object."""
+        return {"cache": json.loads(self._cache.stats_json()),
+                "models": {m.name: m.stats() for m in list(self._models)}}
+
+
+Runtime = ModelCache
+
+
+def inspect(path_or_preset: str, storage: str = "") -> dict:
+    """What `sluice inspect --json` prints for a checkpoint (or, for a preset name, its
+    shape-only build): tensors, parameters, bytes by dtype, groups, config, param_size_mib."""
+    return json.loads(_C.inspect_json(str(path_or_preset), storage))

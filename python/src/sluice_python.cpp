@@ -1,0 +1,146 @@
+// sluice._C: the Python face of the public C++ API (sluice/sluice.hpp). Tensors cross as
+// torch tensors (zero-copy, through torch's own pybind11 casters), sluice exceptions become
+// Python exceptions with the same one-line messages, and the GIL is released for the
+// duration of every call that can take long (load, lock, forward, encode_text, residency
+// changes), so other Python threads run meanwhile. The Pythonic layer (context managers,
+// dict stats) is in sluice/__init__.py.
+#include <torch/csrc/utils/pybind.h>
+
+#include <c10/util/Exception.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/error.h"
+#include "sluice/inspect.hpp"
+#include "sluice/sluice.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+sluice::RuntimeOptions runtime_options(const std::string& device, const std::string& vram_budget,
+                                       const std::string& working_memory, int64_t resolution, const std::string& ram_limit,
+                                       uint32_t prefetch, const std::string& pin_memory, double pin_cap_fraction,
+                                       const std::string& policy, bool timing, bool trace, uint64_t device_memory,
+                                       double cpu_copy_gbps) {
+  sluice::RuntimeOptions o;
+  o.device = device;
+  o.vram_budget = vram_budget;
+  o.working_memory = working_memory;
+  o.resolution = resolution;
+  o.ram_limit = ram_limit;
+  o.prefetch = prefetch;
+  o.pin_memory = pin_memory;
+  o.pin_cap_fraction = pin_cap_fraction;
+  o.policy = policy;
+  o.timing = timing;
+  o.trace = trace;
+  o.device_memory = device_memory;
+  o.cpu_copy_gbps = cpu_copy_gbps;
+  return o;
+}
+
+sluice::LoadOptions load_options(const std::string& storage, const std::string& compute,
+                                 const std::vector<std::string>& extra_skips, bool use_default_skips, bool use_model_skips,
+                                 std::optional<double> max_resident, const std::string& config, uint64_t seed,
+                                 const std::string& name) {
+  sluice::LoadOptions o;
+  o.storage = storage;
+  o.compute = compute;
+  o.extra_skips = extra_skips;
+  o.use_default_skips = use_default_skips;
+  o.use_model_skips = use_model_skips;
+  o.max_resident = max_resident;
+  o.config = config;
+  o.seed = seed;
+  o.name = name;
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "sluice: run large diffusion transformers on GPUs too small to hold them";
+
+  // pybind11 tries translators newest first, so the base class is registered first.
+  auto& error = py::register_exception<sluice::Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<sluice::FileError>(m, "FileError", error.ptr());
+  py::register_exception<sluice::CheckpointError>(m, "CheckpointError", error.ptr());
+  py::register_exception<sluice::ResourceError>(m, "ResourceError", error.ptr());
+  py::register_exception<sluice::InvalidArgument>(m, "InvalidArgument", error.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::Error& e) {
+      // torch's checks inside an op: a bad input, reported without the C++ backtrace.
+      const py::object type = py::module_::import("sluice._C").attr("InvalidArgument");
+      PyErr_SetString(type.ptr(), e.what_without_backtrace());
+    }
+  });
+
+  m.def("version", &sluice::version);
+  m.def(
+      "inspect_json",
+      [](const std::string& source, const std::string& storage) {
+        sluice::InspectOptions o;
+        o.storage = storage;
+        return sluice::inspect(source, o).json;
+      },
+      py::arg("source"), py::arg("storage") = "", release_gil());
+
+  py::class_<sluice::RuntimeOptions>(m, "RuntimeOptions")
+      .def(py::init(&runtime_options), py::arg("device") = "cpu", py::arg("vram_budget") = "",
+           py::arg("working_memory") = "", py::arg("resolution") = 1024, py::arg("ram_limit") = "",
+           py::arg("prefetch") = 2, py::arg("pin_memory") = "auto", py::arg("pin_cap_fraction") = 0.5,
+           py::arg("policy") = "spread", py::arg("timing") = true, py::arg("trace") = false,
+           py::arg("device_memory") = 0, py::arg("cpu_copy_gbps") = 0.0)
+      .def_readonly("device", &sluice::RuntimeOptions::device)
+      .def_readonly("vram_budget", &sluice::RuntimeOptions::vram_budget)
+      .def_readonly("prefetch", &sluice::RuntimeOptions::prefetch);
+
+  py::class_<sluice::LoadOptions>(m, "LoadOptions")
+      .def(py::init(&load_options), py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "bfloat16",
+           py::arg("extra_skips") = std::vector<std::string>{}, py::arg("use_default_skips") = true,
+           py::arg("use_model_skips") = true, py::arg("max_resident") = std::nullopt, py::arg("config") = "",
+           py::arg("seed") = 0, py::arg("name") = "");
+
+  py::class_<sluice::LoraHandle>(m, "LoraHandle")
+      .def_property_readonly("patched_layers", &sluice::LoraHandle::patched_layers)
+      .def_property_readonly("active", [](const sluice::LoraHandle& h) { return static_cast<bool>(h); })
+      .def("remove", &sluice::LoraHandle::remove, release_gil());
+
+  py::class_<sluice::LockedModel>(m, "LockedModel")
+      .def("forward", &sluice::LockedModel::forward, py::arg("x"), py::arg("timesteps"), py::arg("context"),
+           release_gil())
+      .def("encode_text", &sluice::LockedModel::encode_text, py::arg("qwen_hidden"), py::arg("t5_ids"),
+           py::arg("t5_weights") = std::nullopt, release_gil())
+      .def("apply_lora", &sluice::LockedModel::apply_lora, py::arg("path"), py::arg("scale") = 1.0, release_gil())
+      .def("unlock", &sluice::LockedModel::unlock, release_gil())
+      .def_property_readonly("locked", [](const sluice::LockedModel& l) { return static_cast<bool>(l); })
+      .def("info_json", [](const sluice::LockedModel& l) { return l.info().config_json; });
+
+  py::class_<sluice::Model>(m, "Model")
+      .def_property_readonly("name", &sluice::Model::name)
+      .def("info_json", [](const sluice::Model& mo) { return mo.info().config_json; })
+      .def("lock", &sluice::Model::lock, release_gil())
+      .def("partial_load", &sluice::Model::partial_load, py::arg("bytes"), release_gil())
+      .def("partial_unload", &sluice::Model::partial_unload, py::arg("bytes"), release_gil())
+      .def("full_load", &sluice::Model::full_load, release_gil())
+      .def("full_unload", &sluice::Model::full_unload, release_gil())
+      .def("set_max_resident", &sluice::Model::set_max_resident, py::arg("fraction"), release_gil())
+      .def("stats_json", &sluice::Model::stats_json, py::arg("indent") = -1, release_gil())
+      .def("write_trace", &sluice::Model::write_trace, py::arg("path"), release_gil())
+      .def("residency_map", &sluice::Model::residency_map);
+
+  py::class_<sluice::ModelCache>(m, "ModelCache")
+      .def(py::init<sluice::RuntimeOptions>(), py::arg("options"), release_gil())
+      .def("load", &sluice::ModelCache::load, py::arg("path_or_preset"), py::arg("options"), release_gil())
+      .def("drop", &sluice::ModelCache::drop, py::arg("model"), release_gil())
+      .def("set_vram_budget", &sluice::ModelCache::set_vram_budget, py::arg("budget"), release_gil())
+      .def("stats_json", &sluice::ModelCache::stats_json, py::arg("indent") = -1, release_gil());
+}

@@ -1,0 +1,184 @@
+"""The Python bindings (python/, imported from the freshly installed package): the same
+bits as the C++ CLI, dtypes and stats, exceptions with the C++ messages, LoRA context
+managers, and the GIL released during forward. Run by ctest through pytest; the CLI path
+and a scratch folder come from the environment (SLUICE_CLI, SLUICE_TEST_TMP)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import sluice
+
+CLI = os.environ["SLUICE_CLI"]
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    with tempfile.TemporaryDirectory(dir=os.environ.get("SLUICE_TEST_TMP")) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def checkpoint(workdir):
+    path = os.path.join(workdir, "tiny.safetensors")
+    subprocess.run([CLI, "make-checkpoint", "--config", "anima-tiny", "--seed", "21", "--out", path], check=True)
+    return path
+
+
+def inputs(info, seed=0, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, info["in_channels"], 1, 8, 8, generator=g)
+    t = torch.full((batch,), 0.6)
+    ctx = torch.randn(batch, 6, info["crossattn_emb_channels"], generator=g)
+    return x, t, ctx
+
+
+def test_forward_is_bit_identical_to_the_cli(checkpoint, workdir):
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load(checkpoint, storage="float8_e4m3fn", max_resident=0.5)
+    x, t, ctx = inputs(model.info)
+    with model.lock() as m:
+        v = m(x, t, ctx)
+    ins, out = os.path.join(workdir, "in.safetensors"), os.path.join(workdir, "out.safetensors")
+    save_file({"x": x, "timesteps": t, "context": ctx}, ins)
+    subprocess.run([CLI, "forward", "--checkpoint", checkpoint, "--inputs", ins, "--output", out,
+                    "--storage", "float8_e4m3fn", "--dtype", "bfloat16", "--max-resident", "0.5"], check=True)
+    cli_v = load_file(out)["velocity"]
+    assert v.dtype == torch.bfloat16 and cli_v.dtype == torch.bfloat16
+    assert v.shape == x.shape
+    assert torch.equal(v, cli_v)
+    # A different residency changes nothing (the same cache hit, fully resident now).
+    model.full_load()
+    with model.lock() as m:
+        assert torch.equal(m(x, t, ctx), v)
+
+
+def test_stats_and_dtypes(checkpoint):
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load(checkpoint, max_resident=0.5)
+    x, t, ctx = inputs(model.info)
+    with model.lock() as m:
+        m(x, t, ctx)
+        m(x, t, ctx)
+    s = model.stats()
+    assert s["model"]["total_bytes"] > s["model"]["resident_bytes"] > 0
+    assert len(s["forwards"]) == 2
+    for f in s["forwards"]:
+        # A DiT forward streams exactly the non-resident DiT layers (not the LLM adapter's).
+        assert f["bytes_streamed"] == s["model"]["streamed_bytes_by_forward"]["dit"] > 0
+        for key in ("h2d_gbps", "stall_ms", "upcast_ms", "wall_ms"):
+            assert key in f
+    # One character per block: at half residency some blocks stream (S) or partly stream (P).
+    blocks = s["model"]["residency"].split(";")[0]
+    assert blocks.startswith("blocks: ")
+    assert set(blocks[len("blocks: "):]) & {"S", "P"}
+    cs = cache.stats()
+    assert cs["models"][model.name]["model"]["total_bytes"] == s["model"]["total_bytes"]
+    assert {"hits", "misses", "evictions"} <= set(cs["cache"])
+    # Loading the same source with the same options is a hit.
+    cache.load(checkpoint, max_resident=0.5)
+    assert cache.stats()["cache"]["hits"] == cs["cache"]["hits"] + 1
+
+
+def test_errors_become_python_exceptions(checkpoint, workdir):
+    cache = sluice.ModelCache(device="cpu")
+    with pytest.raises(sluice.FileError, match="missing.safetensors"):
+        cache.load(os.path.join(workdir, "missing.safetensors"))
+    with pytest.raises(sluice.InvalidArgument, match="lots"):
+        sluice.ModelCache(device="cpu", vram_budget="lots")
+    with pytest.raises(sluice.InvalidArgument, match="float8_e4m3fn|compute"):
+        cache.load(checkpoint, compute="float8_e4m3fn")
+    model = cache.load(checkpoint)
+    x, t, ctx = inputs(model.info)
+    with model.lock() as m:
+        with pytest.raises(sluice.InvalidArgument, match="x"):
+            m(x[:, :1], t, ctx)
+        # The model is still usable and every error is a sluice.Error.
+        assert m(x, t, ctx).shape == x.shape
+    assert issubclass(sluice.ResourceError, sluice.Error) and issubclass(sluice.Error, RuntimeError)
+    cache.drop(model)
+    with pytest.raises(sluice.Error):
+        with model.lock():
+            pass
+
+
+def test_lora_context_manager(checkpoint, workdir):
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load(checkpoint)
+    x, t, ctx = inputs(model.info)
+    d = model.info["model_channels"]
+    g = torch.Generator().manual_seed(5)
+    lora = os.path.join(workdir, "lora.safetensors")
+    save_file({"diffusion_model.blocks.0.self_attn.q_proj.lora_A.weight": torch.randn(4, d, generator=g),
+               "diffusion_model.blocks.0.self_attn.q_proj.lora_B.weight": torch.randn(d, 4, generator=g)}, lora)
+    with model.lock() as m:
+        before = m(x, t, ctx)
+        with m.lora(lora, scale=0.5) as l:
+            assert l.patched_layers == 1
+            patched = m(x, t, ctx)
+        after = m(x, t, ctx)
+    assert not torch.equal(patched, before)
+    assert torch.equal(after, before)
+
+
+def test_forward_in_a_second_thread_releases_the_gil():
+    # A forward long enough (about a second on a 2-core machine) that the main thread is
+    # certainly scheduled while it runs, whatever the machine's load.
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load("anima-small", seed=3)
+    info = model.info
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, info["in_channels"], 1, 32, 32, generator=g)
+    t = torch.full((4,), 0.5)
+    ctx = torch.randn(4, 8, info["crossattn_emb_channels"], generator=g)
+    with model.lock() as m:
+        reference = m(x, t, ctx)
+    state = {"in_forward": False, "seen_in_forward": None, "result": None}
+    started = threading.Event()
+
+    def worker():
+        with model.lock() as m:
+            state["in_forward"] = True
+            started.set()
+            state["result"] = m(x, t, ctx)
+            state["in_forward"] = False
+
+    # With a huge switch interval Python never preempts a thread, so the main thread can
+    # only run while the worker is inside forward if forward released the GIL.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        th = threading.Thread(target=worker)
+        th.start()
+        started.wait()
+        state["seen_in_forward"] = state["in_forward"]
+        th.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert state["seen_in_forward"] is True
+    assert torch.equal(state["result"], reference)
+
+
+def test_inspect_and_encode_text(checkpoint):
+    info = sluice.inspect(checkpoint)
+    assert info["model"] == "anima"
+    assert info["parameters"] > 0
+    fp8 = sluice.inspect("anima-2b", storage="float8_e4m3fn")
+    assert fp8["param_size_mib"] == pytest.approx(2012.0)
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load(checkpoint)
+    a = model.info["adapter"]
+    with model.lock() as m:
+        q = torch.randn(1, 5, a["source_dim"])
+        ids = torch.randint(0, a["vocab_size"], (1, 5))
+        c = m.encode_text(q, ids)
+        assert c.shape == (1, a["output_tokens"], model.info["crossattn_emb_channels"])
+        assert torch.equal(c[:, 5:], torch.zeros_like(c[:, 5:]))
+        with pytest.raises(sluice.InvalidArgument, match="t5_ids"):
+            m.encode_text(q, torch.full((1, 5), a["vocab_size"]))

@@ -1,0 +1,360 @@
+// The public C++ API (include/sluice/sluice.hpp) as an embedder uses it: presets on the CPU
+// device, forwards and encode_text, residency and budget changes, stats JSON, trace, LoRA,
+// errors, and the load log line.
+#include <sluice/sluice.hpp>
+
+#include <ATen/Parallel.h>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fcntl.h>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unistd.h>
+
+#include "runtime/error.h"        // exception types callers catch
+#include "runtime/logging.h"      // raising the level for the log-line test
+#include "runtime/safetensors.h"  // writing the LoRA fixture
+
+namespace {
+
+constexpr uint64_t MiB = 1ull << 20;
+
+const bool kSingleThread = [] {
+  at::set_num_threads(1);
+  return true;
+}();
+
+// A fresh directory under the build tree, removed with POSIX calls (torch's own
+// std::filesystem symbols crash in test binaries).
+struct TempDir {
+  std::string path;
+  TempDir() {
+    std::string tmpl = std::string(SLUICE_BINARY_DIR) + "/tmp_api_XXXXXX";
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    const std::string cmd = "rm -rf '" + path + "'";
+    (void)std::system(cmd.c_str());
+  }
+  std::string file(const std::string& name) const { return path + "/" + name; }
+};
+
+sluice::RuntimeOptions cpu(const std::string& budget = "512MiB", const std::string& working = "1MiB") {
+  sluice::RuntimeOptions o;
+  o.device = "cpu";
+  o.vram_budget = budget;
+  o.working_memory = working;
+  o.ram_limit = "0";
+  return o;
+}
+
+struct Inputs {
+  at::Tensor x, t, ctx, qwen, ids;
+};
+
+Inputs inputs(const sluice::ModelInfo& info, uint64_t seed = 5) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  Inputs in;
+  in.x = at::randn({2, info.in_channels, 1, 8, 8}, gen);  // fp32: the API converts
+  in.t = at::rand({2}, gen);
+  in.ctx = at::randn({2, 6, info.context_dim}, gen);
+  in.qwen = at::randn({2, 7, info.adapter_source_dim}, gen);
+  in.ids = at::randint(0, info.adapter_vocab_size, {2, 5}, gen);
+  return in;
+}
+
+nlohmann::json parse(const std::string& text) { return nlohmann::json::parse(text); }
+
+// Captures what is written to stderr (spdlog's sink) while alive.
+class StderrCapture {
+ public:
+  explicit StderrCapture(std::string path) : path_(std::move(path)) {
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    REQUIRE(fd >= 0);
+    ::dup2(fd, 2);
+    ::close(fd);
+  }
+  std::string finish() {
+    std::fflush(stderr);
+    if (saved_ >= 0) {
+      ::dup2(saved_, 2);
+      ::close(saved_);
+      saved_ = -1;
+    }
+    std::ifstream f(path_);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  }
+  ~StderrCapture() { finish(); }
+
+ private:
+  std::string path_;
+  int saved_ = -1;
+};
+
+}  // namespace
+
+TEST_CASE("api: a preset loads and runs and its stats JSON has the documented fields") {
+  sluice::ModelCache cache(cpu());
+  sluice::Model model = cache.load("anima-tiny");
+  CHECK(model.name() == "anima-tiny");
+  const sluice::ModelInfo info = model.info();
+  CHECK(info.storage_dtype == "float8_e4m3fn");
+  CHECK(info.compute_dtype == "bfloat16");
+  CHECK(info.in_channels == 16);
+  REQUIRE(info.has_adapter);
+  const Inputs in = inputs(info);
+  at::Tensor v, ctx;
+  {
+    sluice::LockedModel m = model.lock();
+    v = m(in.x, in.t, in.ctx);
+    ctx = m.encode_text(in.qwen, in.ids);
+  }
+  CHECK(v.sizes() == in.x.sizes());
+  CHECK(v.scalar_type() == at::kBFloat16);
+  CHECK(ctx.sizes() == at::IntArrayRef({2, info.adapter_output_tokens, info.context_dim}));
+
+  const nlohmann::json j = parse(model.stats_json());
+  CHECK(j.at("model").at("name") == "anima-tiny");
+  const uint64_t total = j.at("model").at("total_bytes");
+  const uint64_t resident = j.at("model").at("resident_bytes");
+  CHECK(total > 0);
+  CHECK(resident == total);  // roomy budget: everything resident
+  CHECK(j.at("model").at("residency").get<std::string>().find("blocks: RR") == 0);
+  CHECK(j.at("budget").at("budget_bytes") == 512 * MiB);
+  CHECK(j.at("budget").at("working_memory_bytes") == 1 * MiB);
+  CHECK(j.at("device").at("peak_bytes").get<uint64_t>() > 0);
+  const auto& fw = j.at("forwards");
+  REQUIRE(fw.size() == 2);  // the DiT forward and the adapter
+  for (const auto& f : fw) {
+    for (const char* k : {"bytes_streamed", "h2d_gbps", "stall_ms", "upcast_ms", "wall_ms"}) CHECK(f.contains(k));
+    CHECK(f.at("bytes_streamed") == 0);
+  }
+  CHECK(j.at("cache").at("misses") == 1);
+  CHECK(j.at("cache").at("hits") == 1);  // the lock
+  CHECK(j.at("cache").at("evictions") == 0);
+
+  const sluice::CacheStats cs = cache.stats();
+  CHECK(cs.models == 1);
+  CHECK(cs.vram_budget_bytes == 512 * MiB);
+  CHECK(cs.vram_limit_bytes == 511 * MiB);
+  CHECK(static_cast<uint64_t>(cs.ram.current) == total);
+  CHECK(parse(cache.stats_json()).at("loads") == 1);
+  CHECK(!sluice::version().empty());
+}
+
+TEST_CASE("api: bytes streamed equal the non-resident bytes and outputs match across budgets") {
+  sluice::ModelCache roomy(cpu());
+  sluice::Model ref_model = roomy.load("anima-small");
+  const Inputs in = inputs(ref_model.info());
+  const at::Tensor ref = ref_model.lock()(in.x, in.t, in.ctx);
+  const uint64_t minimum = ref_model.stats().minimum_bytes;
+  for (const std::string& budget : {std::to_string(minimum + MiB), std::to_string(minimum * 2 + MiB)}) {
+    for (uint32_t prefetch : {0u, 2u}) {
+      INFO("budget " << budget << " prefetch " << prefetch);
+      sluice::RuntimeOptions o = cpu(budget);
+      o.prefetch = prefetch;
+      sluice::ModelCache cache(o);
+      sluice::Model model = cache.load("anima-small");
+      sluice::LockedModel m = model.lock();
+      for (int f = 0; f < 2; ++f) CHECK(at::equal(m(in.x, in.t, in.ctx), ref));
+      const sluice::ModelStats s = model.stats();
+      CHECK(s.streamed_dit_bytes > 0);
+      CHECK(s.streamed_bytes == s.total_bytes - s.resident_bytes);
+      CHECK(s.streamed_bytes == s.streamed_dit_bytes + s.streamed_adapter_bytes);
+      const at::Tensor ctx = m.encode_text(in.qwen, in.ids);
+      REQUIRE(s.forward_records.size() == 2);
+      for (const auto& r : s.forward_records) CHECK(r.bytes_streamed == s.streamed_dit_bytes);
+      const nlohmann::json j = parse(model.stats_json());
+      REQUIRE(j.at("forwards").size() == 3);
+      for (const auto& f : j.at("forwards")) {
+        const std::string kind = f.at("kind");
+        CHECK(f.at("bytes_streamed") == j.at("model").at("streamed_bytes_by_forward").at(kind));
+      }
+      CHECK(j.at("forwards").at(2).at("kind") == "adapter");
+    }
+  }
+  // max_resident through LoadOptions and set_max_resident.
+  sluice::ModelCache cache(cpu());
+  sluice::LoadOptions lo;
+  lo.max_resident = 0.0;
+  sluice::Model model = cache.load("anima-small", lo);
+  CHECK(at::equal(model.lock()(in.x, in.t, in.ctx), ref));
+  const uint64_t streamed0 = model.stats().streamed_bytes;
+  model.set_max_resident(0.5);
+  CHECK(model.stats().streamed_bytes < streamed0);
+  CHECK(at::equal(model.lock()(in.x, in.t, in.ctx), ref));
+}
+
+TEST_CASE("api: residency and budget changes at runtime") {
+  sluice::ModelCache cache(cpu("256MiB"));
+  sluice::Model model = cache.load("anima-small");
+  const Inputs in = inputs(model.info());
+  const at::Tensor ref = model.lock()(in.x, in.t, in.ctx);
+  const sluice::ModelStats full = model.stats();
+  CHECK(full.streamed_bytes == 0);
+  CHECK(model.full_unload() < 0);
+  const sluice::ModelStats low = model.stats();
+  CHECK(low.share_bytes == low.minimum_bytes);
+  CHECK(low.streamed_bytes > 0);
+  CHECK(model.residency_map().find('S') != std::string::npos);
+  CHECK(at::equal(model.lock()(in.x, in.t, in.ctx), ref));
+  CHECK(model.partial_load(full.device_bytes / 2) > 0);
+  CHECK(model.stats().resident_bytes > low.resident_bytes);
+  CHECK(model.partial_unload(1ull << 40) < 0);
+  CHECK(model.stats().resident_bytes == low.resident_bytes);
+  CHECK(model.full_load() > 0);
+  CHECK(model.stats().streamed_bytes == 0);
+  // A smaller budget shrinks the model; a larger one lets it grow back.
+  cache.set_vram_budget(std::to_string(low.minimum_bytes + MiB + 4096));
+  CHECK(model.stats().share_bytes <= low.minimum_bytes + 4096);
+  CHECK(at::equal(model.lock()(in.x, in.t, in.ctx), ref));
+  cache.set_vram_budget("256MiB");
+  CHECK(model.stats().streamed_bytes == 0);
+  CHECK_THROWS_AS(cache.set_vram_budget("lots"), sluice::InvalidArgument);
+  CHECK_THROWS_AS(cache.set_vram_budget("1MiB"), sluice::ResourceError);
+}
+
+TEST_CASE("api: LoRA changes the output and its removal restores it bit-exactly") {
+  TempDir dir;
+  sluice::ModelCache cache(cpu());
+  sluice::Model model = cache.load("anima-tiny");
+  const Inputs in = inputs(model.info());
+  // A rank-2 adapter on two DiT layers (PEFT keys), made from the model's shapes.
+  at::Generator gen = at::detail::createCPUGenerator(11);
+  const int64_t d = 64;  // anima-tiny model_channels
+  std::vector<std::pair<std::string, at::Tensor>> t = {
+      {"blocks.0.self_attn.q_proj.lora_A.weight", at::randn({2, d}, gen)},
+      {"blocks.0.self_attn.q_proj.lora_B.weight", at::randn({d, 2}, gen)},
+      {"blocks.1.mlp.layer2.lora_A.weight", at::randn({2, 4 * d}, gen)},
+      {"blocks.1.mlp.layer2.lora_B.weight", at::randn({d, 2}, gen)},
+  };
+  sluice::safetensors::save(dir.file("lora.safetensors"), t, {});
+  sluice::LockedModel m = model.lock();
+  const at::Tensor base = m(in.x, in.t, in.ctx);
+  {
+    sluice::LoraHandle lora = m.apply_lora(dir.file("lora.safetensors"), 0.8);
+    CHECK(lora.patched_layers() == 2);
+    const at::Tensor patched = m(in.x, in.t, in.ctx);
+    CHECK_FALSE(at::equal(patched, base));
+    // Residency changes keep the LoRA (sidecars live beside the stored weights).
+    model.full_unload();
+    CHECK(at::equal(m(in.x, in.t, in.ctx), patched));
+    m.remove_lora(lora);
+    CHECK_FALSE(lora);
+  }
+  CHECK(at::equal(m(in.x, in.t, in.ctx), base));
+  {
+    sluice::LoraHandle lora = m.apply_lora(dir.file("lora.safetensors"), 0.8);
+    CHECK_FALSE(at::equal(m(in.x, in.t, in.ctx), base));
+  }  // removed on destruction
+  CHECK(at::equal(m(in.x, in.t, in.ctx), base));
+  CHECK_THROWS_AS(m.apply_lora(dir.file("missing.safetensors")), sluice::FileError);
+}
+
+TEST_CASE("api: errors name what is at fault") {
+  auto message = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const sluice::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  CHECK(message([] { sluice::RuntimeOptions o = cpu("a lot"); sluice::ModelCache c(o); }).find("vram_budget") !=
+        std::string::npos);
+  CHECK(message([] { sluice::RuntimeOptions o = cpu(); o.device = "tpu:0"; sluice::ModelCache c(o); }).find("device") !=
+        std::string::npos);
+  CHECK(message([] { sluice::RuntimeOptions o = cpu(); o.pin_memory = "maybe"; sluice::ModelCache c(o); })
+            .find("pin_memory") != std::string::npos);
+  CHECK(message([] { sluice::RuntimeOptions o = cpu(); o.policy = "random"; sluice::ModelCache c(o); })
+            .find("policy") != std::string::npos);
+  sluice::ModelCache cache(cpu());
+  CHECK(message([&] { cache.load("/nonexistent/model.safetensors"); }).find("/nonexistent/model.safetensors") !=
+        std::string::npos);
+  CHECK_THROWS_AS(cache.load("/nonexistent/model.safetensors"), sluice::FileError);
+  sluice::LoadOptions bad;
+  bad.storage = "int4";
+  CHECK(message([&] { cache.load("anima-tiny", bad); }).find("int4") != std::string::npos);
+  sluice::Model model = cache.load("anima-tiny");
+  const Inputs in = inputs(model.info());
+  sluice::LockedModel m = model.lock();
+  CHECK_THROWS_AS(m(in.x.narrow(1, 0, 3), in.t, in.ctx), sluice::InvalidArgument);
+  CHECK_THROWS_AS(m(in.x, in.t, in.ctx.to(at::kInt)), sluice::InvalidArgument);
+  CHECK_THROWS_AS(m.encode_text(in.qwen, in.ids.to(at::kFloat)), sluice::InvalidArgument);
+  CHECK(at::equal(m(in.x, in.t, in.ctx), m(in.x, in.t, in.ctx)));  // still fine afterwards
+  m.unlock();
+  CHECK_THROWS_AS(m(in.x, in.t, in.ctx), sluice::InvalidArgument);  // unlocked
+  cache.drop(model);
+  CHECK(message([&] { model.lock(); }).find("'anima-tiny'") != std::string::npos);
+  CHECK_THROWS_AS(sluice::Model().lock(), sluice::InvalidArgument);
+  // An impossible budget: one error with the minimum that would work.
+  const std::string msg = message([] {
+    sluice::ModelCache small(cpu("2MiB", "1MiB"));
+    small.load("anima-small");
+  });
+  std::smatch sm;
+  REQUIRE(std::regex_search(msg, sm, std::regex(R"(minimum that would work is \S+ \((\d+) bytes)")));
+  sluice::ModelCache exact(cpu(sm[1].str(), "1MiB"));
+  CHECK_NOTHROW(exact.load("anima-small").lock());
+}
+
+TEST_CASE("api: the load log line and the residency map are printed at INFO") {
+  TempDir dir;
+  const auto level = sluice::log::level();
+  sluice::log::set_level(sluice::log::Level::info);
+  std::string text;
+  {
+    StderrCapture capture(dir.file("log.txt"));
+    sluice::ModelCache cache(cpu("512MiB"));
+    cache.load("anima-tiny");
+    text = capture.finish();
+  }
+  sluice::log::set_level(level);
+  INFO(text);
+  CHECK(std::regex_search(text, std::regex(R"(Loaded model 'anima-tiny' onto cpu in \d+\.\d\ds\. Total model size: )"
+                                           R"(\d+\.\dMB, VRAM: \d+\.\dMB \(100\.0%\))")));
+  CHECK(std::regex_search(text, std::regex(R"(Residency of 'anima-tiny' \(spread\): blocks: RR)")));
+}
+
+TEST_CASE("api: handles outlive the cache and the trace is written") {
+  TempDir dir;
+  sluice::Model model;
+  {
+    sluice::RuntimeOptions o = cpu("8MiB");
+    o.trace = true;
+    sluice::ModelCache cache(o);
+    model = cache.load("anima-tiny", [] {
+      sluice::LoadOptions lo;
+      lo.max_resident = 0.0;
+      return lo;
+    }());
+  }
+  const Inputs in = inputs(model.info());
+  {
+    sluice::LockedModel m = model.lock();
+    m(in.x, in.t, in.ctx);
+    CHECK(m.model().name() == "anima-tiny");
+  }
+  model.write_trace(dir.file("trace.json"));
+  std::ifstream f(dir.file("trace.json"));
+  const nlohmann::json t = nlohmann::json::parse(f);
+  bool copy = false, compute = false;
+  for (const auto& ev : t.at("traceEvents")) {
+    if (ev.value("ph", "") != "X") continue;
+    copy = copy || ev.at("tid") == 1;
+    compute = compute || ev.at("tid") == 3;
+  }
+  CHECK(copy);
+  CHECK(compute);
+}

@@ -1,0 +1,245 @@
+// `sluice run` through the built binary: the same seed gives a bit-identical latent whatever
+// the budget, max-resident, prefetch depth or pinning on the CPU device; the stats JSON and
+// the trace are written and valid; bad flags are one-line usage errors. Small model and
+// image (anima-small, 64 px, 2 steps) so each run takes about a second.
+#include <ATen/ATen.h>
+
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "models/sampling.h"
+#include "runtime/safetensors.h"
+#include "tests/cli_runner.h"
+
+using namespace sluice::testing;
+
+namespace {
+
+// The fixed part of every run here; extra flags are appended.
+std::vector<std::string> small_run(const std::vector<std::string>& extra) {
+  std::vector<std::string> args{"run", "--device", "cpu", "--synthetic", "anima-small", "--steps", "2",
+                                "--resolution", "64", "--seed", "7"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+at::Tensor read_latent(const std::string& path) {
+  const auto f = sluice::safetensors::File::open(path);
+  return f->tensor("latent").clone();
+}
+
+nlohmann::json read_json(const std::string& path) {
+  const std::string text = slurp(path);
+  INFO(path << ":\n" << text.substr(0, 2000));
+  return nlohmann::json::parse(text);
+}
+
+}  // namespace
+
+TEST_CASE("run: the same seed gives a bit-identical latent for every budget and residency and prefetch and pinning") {
+  TempDir dir;
+  const std::string ref = dir / "ref.safetensors";
+  const std::string ref_stats = dir / "ref.json";
+  run_ok(small_run({"--max-resident", "1", "--output", ref, "--stats-json", ref_stats}));
+  const at::Tensor expected = read_latent(ref);
+  const uint64_t full_resident = read_json(ref_stats)["model"]["resident_bytes"].get<uint64_t>();
+
+  const std::vector<std::vector<std::string>> variants = {
+      {},
+      {"--max-resident", "0.5"},
+      {"--max-resident", "0.25", "--prefetch", "1"},
+      {"--max-resident", "0", "--prefetch", "4", "--pin-memory", "on"},
+      {"--max-resident", "0", "--prefetch", "0", "--pin-memory", "off"},
+      {"--vram-budget", "12MiB", "--working-memory", "1MiB"},
+      {"--max-resident", "0.75", "--trace", dir / "t.json"},
+  };
+  std::set<uint64_t> resident_sizes{full_resident};
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const std::string out = dir / ("v" + std::to_string(i) + ".safetensors");
+    const std::string stats = dir / ("v" + std::to_string(i) + ".json");
+    std::vector<std::string> extra = variants[i];
+    extra.insert(extra.end(), {"--output", out, "--stats-json", stats});
+    const Result r = run_ok(small_run(extra));
+    INFO(describe(small_run(extra), r));
+    CHECK(at::equal(read_latent(out), expected));
+    resident_sizes.insert(read_json(stats)["model"]["resident_bytes"].get<uint64_t>());
+  }
+  // The variants really ran under different residencies (else the check above proves nothing).
+  CHECK(resident_sizes.size() >= 4);
+
+  // And the seed matters.
+  const std::string other = dir / "other.safetensors";
+  run_ok({"run", "--device", "cpu", "--synthetic", "anima-small", "--steps", "2", "--resolution", "64", "--seed",
+          "8", "--output", other});
+  CHECK_FALSE(at::equal(read_latent(other), expected));
+}
+
+TEST_CASE("run: prints the residency map and one line per step and writes the final latent") {
+  TempDir dir;
+  const std::string out = dir / "latent.safetensors";
+  const Result r = run_ok(small_run({"--max-resident", "0.5", "--output", out}));
+  CHECK(r.out.find("residency: blocks: ") != std::string::npos);
+  CHECK(r.out.find("step 1/2") != std::string::npos);
+  CHECK(r.out.find("step 2/2") != std::string::npos);
+  CHECK(r.out.find("step 3/2") == std::string::npos);
+  CHECK(r.out.find("done: 2 steps") != std::string::npos);
+  CHECK(r.err.empty());
+
+  const at::Tensor latent = read_latent(out);
+  CHECK(latent.sizes() == at::IntArrayRef({1, 16, 1, 8, 8}));
+  CHECK(latent.scalar_type() == at::kFloat);
+  CHECK(latent.isfinite().all().item<bool>());
+  // The model moved it away from the initial noise of that seed.
+  const at::Tensor noise = sluice::sampling::initial_noise({1, 16, 1, 8, 8}, 7);
+  CHECK_FALSE(at::allclose(latent, noise, 1e-3, 1e-3));
+}
+
+// A DiT-only model (no LLM adapter), so that a forward uses every managed layer and its
+// bytes streamed must equal the model's non-resident bytes exactly. (With the adapter, the
+// adapter's streamed layers are not touched by a DiT forward; see the full-model case.)
+static std::string dit_only_config(const TempDir& dir) {
+  const std::string path = dir / "dit-small.json";
+  std::ofstream(path) << R"({"preset": "anima-small", "name": "dit-small", "adapter": {"enabled": false}})";
+  return path;
+}
+
+TEST_CASE("run: the stats JSON has the documented fields and each forward streams the non-resident bytes") {
+  TempDir dir;
+  const std::string config = dit_only_config(dir);
+  for (const char* fraction : {"0", "0.5", "1"}) {
+    INFO("max-resident " << fraction);
+    const std::string stats = dir / "stats.json";
+    run_ok({"run", "--device", "cpu", "--synthetic", config, "--steps", "2", "--resolution", "64", "--max-resident",
+            fraction, "--stats-json", stats});
+    const nlohmann::json j = read_json(stats);
+    const auto& m = j.at("model");
+    CHECK(m.at("name").get<std::string>() == "dit-small");
+    const uint64_t total = m.at("total_bytes").get<uint64_t>();
+    const uint64_t resident = m.at("resident_bytes").get<uint64_t>();
+    CHECK(total > 0);
+    CHECK(resident <= total);
+    const std::string map = m.at("residency").get<std::string>();
+    CHECK(map.rfind("blocks: ", 0) == 0);
+    CHECK(j.at("budget").at("budget_bytes").get<uint64_t>() > 0);
+    CHECK(j.at("budget").contains("working_memory_bytes"));
+    CHECK(j.at("device").at("peak_bytes").get<uint64_t>() > 0);
+    for (const char* k : {"hits", "misses", "evictions"}) CHECK(j.at("cache").contains(k));
+    CHECK(j.at("cache").at("misses").get<uint64_t>() == 1);
+
+    const auto& forwards = j.at("forwards");
+    REQUIRE(forwards.size() == 2);  // one forward per step: cond and uncond as a batch of 2
+    for (const auto& f : forwards) {
+      CHECK(f.at("bytes_streamed").get<uint64_t>() == total - resident);
+      for (const char* k : {"h2d_gbps", "stall_ms", "upcast_ms", "wall_ms"}) CHECK(f.at(k).get<double>() >= 0.0);
+      CHECK(f.at("wall_ms").get<double>() > 0.0);
+    }
+    if (std::string(fraction) == "1") {
+      CHECK(resident == total);
+      CHECK(map.find('S') == std::string::npos);
+    } else {
+      CHECK(resident < total);
+      CHECK(map.find_first_of("SP") != std::string::npos);  // blocks streamed (S) or partly streamed (P)
+      CHECK(forwards[1].at("h2d_gbps").get<double>() > 0.0);
+    }
+  }
+}
+
+TEST_CASE("run: with the adapter each forward streams the non-resident DiT bytes") {
+  // The LLM adapter's streamed layers are not touched by a DiT forward: the stats split the
+  // non-resident bytes by forward kind, and a forward streams exactly its kind's share.
+  TempDir dir;
+  const std::string stats = dir / "stats.json";
+  run_ok(small_run({"--max-resident", "0.25", "--stats-json", stats}));
+  const nlohmann::json j = read_json(stats);
+  const auto& m = j.at("model");
+  const uint64_t non_resident = m.at("total_bytes").get<uint64_t>() - m.at("resident_bytes").get<uint64_t>();
+  const uint64_t dit = m.at("streamed_bytes_by_forward").at("dit").get<uint64_t>();
+  const uint64_t adapter = m.at("streamed_bytes_by_forward").at("adapter").get<uint64_t>();
+  CHECK(dit + adapter == non_resident);
+  CHECK(dit > 0);
+  const auto& forwards = j.at("forwards");
+  REQUIRE(forwards.size() == 2);
+  for (const auto& f : forwards) {
+    CHECK(f.at("kind").get<std::string>() == "dit");
+    CHECK(f.at("bytes_streamed").get<uint64_t>() == dit);
+  }
+}
+
+TEST_CASE("run: the trace is valid JSON with copy and upcast and compute tracks") {
+  TempDir dir;
+  const std::string trace = dir / "trace.json";
+  run_ok(small_run({"--max-resident", "0.5", "--trace", trace}));
+  const nlohmann::json j = read_json(trace);
+  REQUIRE(j.contains("traceEvents"));
+  std::map<int64_t, std::string> tracks;  // tid -> thread name
+  std::map<int64_t, int> spans;           // tid -> complete spans
+  for (const auto& e : j.at("traceEvents")) {
+    const std::string ph = e.at("ph").get<std::string>();
+    if (ph == "M" && e.at("name") == "thread_name") tracks[e.at("tid").get<int64_t>()] = e.at("args").at("name");
+    if (ph == "X") {
+      CHECK(e.at("dur").get<double>() >= 0.0);
+      ++spans[e.at("tid").get<int64_t>()];
+    }
+  }
+  std::set<std::string> named;
+  for (const auto& [tid, name] : tracks) {
+    INFO("track " << name);
+    CHECK(spans[tid] > 0);
+    named.insert(name);
+  }
+  auto has = [&](const std::string& word) {
+    for (const auto& n : named)
+      if (n.find(word) != std::string::npos) return true;
+    return false;
+  };
+  CHECK(has("copy"));
+  CHECK(has("upcast"));
+  CHECK(has("compute"));
+  CHECK(tracks.size() >= 3);
+}
+
+TEST_CASE("run: a context file is used and a wrong one is an error naming the tensor") {
+  TempDir dir;
+  const std::string ctx = dir / "ctx.safetensors";
+  at::Generator gen = at::detail::createCPUGenerator(3);
+  sluice::safetensors::save(ctx, {{"context", at::randn({1, 7, 128}, gen)}});
+  const std::string a = dir / "a.safetensors", b = dir / "b.safetensors";
+  const Result r = run_ok(small_run({"--context", ctx, "--output", a}));
+  CHECK(r.out.find(ctx) != std::string::npos);
+  run_ok(small_run({"--output", b}));
+  CHECK_FALSE(at::equal(read_latent(a), read_latent(b)));
+
+  sluice::safetensors::save(ctx, {{"context", at::randn({1, 7, 64}, gen)}});
+  expect_error(small_run({"--context", ctx}), 1, {"'context'", "[1, 7, 64]"});
+  sluice::safetensors::save(ctx, {{"context", at::randn({1, 7, 128}, gen)}, {"negative_context", at::randn({1, 5, 128}, gen)}});
+  expect_error(small_run({"--context", ctx}), 1, {"'negative_context'"});
+  sluice::safetensors::save(ctx, {{"prompt", at::randn({1, 7, 128}, gen)}});
+  expect_error(small_run({"--context", ctx}), 1, {"'prompt'"});
+}
+
+TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
+  expect_error(small_run({"--steps", "0"}), 2, {"--steps"});
+  expect_error(small_run({"--cfg", "nan"}), 2, {"--cfg"});
+  expect_error(small_run({"--max-resident", "1.5"}), 2, {"--max-resident"});
+  expect_error(small_run({"--resolution", "100"}), 2, {"--resolution", "100"});
+  expect_error(small_run({"--storage", "int8"}), 2, {"int8"});
+  expect_error(small_run({"--pin-memory", "sometimes"}), 2, {"sometimes"});
+  expect_error(small_run({"--vram-budget", "lots"}), 2, {"lots"});
+  expect_error(small_run({"--working-memory", "50%"}), 2, {"50%"});
+  expect_error(small_run({"--prefetch", "-1"}), 2, {"--prefetch"});
+  expect_error(small_run({"--device", "tpu"}), 2, {"tpu"});
+  expect_error(small_run({"--frobnicate"}), 2, {"--frobnicate", "sluice run --help"});
+  expect_error({"run", "--synthetic", "anima-huge"}, 2, {"anima-huge"});
+  expect_error({"run", "--checkpoint", "a.safetensors", "--synthetic", "anima-tiny"}, 2, {"--checkpoint", "--synthetic"});
+  TempDir dir;
+  expect_error({"run", "--device", "cpu", "--checkpoint", dir / "absent.safetensors"}, 1, {"absent.safetensors"});
+  // A budget below one layer plus the ring is a runtime error that names the minimum.
+  expect_error(small_run({"--vram-budget", "2MiB", "--working-memory", "1MiB"}), 1, {"anima-small", "minimum"});
+}
