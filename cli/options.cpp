@@ -1,6 +1,5 @@
 #include "cli/options.h"
 
-#include <sstream>
 
 #include <ATen/Context.h>
 
@@ -61,14 +60,6 @@ std::string dtype_flag_name(at::ScalarType t) {
     case at::kHalf: return "float16";
     default: return std::string(c10::toString(t));
   }
-}
-
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
 }
 
 CLI::Validator device_validator() {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "models/anima/config.h"
+#include "runtime/shape_str.h"
 
 namespace sluice::cli {
 
@@ -17,9 +18,6 @@ CLI::Validator dtype_validator(const std::vector<std::string>& allowed);
 at::ScalarType parse_dtype(const std::string& name);
 // The flag spelling of a dtype ("bfloat16"); used in messages and JSON.
 std::string dtype_flag_name(at::ScalarType t);
-
-// "[1, 16, 1, 64, 64]": a tensor shape as messages and progress lines print it.
-std::string shape_str(at::IntArrayRef sizes);
 
 // Accepts "cpu", "cuda" and "cuda:N" (ROCm builds of torch also call their GPUs cuda).
 CLI::Validator device_validator();

@@ -13,6 +13,7 @@
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/safetensors.h"
+#include "runtime/shape_str.h"
 
 namespace sluice {
 
@@ -23,12 +24,6 @@ int64_t LoraAdapter::rank() const {
 }
 
 namespace {
-
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
 
 std::string list_some(const std::vector<std::string>& items) {
   std::string s;

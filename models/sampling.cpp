@@ -2,21 +2,13 @@
 
 #include <chrono>
 #include <cmath>
-#include <sstream>
 #include <string>
 
 #include "runtime/error.h"
+#include "runtime/shape_str.h"
 
 namespace sluice::sampling {
 namespace {
-
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
 
 const char* guidance_name(Guidance g) {
   switch (g) {

@@ -3,7 +3,6 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/irange.h>
 
-#include <sstream>
 
 #include "models/anima/dit_block.h"
 #include "models/anima/embedders.h"
@@ -11,15 +10,12 @@
 #include "models/anima/norms.h"
 #include "offload/layer.h"
 #include "runtime/error.h"
+#include "runtime/shape_str.h"
 
 namespace sluice::anima {
 namespace {
 
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream s;
-  s << t.sizes();
-  return s.str();
-}
+std::string shape_str(const at::Tensor& t) { return sluice::shape_str(t.sizes()); }
 
 bool is_compute_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
