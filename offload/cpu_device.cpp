@@ -8,7 +8,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <cstdlib>
 #include <deque>
+#include <map>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -23,6 +26,82 @@ namespace sluice::offload {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using Queue = HazardTracker::Queue;
+
+thread_local uint32_t t_compute_stream = 0;  // CpuComputeStreamGuard
+
+Queue compute_queue() { return HazardTracker::compute(t_compute_stream); }
+Queue queue_of(StreamKind kind) { return kind == StreamKind::copy ? HazardTracker::kCopy : compute_queue(); }
+
+// The strict device's caching allocator (Note [strict device]). A freed block is reused
+// by the next allocation of the same size at once, poisoned; a block whose use by the
+// copy stream was recorded waits until the copy worker has run every job enqueued before
+// its free (`fence`).
+struct StrictPool {
+  static constexpr uint64_t kMaxCached = uint64_t{256} << 20;
+  std::mutex mutex;
+  std::multimap<size_t, std::pair<void*, uint64_t>> free;  // size -> (block, fence)
+  uint64_t cached = 0;
+  std::atomic<uint64_t> jobs_enqueued{0};
+  std::atomic<uint64_t> jobs_done{0};
+  // Allocator statistics: bytes handed out (current, peak) and held (reserved).
+  int64_t current = 0, peak = 0, reserved = 0;
+
+  ~StrictPool() {
+    for (auto& [n, block] : free) std::free(block.first);
+  }
+
+  void* take(size_t n) {
+    std::lock_guard<std::mutex> lock(mutex);
+    current += static_cast<int64_t>(n);
+    peak = std::max(peak, current);
+    const auto [lo, hi] = free.equal_range(n);
+    for (auto it = lo; it != hi; ++it) {
+      if (it->second.second > jobs_done.load()) continue;
+      void* p = it->second.first;
+      if (it->second.second) std::memset(p, 0xFF, n);  // deferred: poisoned only now
+      free.erase(it);
+      cached -= n;
+      return p;
+    }
+    void* p = std::aligned_alloc(64, (std::max<size_t>(n, 1) + 63) / 64 * 64);
+    if (!p) {
+      current -= static_cast<int64_t>(n);
+      TORCH_CHECK(false, "strict cpu device: out of memory allocating ", n, " bytes");
+    }
+    reserved += static_cast<int64_t>(n);
+    return p;
+  }
+
+  void give(void* p, size_t n, uint64_t fence) {
+    if (!fence) std::memset(p, 0xFF, n);
+    std::lock_guard<std::mutex> lock(mutex);
+    current -= static_cast<int64_t>(n);
+    if (cached + n > kMaxCached) {
+      std::free(p);
+      reserved -= static_cast<int64_t>(n);
+      return;
+    }
+    free.emplace(n, std::make_pair(p, fence));
+    cached += n;
+  }
+};
+
+struct StrictBlock {
+  std::shared_ptr<StrictPool> pool;
+  std::shared_ptr<HazardTracker> tracker;
+  void* p;
+  size_t n;
+};
+
+void strict_free(void* ctx) {
+  auto* b = static_cast<StrictBlock*>(ctx);
+  const bool by_copy = b->tracker->recorded_queues(b->p).count(HazardTracker::kCopy) > 0;
+  b->tracker->remove_block(b->p);
+  b->pool->give(b->p, b->n, by_copy ? b->pool->jobs_enqueued.load() : 0);
+  delete b;
+}
+
 
 // A copy that failed on the copy stream. It is reported once by synchronize() unless an
 // event wait reported it first; every wait on the event recorded after it throws it.
@@ -40,6 +119,10 @@ struct CpuEventState {
   uint64_t completed = 0;  // highest sequence number completed
   Clock::time_point done_at{};
   std::shared_ptr<CopyFailure> failure;  // a copy before the latest completion failed
+  // Strict device: the recording queue's clock, and whether the host may see it as done.
+  HazardTracker::VClock clock;
+  bool lazy = false;        // recorded on a compute stream: done only once the host waited
+  bool host_knows = false;  // the host waited for the latest record
 
   uint64_t next_record() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -71,13 +154,34 @@ struct CpuEventState {
 
 class CpuEvent final : public DeviceEvent {
  public:
+  explicit CpuEvent(std::shared_ptr<HazardTracker> t) : tracker(std::move(t)) {}
+
   bool query() const override {
-    std::lock_guard<std::mutex> lock(state->mutex);
-    return state->completed >= state->recorded;
+    HazardTracker::VClock clock;
+    {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      const bool done = state->completed >= state->recorded;
+      if (!tracker || !done) return done;
+      if (state->lazy && !state->host_knows) return false;  // Note [strict device]
+      clock = state->clock;
+    }
+    tracker->merge(HazardTracker::kHost, clock);  // a query that reads done is a host wait
+    return true;
   }
-  void synchronize() const override { (void)state->wait_for(state->latest_record()); }
+  void synchronize() const override {
+    (void)state->wait_for(state->latest_record());
+    if (!tracker) return;
+    HazardTracker::VClock clock;
+    {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->host_knows = true;
+      clock = state->clock;
+    }
+    tracker->merge(HazardTracker::kHost, clock);
+  }
 
   std::shared_ptr<CpuEventState> state = std::make_shared<CpuEventState>();
+  std::shared_ptr<HazardTracker> tracker;  // strict device only
 };
 
 const CpuEventState& state_of(const DeviceEvent& e) {
@@ -88,9 +192,15 @@ const CpuEventState& state_of(const DeviceEvent& e) {
 
 class CpuDevice final : public DeviceBackend {
  public:
-  explicit CpuDevice(const CpuDeviceOptions& options) : options_(options) {
+  explicit CpuDevice(const CpuDeviceOptions& options) : options_(options), rng_(options.strict_seed) {
+    if (options_.strict) {
+      tracker_ = std::make_shared<HazardTracker>(options_.hazard_policy);
+      pool_ = std::make_shared<StrictPool>();
+    }
     worker_ = std::thread([this] { run(); });
   }
+
+  HazardTracker* tracker() const { return tracker_.get(); }
 
   ~CpuDevice() override {
     {
@@ -105,13 +215,35 @@ class CpuDevice final : public DeviceBackend {
   uint64_t total_memory() const override {
     return options_.total_memory ? options_.total_memory : physical_ram_bytes();
   }
-  bool pins_memory() const override { return false; }
+  bool pins_memory() const override { return strict(); }
+  bool is_pinned(const at::Tensor& src) const override {
+    if (!strict() || src.numel() == 0) return true;
+    return tracker_->owner_of(src.data_ptr()) == HazardTracker::kHost;
+  }
+  uint64_t compute_stream_id() const override { return t_compute_stream; }
 
-  std::unique_ptr<DeviceEvent> create_event() override { return std::make_unique<CpuEvent>(); }
+  std::unique_ptr<DeviceEvent> create_event() override { return std::make_unique<CpuEvent>(tracker_); }
+
+  void begin_access(const at::Tensor& t, StreamKind stream, Access a, const std::string& op) override {
+    if (strict() && t.defined() && t.numel() > 0) tracker_->begin(t.data_ptr(), queue_of(stream), a, op);
+  }
+  void end_access(const at::Tensor& t, StreamKind stream) override {
+    if (strict() && t.defined() && t.numel() > 0) tracker_->end(t.data_ptr(), queue_of(stream));
+  }
+  void host_access(const at::Tensor& t, Access a, const std::string& op) override {
+    if (strict() && t.defined() && t.numel() > 0) tracker_->access(t.data_ptr(), HazardTracker::kHost, a, op);
+  }
 
   void record(DeviceEvent& event, StreamKind stream) override {
     auto state = static_cast<CpuEvent&>(event).state;  // only CpuEvents reach here (see state_of)
     (void)state_of(event);
+    if (strict()) {
+      HazardTracker::VClock clock = tracker_->record(queue_of(stream));
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->clock = std::move(clock);
+      state->lazy = stream == StreamKind::compute;
+      state->host_knows = false;
+    }
     const uint64_t seq = state->next_record();
     if (stream == StreamKind::compute) {
       state->complete(seq);  // the compute stream is the caller: its work so far is done
@@ -129,6 +261,14 @@ class CpuDevice final : public DeviceBackend {
     auto state = static_cast<const CpuEvent&>(event).state;
     (void)state_of(event);
     const uint64_t target = state->latest_record();  // as recorded now, like cudaStreamWaitEvent
+    if (strict()) {
+      HazardTracker::VClock clock;
+      {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        clock = state->clock;
+      }
+      tracker_->merge(queue_of(stream), clock);
+    }
     if (stream == StreamKind::compute) {
       if (const auto failure = state->wait_for(target)) {
         failure->reported = true;
@@ -169,22 +309,38 @@ class CpuDevice final : public DeviceBackend {
     // Decided here, on the caller's thread, so "fail the Nth copy" counts in issue order.
     const bool fail = fault::triggered("copy.h2d");
     const bool time_out = !fail && fault::triggered("copy.h2d.timeout");
-    const double latency_us = options_.copy_latency_us;
+    double latency_us = options_.copy_latency_us;
     const double rate = options_.copy_bytes_per_second;
+    const bool pageable = !is_pinned(src);
+    // The strict device keeps nothing alive for a queued copy but its host source (as
+    // torch's pinned host allocator does): a destination freed too early is a hazard the
+    // tracker reports, not a reference that hides it.
+    at::Tensor keep_dst = strict() ? at::Tensor() : dst;
+    void* const dst_ptr = dst.data_ptr();
+    if (strict()) {
+      const std::string op = "host->device copy of " + std::to_string(src.nbytes()) + " bytes";
+      tracker_->access(dst_ptr, HazardTracker::kCopy, Access::write, op);
+      if (src.numel() > 0 && tracker_->owner_of(src.data_ptr())) {
+        tracker_->access(src.data_ptr(), HazardTracker::kCopy, Access::read, op);
+        tracker_->record_use(src.data_ptr(), HazardTracker::kCopy);
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      latency_us += std::uniform_real_distribution<double>(0.0, 200.0)(rng_);
+    }
     const auto enqueued = Clock::now();
-    enqueue([this, dst, src, before = std::move(before), latency_us, rate, enqueued, fail, time_out] {
+    enqueue([this, keep_dst, dst_ptr, src, before = std::move(before), latency_us, rate, enqueued, fail, time_out] {
       if (before) before();
       const size_t n = src.nbytes();
       if (fail || time_out) {
         // Like a DMA that dies part way: half the bytes land, the rest stay stale.
-        if (n) std::memcpy(dst.data_ptr(), src.data_ptr(), n / 2);
+        if (n) std::memcpy(dst_ptr, src.data_ptr(), n / 2);
         if (time_out) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(options_.copy_timeout_ms));
         std::string what = "host->device copy of " + std::to_string(n) + " bytes ";
         what += time_out ? "timed out after " + std::to_string(options_.copy_timeout_ms) + " ms" : "failed";
         fail_copy(what + " (injected fault)");
         return;
       }
-      if (n) std::memcpy(dst.data_ptr(), src.data_ptr(), n);
+      if (n) std::memcpy(dst_ptr, src.data_ptr(), n);
       double target_us = latency_us;
       if (rate > 0) target_us += static_cast<double>(n) / rate * 1e6;
       if (target_us <= 0) {
@@ -204,6 +360,13 @@ class CpuDevice final : public DeviceBackend {
       }
       while (Clock::now() < until) std::this_thread::yield();
     });
+    if (pageable) {
+      // From pageable memory a GPU copy returns only once the bytes are staged, i.e. when
+      // the copy stream got to it (Note [strict device]).
+      CpuEvent staged(tracker_);
+      record(staged, StreamKind::copy);
+      staged.synchronize();
+    }
   }
 
   // Like cudaDeviceSynchronize, reports a copy failure that no event wait has reported.
@@ -216,6 +379,10 @@ class CpuDevice final : public DeviceBackend {
       // Copies not followed by a record (resident copies) left their failure pending:
       // reported here, it must not stick to the next event. Safe: the worker is idle.
       failed_.reset();
+    }
+    if (strict()) {
+      tracker_->host_waits_for(HazardTracker::kCopy);
+      tracker_->host_waits_for(compute_queue());
     }
     std::shared_ptr<CopyFailure> first;
     size_t count = 0;
@@ -230,16 +397,43 @@ class CpuDevice final : public DeviceBackend {
     }
   }
 
-  at::Tensor pin(const at::Tensor& src) override { return src; }
+  at::Tensor pin(const at::Tensor& src) override {
+    if (!strict()) return src;
+    const size_t n = src.nbytes();
+    void* p = std::aligned_alloc(64, (std::max<size_t>(n, 1) + 63) / 64 * 64);
+    if (!p) return at::Tensor();
+    tracker_->add_block(p, n, "pinned host memory", HazardTracker::kHost);
+    auto tracker = tracker_;
+    at::Tensor pinned = at::from_blob(
+        p, src.sizes(),
+        [tracker](void* q) {
+          tracker->remove_block(q);
+          std::free(q);
+        },
+        at::TensorOptions().dtype(src.scalar_type()));
+    if (n) std::memcpy(p, src.contiguous().data_ptr(), n);
+    return pinned;
+  }
 
  protected:
-  c10::DataPtr raw_allocate(size_t nbytes) override { return c10::GetCPUAllocator()->allocate(nbytes); }
+  c10::DataPtr raw_allocate(size_t nbytes, const std::string& what) override {
+    if (!strict()) return c10::GetCPUAllocator()->allocate(nbytes);
+    void* p = pool_->take(nbytes);
+    tracker_->add_block(p, nbytes, what, compute_queue());
+    return c10::DataPtr(p, new StrictBlock{pool_, tracker_, p, nbytes}, &strict_free, c10::Device(c10::kCPU));
+  }
+  void record_stream(const c10::DataPtr& raw, StreamKind stream) override {
+    if (strict()) tracker_->record_use(raw.get(), queue_of(stream));
+  }
 
  private:
+  bool strict() const { return tracker_ != nullptr; }
+
   void enqueue(std::function<void()> job) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       jobs_.push_back(std::move(job));
+      if (pool_) pool_->jobs_enqueued.fetch_add(1);
     }
     cv_.notify_one();
   }
@@ -271,6 +465,7 @@ class CpuDevice final : public DeviceBackend {
         log::error(std::string("cpu device copy stream: job failed: ") + e.what());
       }
       job = nullptr;  // drop tensor references outside the lock
+      if (pool_) pool_->jobs_done.fetch_add(1);
       lock.lock();
       busy_ = false;
       if (jobs_.empty()) idle_cv_.notify_all();
@@ -287,6 +482,9 @@ class CpuDevice final : public DeviceBackend {
   Clock::time_point bus_free_{};  // when the modelled bus finishes its last copy (worker only)
   std::shared_ptr<CopyFailure> failed_;  // failed since the last copy-stream record (worker only)
   std::vector<std::shared_ptr<CopyFailure>> unreported_;  // for synchronize() (under mutex_)
+  std::mt19937 rng_;                                       // strict copy latencies (under mutex_)
+  std::shared_ptr<HazardTracker> tracker_;                 // strict device only
+  std::shared_ptr<StrictPool> pool_;                       // strict device only
   std::thread worker_;
 };
 
@@ -295,7 +493,31 @@ class CpuDevice final : public DeviceBackend {
 std::unique_ptr<DeviceBackend> make_cpu_device(const CpuDeviceOptions& options) {
   TORCH_CHECK(options.copy_latency_us >= 0 && options.copy_bytes_per_second >= 0,
               "CpuDeviceOptions: copy slowdowns must be >= 0");
-  return std::make_unique<CpuDevice>(options);
+  auto device = std::make_unique<CpuDevice>(options);
+  if (options.strict) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      log::info("strict CPU device: asynchronous compute events, random copy latencies, an immediately reusing "
+                "allocator and a hazard tracker that aborts on the first hazard (SLUICE_STRICT_DEVICE)");
+    });
+  }
+  return device;
 }
+
+bool strict_device_requested() {
+  const char* v = std::getenv("SLUICE_STRICT_DEVICE");
+  return v && std::string(v) == "1";
+}
+
+HazardTracker* hazard_tracker(DeviceBackend& device) {
+  auto* cpu = dynamic_cast<CpuDevice*>(&device);
+  return cpu ? cpu->tracker() : nullptr;
+}
+
+CpuComputeStreamGuard::CpuComputeStreamGuard(uint32_t stream) : previous_(t_compute_stream) {
+  t_compute_stream = stream;
+}
+
+CpuComputeStreamGuard::~CpuComputeStreamGuard() { t_compute_stream = previous_; }
 
 }  // namespace sluice::offload

@@ -14,6 +14,28 @@
 //  - A copy that fails on the copy stream (fault points copy.h2d, copy.h2d.timeout) is
 //    reported like a CUDA error: as DeviceError from a compute-stream wait() on the next
 //    event recorded on the copy stream after it, else from the next synchronize().
+//
+// Note [strict device]
+// ~~~~~~~~~~~~~~~~~~~~
+// With SLUICE_STRICT_DEVICE=1 (or CpuDeviceOptions::strict) the CPU device behaves like a
+// hostile GPU, so that a missing fence fails CI instead of racing on a user's card:
+//  - copies take a random extra latency (0-200 us, seeded), so the copy stream lags;
+//  - an event recorded on a compute stream reads as not done until the host waits for
+//    it (a GPU's host runs ahead of its kernels): nothing may rely on compute finishing
+//    by itself;
+//  - a copy from host memory pin() did not make blocks the host until it is done, as a
+//    pageable cudaMemcpyAsync does;
+//  - device memory comes from a caching allocator that hands a freed block to the next
+//    allocation of that size at once, filled with 0xFF, unless its use by the copy stream
+//    was recorded (DeviceBackend::record_use), in which case it waits for the copy
+//    stream's work at the free;
+//  - every device block and pinned host block is tracked by a HazardTracker
+//    (hazard_tracker.h): a read before its copy is ordered, an overwrite or free while
+//    another queue may still use it, aborts the process with the block, both queues and
+//    both operations named. Compute-stream accesses are those the engine declares
+//    (begin_access/end_access); copies and frees are seen by the device itself.
+// Forwards on several compute streams are modelled by CpuComputeStreamGuard: the
+// calling thread's work belongs to that stream until the guard ends.
 // The copy worker needs a core of its own: with OpenMP intra-op threads on every core,
 // their spin-waiting between parallel regions starves it (tests and benches on small
 // machines run with at::set_num_threads(1)).
@@ -21,16 +43,39 @@
 #include <memory>
 
 #include "offload/device.h"
+#include "offload/hazard_tracker.h"
 
 namespace sluice::offload {
+
+// Whether the environment asks for the strict device (SLUICE_STRICT_DEVICE=1).
+bool strict_device_requested();
 
 struct CpuDeviceOptions {
   uint64_t total_memory = 0;         // reported device memory in bytes; 0: physical RAM
   double copy_latency_us = 0;        // fixed time added to every host->device copy
   double copy_bytes_per_second = 0;  // copy rate cap ("slowed copy"); 0: memcpy speed
   double copy_timeout_ms = 20;       // how long a copy hit by fault point copy.h2d.timeout stalls before it fails
+  bool strict = strict_device_requested();  // Note [strict device]
+  HazardTracker::Policy hazard_policy = HazardTracker::Policy::abort;
+  uint32_t strict_seed = 1;          // of the strict device's random copy latencies
 };
 
 std::unique_ptr<DeviceBackend> make_cpu_device(const CpuDeviceOptions& options = {});
+
+// The strict CPU device's hazard tracker; nullptr for any other backend.
+HazardTracker* hazard_tracker(DeviceBackend& device);
+
+// The CPU device's stand-in for a host-provided stream: while it lives, compute work of
+// the calling thread runs on compute stream `stream` (0 is the default stream).
+class CpuComputeStreamGuard {
+ public:
+  explicit CpuComputeStreamGuard(uint32_t stream);
+  ~CpuComputeStreamGuard();
+  CpuComputeStreamGuard(const CpuComputeStreamGuard&) = delete;
+  CpuComputeStreamGuard& operator=(const CpuComputeStreamGuard&) = delete;
+
+ private:
+  uint32_t previous_;
+};
 
 }  // namespace sluice::offload

@@ -126,7 +126,7 @@ at::Tensor DeviceBackend::allocate(at::IntArrayRef sizes, at::ScalarType dtype, 
   }
   c10::DataPtr raw;
   try {
-    raw = raw_allocate(bytes);
+    raw = raw_allocate(bytes, what);
   } catch (const c10::Error& e) {
     ledger_->release(kind, bytes);
     if (budget) budget->release(kind, bytes);
@@ -140,6 +140,13 @@ at::Tensor DeviceBackend::allocate(at::IntArrayRef sizes, at::ScalarType dtype, 
       .options(options)
       .target_device(device())
       .make_tensor();
+}
+
+void DeviceBackend::record_use(const at::Tensor& t, StreamKind stream) {
+  if (!t.defined() || !t.has_storage()) return;
+  const c10::DataPtr& data = t.storage().data_ptr();
+  if (data.get_deleter() != &free_allocation) return;  // not from allocate()
+  record_stream(static_cast<const AllocationContext*>(data.get_context())->raw, stream);
 }
 
 uint64_t physical_ram_bytes() {

@@ -23,6 +23,7 @@
 #include <string>
 #include <string_view>
 
+#include "offload/hazard_tracker.h"
 #include "offload/stats.h"
 
 namespace sluice::offload {
@@ -124,10 +125,43 @@ class DeviceBackend {
   // A page-locked copy of host tensor `src`, or an undefined tensor when pinning fails.
   // On backends that do not pin (pins_memory() false) returns `src` itself.
   virtual at::Tensor pin(const at::Tensor& src) = 0;
+  // Whether a copy from host tensor `src` runs asynchronously: page-locked memory on a GPU.
+  // A copy from pageable memory blocks the host until the copy stream drains (the engine
+  // then copies through a pinned bounce ring, bounce_ring.h). Always true on the plain CPU
+  // device, whose copy stream is a thread.
+  virtual bool is_pinned(const at::Tensor& src) const = 0;
+
+  // Note [stream-safe frees]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~
+  // A caching allocator hands a freed block to the next allocation on the block's own
+  // stream at once: that is safe against work of that stream only. A block another stream
+  // used (the copy stream writing a slot, a forward the host ran on its own stream) must
+  // have that use recorded before it is freed; the allocator then keeps the block until
+  // the recorded streams have finished what they had enqueued at the free (CUDA's and
+  // HIP's recordStream). The engine records every such use; nothing relies on a
+  // synchronize of whichever stream happens to be current at the free.
+
+  // The compute stream of the calling thread: the current stream on a GPU (a host may run
+  // forwards on a stream of its own), CpuComputeStreamGuard's on the CPU device. 0 is the
+  // default stream.
+  virtual uint64_t compute_stream_id() const = 0;
+  // Records that the work `stream` has enqueued so far uses the allocation holding `t`
+  // (a tensor allocate() returned, or a view of one): freeing it waits for that work.
+  // No-op for tensors allocate() did not make.
+  void record_use(const at::Tensor& t, StreamKind stream);
+  // Declares that work on `stream` reads or writes device tensor `t` from now until
+  // end_access(); `op` names it in hazard reports. Only the strict CPU device
+  // (SLUICE_STRICT_DEVICE=1) checks these; elsewhere they cost a virtual call.
+  virtual void begin_access(const at::Tensor& /*t*/, StreamKind /*stream*/, Access /*a*/, const std::string& /*op*/) {}
+  virtual void end_access(const at::Tensor& /*t*/, StreamKind /*stream*/) {}
+  // The host itself reads or writes `t` now (a pinned bounce slot, an output).
+  virtual void host_access(const at::Tensor& /*t*/, Access /*a*/, const std::string& /*op*/) {}
 
  protected:
-  // Raw device bytes; may throw (c10::Error on out of memory).
-  virtual c10::DataPtr raw_allocate(size_t nbytes) = 0;
+  // Raw device bytes for allocate()'s `what`; may throw (c10::Error on out of memory).
+  virtual c10::DataPtr raw_allocate(size_t nbytes, const std::string& what) = 0;
+  // record_use() for the raw allocation behind a tensor.
+  virtual void record_stream(const c10::DataPtr& raw, StreamKind stream) = 0;
 
  private:
   std::shared_ptr<MemoryLedger> ledger_;

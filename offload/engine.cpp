@@ -237,7 +237,7 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name, s
       e.dev = device_->allocate(e.host.sizes(), e.host.scalar_type(), MemoryKind::params, "parameter", budget_);
       device_->copy_to_device(e.dev, e.host);
     }
-    device_->synchronize();
+    device_->synchronize();  // reports a failed parameter copy here (apply_plan's first synchronize orders them)
     for (auto& e : extras_) e.handle.set_data(e.dev);
     if (scratch_bytes_) {
       scratch_.push_back({device_->allocate({static_cast<int64_t>(scratch_bytes_)}, at::kByte, MemoryKind::scratch,
@@ -282,12 +282,10 @@ void StreamingEngine::detach() {
   clear_state();
 }
 
+// Frees device memory without waiting for the device: every use by another stream was
+// recorded (Note [stream-safe frees]). clear_state() synchronizes afterwards, only to
+// report a copy that failed.
 void StreamingEngine::restore_to_host() noexcept {
-  try {
-    device_->synchronize();
-  } catch (const std::exception& e) {
-    log::error(std::string("detach: device synchronize failed: ") + e.what());
-  }
   for (auto& r : layers_) {
     try {
       unpin_host(r);
@@ -330,6 +328,14 @@ void StreamingEngine::clear_state() noexcept {
               " of device memory is still referenced outside the engine after detach");
   }
   budget_.reset();
+  bounce_.reset();
+  last_end_.reset();
+  last_stream_ = 0;
+  try {
+    device_->synchronize();
+  } catch (const std::exception& e) {
+    log::error("detach of model '" + model_name_ + "': a device copy had failed: " + e.what());
+  }
   pinned_ = Stat{};
   depth_ = 0;
   implicit_ = false;
@@ -369,6 +375,7 @@ void StreamingEngine::make_resident(LayerRec& r) {
   device_->copy_to_device(w, r.host_w);
   if (b.defined()) device_->copy_to_device(b, r.host_b);
   if (s.defined()) device_->copy_to_device(s, r.host_s);
+  for (const at::Tensor* t : {&w, &b, &s}) device_->record_use(*t, StreamKind::copy);  // FENCE(F4)
   r.dev_w = w;
   r.dev_b = b;
   r.dev_s = s;
@@ -467,7 +474,9 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
         }
       }
     }
-    device_->synchronize();  // a failed resident copy throws DeviceError: undo below
+    // FENCE(F7): resident copies are done before any compute reads them (and a failed one
+    // throws DeviceError: undo below).
+    device_->synchronize();  // FENCE(F7)
     if (degraded.empty()) {
       if (plan.ring_slots) ring_ = std::make_unique<StagingRing>(*device_, budget_, plan.ring_slots, plan.slot_bytes);
       plan_ = plan;
@@ -700,6 +709,12 @@ void StreamingEngine::begin_forward(std::string_view kind) {
   diverged_ = false;
   recording_.clear();
   recording_overflow_ = false;
+  // A forward on another compute stream than the last one (a host running forwards on
+  // streams of its own) reuses its scratch and reads what it left: it starts after it.
+  const uint64_t stream = device_->compute_stream_id();
+  if (last_end_ && stream != last_stream_) device_->wait(StreamKind::compute, *last_end_);  // FENCE(F6)
+  last_stream_ = stream;
+  for (auto& e : extras_) device_->begin_access(e.dev, StreamKind::compute, Access::read, "parameter read by a forward");
   anchor_ = std::make_shared<Anchor>();
   anchor_->event = device_->create_event();
   device_->record(*anchor_->event, StreamKind::compute);
@@ -735,7 +750,8 @@ void StreamingEngine::end_forward(bool aborted) {
   rec.bytes_streamed = acc_cur_.bytes;
   rec.copies = acc_cur_.copies;
   rec.demand_copies = acc_cur_.demand;
-  rec.stalls = acc_cur_.stalls;
+  rec.stalls = acc_cur_.stalls;  // host-query count without timing(); resolve() counts timed ones
+  rec.stalls_timed = timing();
   rec.diverged = diverged_;
   rec.aborted = aborted;
   // Each streamed layer is copied exactly once per forward (Note [prefetch order]).
@@ -753,6 +769,12 @@ void StreamingEngine::end_forward(bool aborted) {
     }
     if (dup) expected = rec.bytes_streamed;
   }
+  for (auto& e : extras_) {
+    device_->end_access(e.dev, StreamKind::compute);
+    device_->record_use(e.dev, StreamKind::compute);  // FENCE(F5)
+  }
+  if (!last_end_) last_end_ = device_->create_event();
+  device_->record(*last_end_, StreamKind::compute);
   Unresolved u;
   u.record = rec;
   u.spans = std::move(acc_cur_.spans);
@@ -874,7 +896,7 @@ int StreamingEngine::issue(int64_t id, uint64_t epoch, bool demand) {
     a = take_event();
     b = take_event();
   }
-  ring_->fill(s, id, epoch, parts, a.get(), b.get());
+  ring_->fill(s, id, epoch, parts, a.get(), b.get(), bounce_for(parts));
   ForwardAcc& acc = epoch == epoch_ ? acc_cur_ : acc_next_;
   acc.bytes += r.stored_bytes;
   acc.copies += 1;
@@ -895,6 +917,24 @@ int StreamingEngine::take_scratch(uint64_t bytes) {
                                         "upcast scratch for a nested lease", budget_),
                       true});
   return static_cast<int>(scratch_.size()) - 1;
+}
+
+BounceRing* StreamingEngine::bounce_for(const std::vector<SlotPart>& parts) {
+  bool pageable = false;
+  for (const auto& p : parts) pageable = pageable || !device_->is_pinned(p.host);
+  if (!pageable) return nullptr;
+  if (!bounce_) {
+    bounce_ = std::make_unique<BounceRing>(*device_, options_.bounce_slots, options_.bounce_slot_bytes);
+    if (bounce_->pinned()) {
+      log::info("model '" + model_name_ + "': streamed layers are in pageable memory; copying them through a " +
+                format_mib(bounce_->bytes()) + " pinned bounce ring so copies still overlap compute");
+    } else {
+      log::warn("model '" + model_name_ + "': streamed layers are in pageable memory and the " +
+                format_mib(options_.bounce_slot_bytes * options_.bounce_slots) +
+                " bounce ring could not be pinned: copies are synchronous (no overlap with compute)");
+    }
+  }
+  return bounce_.get();
 }
 
 std::unique_ptr<DeviceEvent> StreamingEngine::take_event() {
@@ -938,6 +978,7 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     w = r.dev_w;
     b = r.dev_b;
     s = r.dev_s;
+    lease.reads = {w, b, s};
   } else {
     if (!ring_) {
       try {
@@ -957,13 +998,16 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     top_up(pos, false);
     StagingSlot& st = ring_->slot(static_cast<size_t>(slot));
     try {
-      if (!st.copy_done->query()) {
-        acc_cur_.stalls += 1;
-        std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
-        device_->wait(StreamKind::compute, *st.copy_done);
-        if (a) add_span(acc_cur_, TraceTrack::compute, 1, id, std::move(a), mark());
+      if (timing()) {
+        // Timed on the compute stream: resolve() counts it as a stall when the wait took
+        // time on the device. A host query here would see copies the device has long
+        // finished by the time compute gets there as stalls.
+        std::unique_ptr<DeviceEvent> a = mark();
+        device_->wait(StreamKind::compute, *st.copy_done);  // FENCE(F1): the slot's copy is done
+        add_span(acc_cur_, TraceTrack::compute, 1, id, std::move(a), mark());
       } else {
-        device_->wait(StreamKind::compute, *st.copy_done);
+        if (!st.copy_done->query()) acc_cur_.stalls += 1;
+        device_->wait(StreamKind::compute, *st.copy_done);  // FENCE(F1)
       }
     } catch (const DeviceError& e) {
       // The slot's bytes are not the layer's: forget them, so nothing reads them.
@@ -974,10 +1018,12 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     ring_->begin_use(slot);
     st.consumed = true;
     lease.slot = slot;
+    lease.reads[0] = st.buffer;
     w = ring_->view(slot, 0, r.stored_dtype, r.host_w.sizes());
     if (r.host_b.defined()) b = ring_->view(slot, r.off_b, r.host_b.scalar_type(), r.host_b.sizes());
     if (r.host_s.defined()) s = ring_->view(slot, r.off_s, r.host_s.scalar_type(), r.host_s.sizes());
   }
+  for (const auto& t : lease.reads) device_->begin_access(t, StreamKind::compute, Access::read, r.name);
   try {
     LayerWeights out;
     out.weight = w;
@@ -985,6 +1031,8 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     if (r.upcast_w || r.upcast_b) {
       lease.scratch = take_scratch(r.scratch_bytes);
       const at::Tensor& buf = scratch_[static_cast<size_t>(lease.scratch)].buffer;
+      lease.written = buf;
+      device_->begin_access(buf, StreamKind::compute, Access::write, "upcast of '" + r.name + "'");
       std::unique_ptr<DeviceEvent> a = timing() ? mark() : nullptr;
       if (r.upcast_w) {
         out.weight = typed_view(buf, 0, r.compute, w.sizes());
@@ -1000,8 +1048,7 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     r.leases.push_back(std::move(lease));
     return out;
   } catch (...) {
-    if (lease.scratch >= 0) scratch_[static_cast<size_t>(lease.scratch)].in_use = false;
-    if (lease.slot >= 0) ring_->end_use(lease.slot);
+    end_lease(lease);
     throw;
   }
 }
@@ -1025,6 +1072,19 @@ void StreamingEngine::release(ManagedLayerImpl& layer) noexcept {
       add_span(acc_cur_, TraceTrack::compute, 3, id, std::move(lease.start), mark());
     } catch (...) {
     }
+  }
+  end_lease(lease);
+}
+
+void StreamingEngine::end_lease(Lease& lease) noexcept {
+  try {
+    for (const at::Tensor* t : {&lease.reads[0], &lease.reads[1], &lease.reads[2], &lease.written}) {
+      if (!t->defined()) continue;
+      device_->end_access(*t, StreamKind::compute);
+      device_->record_use(*t, StreamKind::compute);  // FENCE(F5): a free on another stream waits for this forward
+    }
+  } catch (const std::exception& e) {
+    log::error(std::string("release: recording a stream use failed: ") + e.what());
   }
   if (lease.scratch >= 0) scratch_[static_cast<size_t>(lease.scratch)].in_use = false;
   if (lease.slot >= 0 && ring_) ring_->end_use(lease.slot);
@@ -1066,11 +1126,14 @@ void StreamingEngine::resolve(bool wait_all) {
       const double ms = device_->elapsed_ms(*sp.a, *sp.b);
       switch (sp.kind) {
         case 0: copy_ms += ms; break;
-        case 1: rec.stall_ms += ms; break;
+        case 1:
+          rec.stall_ms += ms;
+          if (ms >= kStallMs) rec.stalls += 1;
+          break;
         case 2: rec.upcast_ms += ms; break;
         default: break;
       }
-      if (options_.trace) {
+      if (options_.trace && !(sp.kind == 1 && ms < kStallMs)) {
         const double ts = sp.anchor->host_us + device_->elapsed_ms(*sp.anchor->event, *sp.a) * 1000.0;
         const std::string& name = layers_[static_cast<size_t>(sp.layer)].name;
         trace_.add_span(sp.track, sp.kind == 1 ? "wait " + name : name, ts, ms * 1000.0);
@@ -1120,6 +1183,11 @@ EngineStats StreamingEngine::stats() {
   s.residency_h2d = residency_h2d_;
   s.forwards = forwards_;
   s.slot_violations = ring_violations_ + (ring_ ? ring_->violations() : 0);
+  if (bounce_) {
+    s.bounce_bytes = bounce_->bytes();
+    s.bounce_copies = bounce_->copies();
+    s.sync_copies = bounce_->sync_copies();
+  }
   s.forward_records.assign(records_.begin(), records_.end());
   return s;
 }

@@ -57,6 +57,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <array>
 #include <regex>
 #include <string>
 #include <string_view>
@@ -92,6 +93,8 @@ struct EngineOptions {
   std::vector<std::string> required_patterns = {"^final_layer(\\.|$)"};  // regex search on layer names: always resident
   bool require_unconverted = true;             // layers stored in their compute dtype (skip-listed) stay resident
   bool timing = true;                          // device-timed stall/upcast/copy stats (a few events per layer)
+  uint32_t bounce_slots = 4;                   // pinned bounce slots for pageable copies (Note [bounce ring])
+  uint64_t bounce_slot_bytes = uint64_t{8} << 20;
   bool trace = false;                          // record per-layer spans for trace() (implies timing)
   size_t max_forward_records = 1024;           // per-forward records kept in stats()
   bool log_attach = true;                      // INFO "Loaded model ..." and residency lines at attach (the model cache logs its own)
@@ -174,6 +177,8 @@ class StreamingEngine final : public WeightProvider {
     int slot = -1;     // staging slot read, -1 for resident layers
     int scratch = -1;  // scratch buffer written, -1 when no upcast
     std::unique_ptr<DeviceEvent> start;  // compute start marker (trace only)
+    std::array<at::Tensor, 3> reads;     // device tensors the lease reads (slot, or resident w/b/s)
+    at::Tensor written;                  // scratch buffer the upcast writes
   };
   struct LayerRec {
     ManagedLayerImpl* layer = nullptr;
@@ -253,11 +258,16 @@ class StreamingEngine final : public WeightProvider {
   void top_up(size_t pos, bool at_end);
   int issue(int64_t id, uint64_t epoch, bool demand);
   int take_scratch(uint64_t bytes);
+  BounceRing* bounce_for(const std::vector<SlotPart>& parts);  // the bounce ring when a part is pageable
   std::unique_ptr<DeviceEvent> take_event();  // from the pool of finished events
   std::unique_ptr<DeviceEvent> mark();        // take_event() recorded on the compute stream
   void add_span(ForwardAcc& acc, TraceTrack track, int kind, int64_t layer, std::unique_ptr<DeviceEvent> a,
                 std::unique_ptr<DeviceEvent> b);
   void resolve(bool wait_all);
+  void end_lease(Lease& lease) noexcept;  // ends a lease's accesses, records its uses, frees its slot and scratch
+  // A compute-stream wait for a copy shorter than this is no stall (two events around a
+  // wait that had nothing to wait for read a few microseconds).
+  static constexpr double kStallMs = 0.02;
   void check_invariants(const char* where);
   double now_us() const;
   bool timing() const { return options_.timing || options_.trace; }
@@ -277,6 +287,7 @@ class StreamingEngine final : public WeightProvider {
   std::optional<double> max_resident_;
   ResidencyPlan plan_;
   std::unique_ptr<StagingRing> ring_;
+  std::unique_ptr<BounceRing> bounce_;  // made at the first copy from pageable memory
   std::vector<Scratch> scratch_;
   uint64_t ring_violations_ = 0;  // from rings already dropped
 
@@ -303,6 +314,8 @@ class StreamingEngine final : public WeightProvider {
   bool recording_overflow_ = false;
   ForwardAcc acc_cur_, acc_next_;
   std::shared_ptr<Anchor> anchor_;
+  uint64_t last_stream_ = 0;               // compute stream of the last forward
+  std::unique_ptr<DeviceEvent> last_end_;  // recorded on it at that forward's end
   std::deque<Unresolved> unresolved_;
   std::deque<ForwardRecord> records_;
   std::vector<std::unique_ptr<DeviceEvent>> event_pool_;

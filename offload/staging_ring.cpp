@@ -14,14 +14,9 @@ StagingRing::StagingRing(DeviceBackend& device, std::shared_ptr<MemoryLedger> bu
   for (uint32_t i = 0; i < slots; ++i) slots_.push_back(make_slot());
 }
 
-StagingRing::~StagingRing() {
-  // A slot's memory may still be read or written by queued work.
-  try {
-    device_.synchronize();
-  } catch (const std::exception& e) {
-    log::error(std::string("staging ring: synchronize failed at teardown: ") + e.what());
-  }
-}
+// Slots may still be written by queued copies and read by queued compute: their uses are
+// recorded (fill, StreamingEngine::release), so the allocator keeps them until those finish.
+StagingRing::~StagingRing() = default;
 
 StagingSlot StagingRing::make_slot() {
   StagingSlot s;
@@ -55,14 +50,14 @@ int StagingRing::pick(uint64_t epoch, bool keep_unconsumed) {
 void StagingRing::grow() { slots_.push_back(make_slot()); }
 
 void StagingRing::fill(int index, int64_t layer, uint64_t epoch, const std::vector<SlotPart>& parts, DeviceEvent* start,
-                       DeviceEvent* end) {
+                       DeviceEvent* end, BounceRing* bounce) {
   StagingSlot& s = slots_.at(static_cast<size_t>(index));
   TORCH_INTERNAL_ASSERT(s.leases->load() == 0, "staging slot ", index, " picked while in use");
   // Until every part is enqueued the slot holds nothing usable: if an enqueue throws, no
   // find() may hand out its half-overwritten bytes as the layer it held before.
   s.layer = -1;
   s.consumed = true;
-  device_.wait(StreamKind::copy, *s.compute_done);
+  device_.wait(StreamKind::copy, *s.compute_done);  // FENCE(F2): the slot's last reader is done
   if (start) device_.record(*start, StreamKind::copy);
   for (const auto& part : parts) {
     const uint64_t n = part.host.nbytes();
@@ -71,9 +66,15 @@ void StagingRing::fill(int index, int64_t layer, uint64_t epoch, const std::vect
     at::Tensor src = part.host.reshape({-1}).view(at::kByte);
     auto leases = s.leases;
     auto violations = violations_;
-    device_.copy_to_device(dst, src, [leases, violations] {
+    auto check = [leases, violations] {
       if (leases->load() > 0) violations->fetch_add(1);
-    });
+    };
+    if (bounce && !device_.is_pinned(src)) {
+      bounce->copy(dst, src, check);
+    } else {
+      device_.copy_to_device(dst, src, check);
+    }
+    device_.record_use(dst, StreamKind::copy);  // FENCE(F4): a free of the ring waits for this copy
   }
   device_.record(*s.copy_done, StreamKind::copy);
   if (end) device_.record(*end, StreamKind::copy);
@@ -97,7 +98,7 @@ void StagingRing::end_use(int index) noexcept {
   StagingSlot& s = slots_[static_cast<size_t>(index)];
   s.leases->fetch_sub(1);
   try {
-    device_.record(*s.compute_done, StreamKind::compute);
+    device_.record(*s.compute_done, StreamKind::compute);  // FENCE(F3): the next fill waits for this reader
   } catch (const std::exception& e) {
     // Cannot order the slot's reuse after this reader: wait for everything instead.
     log::error(std::string("staging ring: recording a release failed: ") + e.what());

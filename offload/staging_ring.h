@@ -21,7 +21,9 @@
 //  - the copy stream waits on a slot's compute_done, recorded at every release, before
 //    overwriting it;
 //  - on the host, a slot with open leases is never picked for a copy at all, so the event
-//    it waits on always covers its latest reader.
+//    it waits on always covers its latest reader;
+//  - every copy's use of a slot is recorded on the copy stream (Note [stream-safe frees]),
+//    so dropping the ring never waits for, nor races with, copies still in flight.
 // The CPU device runs copies on a host thread; there each copy checks, just before it
 // writes, that the slot has no open lease, and counts violations (tests assert zero).
 #include <ATen/ATen.h>
@@ -31,6 +33,7 @@
 #include <memory>
 #include <vector>
 
+#include "offload/bounce_ring.h"
 #include "offload/device.h"
 
 namespace sluice::offload {
@@ -79,10 +82,11 @@ class StagingRing {
   void grow();
 
   // Enqueues on the copy stream: wait for the slot's last reader, record `start` (if
-  // given), copy every part, record the slot's copy_done and `end` (if given).
+  // given), copy every part, record the slot's copy_done and `end` (if given). Parts in
+  // pageable memory go through `bounce` when given (Note [bounce ring]).
   // If enqueuing throws (DeviceError), the slot is left empty (layer -1).
   void fill(int slot, int64_t layer, uint64_t epoch, const std::vector<SlotPart>& parts, DeviceEvent* start,
-            DeviceEvent* end);
+            DeviceEvent* end, BounceRing* bounce = nullptr);
 
   // A typed view of `numel` elements at byte `offset` of a slot.
   at::Tensor view(int slot, uint64_t offset, at::ScalarType dtype, at::IntArrayRef sizes) const;

@@ -52,7 +52,13 @@ std::string EngineStats::to_json(int indent) const {
                  {"slot_bytes", slot_bytes}};
   j["pinned"] = stat_json(pinned);
   j["residency_h2d"] = stat_json(residency_h2d);
-  j["slot_violations"] = slot_violations;
+  // Seen only where the copy stream is a host thread; a GPU cannot detect it (the strict
+  // CPU device's hazard tracker covers the GPU's case in CI).
+  j["cpu_device_only"] = {{"slot_violations", slot_violations},
+                          {"note", "detected only with --device cpu; a GPU run always reports 0"}};
+  j["pageable_copies"] = {{"bounce_ring_bytes", bounce_bytes},
+                          {"bounce_copies", bounce_copies},
+                          {"synchronous_copies", sync_copies}};
   j["forward_count"] = forwards;
   nlohmann::json fw = nlohmann::json::array();
   for (const auto& f : forward_records) {
@@ -62,6 +68,7 @@ std::string EngineStats::to_json(int indent) const {
                   {"copies", f.copies},
                   {"demand_copies", f.demand_copies},
                   {"stalls", f.stalls},
+                  {"stall_source", f.stalls_timed ? "compute-stream events" : "host query (overcounts on a GPU)"},
                   {"h2d_gbps", f.h2d_gbps},
                   {"stall_ms", f.stall_ms},
                   {"upcast_ms", f.upcast_ms},

@@ -59,7 +59,8 @@ struct ForwardRecord {
   uint64_t bytes_streamed = 0;  // stored bytes copied host->device for this forward
   uint64_t copies = 0;          // layer copies issued for this forward
   uint64_t demand_copies = 0;   // of which issued when the layer was asked for (not prefetched)
-  uint64_t stalls = 0;          // acquires whose copy was not finished yet
+  uint64_t stalls = 0;          // acquires that waited for their copy (see stalls_timed)
+  bool stalls_timed = false;    // stalls measured by compute-stream events (else a host-side query, which overcounts on a GPU)
   double h2d_gbps = 0;          // bytes_streamed / time the copy stream spent copying (1e9 B/s)
   double stall_ms = 0;          // compute stream waiting on copies
   double upcast_ms = 0;         // storage -> compute dtype conversions
@@ -86,7 +87,11 @@ struct EngineStats {
   Stat pinned;                      // pinned host bytes of streamed layers
   Stat residency_h2d;               // bytes copied/dropped by attach and residency changes
   uint64_t forwards = 0;
-  uint64_t slot_violations = 0;     // copies that started on a slot still in use (must be 0)
+  uint64_t slot_violations = 0;     // copies that started on a slot still in use (must be 0; detected on the CPU device only)
+  // Copies from pageable host memory (Note [bounce ring]).
+  uint64_t bounce_bytes = 0;        // pinned host bytes of the bounce ring (0: none made)
+  uint64_t bounce_copies = 0;       // pieces copied through it
+  uint64_t sync_copies = 0;         // copies made synchronously because the bounce ring could not be pinned
   std::vector<ForwardRecord> forward_records;  // the most recent forwards, oldest first
 
   // JSON text with the fields the CLI's --stats prints: model.{name,total_bytes,

@@ -1,6 +1,7 @@
 #include "offload/torch_device.h"
 
 #include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -105,6 +106,10 @@ class TorchDevice final : public DeviceBackend {
     }
   }
 
+  bool is_pinned(const at::Tensor& src) const override { return src.is_pinned(); }
+
+  uint64_t compute_stream_id() const override { return static_cast<uint64_t>(impl_.getStream(device_).id()); }
+
   at::Tensor pin(const at::Tensor& src) override {
     try {
       at::Tensor pinned = at::empty(src.sizes(), at::TensorOptions().dtype(src.scalar_type()).pinned_memory(true));
@@ -116,11 +121,17 @@ class TorchDevice final : public DeviceBackend {
   }
 
  protected:
-  c10::DataPtr raw_allocate(size_t nbytes) override {
+  c10::DataPtr raw_allocate(size_t nbytes, const std::string& /*what*/) override {
     c10::DeviceGuard guard(device_);
     c10::Allocator* allocator = c10::GetAllocator(device_.type());
     TORCH_CHECK(allocator, "no allocator registered for ", device_);
     return allocator->allocate(nbytes);
+  }
+
+  // Note [stream-safe frees]: the caching allocator's own recordStream, on the raw block
+  // (the tensor allocate() returns wraps it in a context the allocator does not know).
+  void record_stream(const c10::DataPtr& raw, StreamKind stream) override {
+    c10::getDeviceAllocator(device_.type())->recordStream(raw, stream_of(stream));
   }
 
  private:

@@ -191,6 +191,7 @@ const std::vector<PointInfo>& known_points() {
       {"device.alloc.scratch", "device out of memory allocating upcast scratch"},
       {"device.alloc.params", "device out of memory allocating norms, biases and buffers"},
       {"host.pin", "page-locking (pinning) host memory fails"},
+      {"host.pin.bounce", "page-locking the bounce ring for pageable copies fails (copies become synchronous)"},
       {"copy.h2d.enqueue", "enqueuing a host->device copy fails at once"},
       {"copy.h2d", "a host->device copy fails on the copy stream (reported at the next event)"},
       {"copy.h2d.timeout", "a host->device copy stalls and is reported as timed out"},
