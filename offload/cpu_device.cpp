@@ -362,8 +362,9 @@ class CpuDevice final : public DeviceBackend {
     });
     if (pageable) {
       // From pageable memory a GPU copy returns only once the bytes are staged, i.e. when
-      // the copy stream got to it (Note [strict device]).
-      CpuEvent staged(tracker_);
+      // the copy stream got to it (Note [strict device]). That tells the host its source
+      // was read, not that the destination is written: the tracker learns nothing.
+      CpuEvent staged(nullptr);
       record(staged, StreamKind::copy);
       staged.synchronize();
     }

@@ -67,7 +67,7 @@ TEST_CASE("streams: streamed forwards through a wrapping ring match the model") 
 }
 
 // F4: detach frees the ring while the next forward's prefetches are still being copied.
-TEST_CASE("streams: detach right after a forward, with prefetches in flight") {
+TEST_CASE("streams: detach right after a forward with prefetches in flight") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -79,7 +79,7 @@ TEST_CASE("streams: detach right after a forward, with prefetches in flight") {
 }
 
 // F5: a forward the host ran on a stream of its own, then freed from the default stream.
-TEST_CASE("streams: a forward on a host-provided stream, then detach on the default stream") {
+TEST_CASE("streams: a forward on a host-provided stream then detach on the default stream") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -129,7 +129,7 @@ TEST_CASE("streams: pageable layers stream through the bounce ring") {
   engine.detach();
 }
 
-TEST_CASE("streams: without a pinned bounce ring copies are synchronous, said once and counted") {
+TEST_CASE("streams: without a pinned bounce ring copies are synchronous and said once and counted") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -149,7 +149,7 @@ TEST_CASE("streams: without a pinned bounce ring copies are synchronous, said on
   CHECK(j.find("\"synchronous_copies\"") != std::string::npos);
 }
 
-TEST_CASE("streams: stalls are counted from compute-stream events, and labelled so") {
+TEST_CASE("streams: stalls are counted from compute-stream events and labelled so") {
   ToyModel model;
   const at::Tensor x = input();
   CpuDeviceOptions d;

@@ -77,7 +77,7 @@ TEST_CASE("strict device: compute events read as done only once the host waited 
   CHECK(c->query());
 }
 
-TEST_CASE("strict device: a freed block goes to the next allocation at once, poisoned, unless the copy stream used it") {
+TEST_CASE("strict device: a freed block goes to the next allocation at once and poisoned unless the copy stream used it") {
   auto dev = strict_cpu();
   HazardTracker& t = *hazard_tracker(*dev);
   SECTION("compute-only block: reused at once") {
@@ -154,7 +154,7 @@ TEST_CASE("strict device: only pin() makes pinned memory") {
   CHECK(at::equal(pinned, pageable));
 }
 
-TEST_CASE("bounce ring: pageable copies land exactly, piece by piece through pinned slots") {
+TEST_CASE("bounce ring: pageable copies land exactly piece by piece through pinned slots") {
   auto dev = strict_cpu(HazardTracker::Policy::abort);
   BounceRing ring(*dev, 2, 1000);
   REQUIRE(ring.pinned());
