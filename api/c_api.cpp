@@ -286,6 +286,10 @@ sluice_status sluice_forward(sluice_locked* lock, const DLManagedTensor* x, cons
   });
 }
 
+sluice_status sluice_synchronize(sluice_locked* lock) {
+  return guarded([&] { need(lock, "lock").locked.synchronize(); });
+}
+
 sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,
                                  const DLManagedTensor* t5_weights, DLManagedTensor** out) {
   return guarded([&] {

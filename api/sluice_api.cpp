@@ -346,6 +346,13 @@ at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps
   return out;
 }
 
+void LockedModel::synchronize() {
+  const auto& t = need(token_);
+  t->model->cache->run(t->lock, [](anima::AnimaModelImpl&, offload::StreamingEngine& engine) {
+    engine.device().synchronize();
+  });
+}
+
 at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                                     const std::optional<at::Tensor>& t5_weights) {
   const auto& t = need(token_);

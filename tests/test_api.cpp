@@ -119,7 +119,9 @@ TEST_CASE("api: a preset loads and runs and its stats JSON has the documented fi
     sluice::LockedModel m = model.lock();
     v = m(in.x, in.t, in.ctx);
     ctx = m.encode_text(in.qwen, in.ids);
+    CHECK_NOTHROW(m.synchronize());  // the stream contract's host wait
   }
+  CHECK_THROWS_AS(sluice::LockedModel().synchronize(), sluice::InvalidArgument);
   CHECK(v.sizes() == in.x.sizes());
   CHECK(v.scalar_type() == at::kBFloat16);
   CHECK(ctx.sizes() == at::IntArrayRef({2, info.adapter_output_tokens, info.context_dim}));

@@ -135,6 +135,21 @@ void sluice_unlock(sluice_locked* lock); /* NULL is fine */
  * -> *out [B,C_out,T,H,W] in the compute dtype on the model's device. */
 sluice_status sluice_forward(sluice_locked* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
                              const DLManagedTensor* context, DLManagedTensor** out);
+/* Streams (GPU). sluice_forward and sluice_encode_text run on the calling thread's current
+ * stream of the model's device (torch's current stream: a host may set its own).
+ *  - Borrowed inputs are read on that stream: they must be ready on it (written on it, or
+ *    waited for with an event), and stay allocated until that stream has finished the
+ *    call's work (freeing them through torch on the same stream is stream-ordered and safe).
+ *  - Returned outputs are written on that stream: later work on it may use them at once;
+ *    another stream must wait for them (an event recorded after the call), and the host
+ *    must call sluice_synchronize before reading their bytes through the DLPack pointer.
+ *  - Device memory sluice itself frees (staging slots, scratch, evicted layers) is safe
+ *    against every stream that used it; nothing here needs the host's help.
+ * On the CPU device everything is done when the call returns. */
+/* Blocks until everything sluice enqueued for this model (its copies and the calling
+ * thread's current stream) is done. */
+sluice_status sluice_synchronize(sluice_locked* lock);
+
 /* LLM adapter: qwen_hidden [B,S,Dq], t5_ids [B,S_t] (integers), t5_weights [B,S_t] or NULL
  * -> *out context [B, output_tokens, D]. */
 sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,

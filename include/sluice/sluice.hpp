@@ -258,6 +258,18 @@ class LockedModel {
   at::Tensor encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                          const std::optional<at::Tensor>& t5_weights = std::nullopt);
 
+  // Streams (GPU). forward() and encode_text() run on the calling thread's current stream
+  // of the model's device, whichever it is (a host may use streams of its own); inputs
+  // are read and outputs written on it. Inputs must be ready on that stream, and outputs
+  // are ready for later work on it: other streams wait for them with an event, the host
+  // with synchronize(). Tensors handed to torch on that stream need nothing more: torch
+  // frees stream-ordered. Device memory sluice frees is safe against every stream that
+  // used it (the allocator's recordStream).
+  // synchronize() blocks until everything sluice enqueued for this model, the copies and
+  // the calling thread's current stream, is done; then an output may be read on the host
+  // through a raw pointer (tensor.cpu() and .item() already wait).
+  void synchronize();
+
   // Reads a LoRA safetensors file and patches the model with it at `scale`.
   // FileError / CheckpointError name the file and the mismatching keys.
   LoraHandle apply_lora(const std::string& path, double scale = 1.0);

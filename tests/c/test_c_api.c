@@ -137,6 +137,8 @@ static DLManagedTensor* run_forward(double max_resident, char** stats_json) {
   release(bad);
   DLManagedTensor* again = NULL;
   REQUIRE_OK(sluice_forward(lock, &x->managed, &t->managed, &ctx->managed, &again));
+  /* The stream contract: the host waits before reading outputs through their pointers. */
+  REQUIRE_OK(sluice_synchronize(lock));
   CHECK(again->dl_tensor.ndim == v->dl_tensor.ndim);
   CHECK(memcmp(again->dl_tensor.data, v->dl_tensor.data, numel(&v->dl_tensor) * 2) == 0);
   again->deleter(again);
@@ -211,6 +213,8 @@ int main(void) {
   CHECK(strstr(sluice_last_error(), "-5%") != NULL);
   CHECK(sluice_lock(NULL, NULL) == SLUICE_ERROR_INVALID_ARGUMENT);
   CHECK(sluice_forward(NULL, NULL, NULL, NULL, NULL) == SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(sluice_synchronize(NULL) == SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(sluice_last_error(), "lock") != NULL);
   char* json = NULL;
   REQUIRE_OK(sluice_cache_stats_json(cache, &json));
   CHECK(strstr(json, "\"misses\"") != NULL);
