@@ -102,9 +102,13 @@ class CpuDevice final : public DeviceBackend {
   }
 
   c10::Device device() const override { return c10::Device(c10::kCPU); }
-  uint64_t total_memory() const override {
-    return options_.total_memory ? options_.total_memory : physical_ram_bytes();
+  DeviceMemoryInfo memory_info() const override {
+    if (options_.memory_source) return options_.memory_source();
+    const auto total = static_cast<int64_t>(options_.total_memory ? options_.total_memory : physical_ram_bytes());
+    return {std::max<int64_t>(total - memory_stats().total.current, 0), total};
   }
+  // Device tensors come straight from the CPU allocator, which keeps no statistics.
+  AllocatorStats allocator_stats() const override { return {}; }
   bool pins_memory() const override { return false; }
 
   std::unique_ptr<DeviceEvent> create_event() override { return std::make_unique<CpuEvent>(); }
