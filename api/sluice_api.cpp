@@ -7,12 +7,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include <mutex>
+
 #include "cache/model_cache.h"
 #include "models/anima/config.h"
 #include "models/lora.h"
 #include "offload/cpu_device.h"
 #include "offload/device.h"
 #include "offload/engine.h"
+#include "offload/vram_budget.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -30,6 +33,20 @@ class CacheImpl {
  public:
   RuntimeOptions options;
   std::shared_ptr<cache::ModelCache> cache;
+  // How the budget in force was resolved (CacheStats::vram_budget_source).
+  void set_budget_source(const offload::ResolvedVramBudget& r) {
+    if (!r.how.empty()) log::info("vram budget " + format_bytes(r.bytes) + " (" + r.how + ")");
+    std::lock_guard<std::mutex> g(mutex);
+    budget_source = r.how;
+  }
+  std::string budget_source_now() const {
+    std::lock_guard<std::mutex> g(mutex);
+    return budget_source;
+  }
+
+ private:
+  mutable std::mutex mutex;
+  std::string budget_source;
 };
 
 struct ModelEntry {
@@ -122,11 +139,9 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
   }
   cache::CacheOptions c;
   c.device = device;
-  if (!o.vram_budget.empty()) {
-    const uint64_t total = device->total_memory();
-    c.vram_budget = parse_size(o.vram_budget, total ? std::optional<uint64_t>(total) : std::nullopt, "vram_budget");
-    if (c.vram_budget == 0) throw InvalidArgument("vram_budget: must be positive, got '" + o.vram_budget + "'");
-  }
+  const offload::ResolvedVramBudget budget =
+      offload::resolve_vram_budget(*device, o.vram_budget, o.vram_headroom, "vram_budget", "vram_headroom");
+  c.vram_budget = budget.bytes;
   if (!o.working_memory.empty()) {
     const uint64_t budget = c.vram_budget ? c.vram_budget : device->total_memory();
     c.working_memory = parse_size(o.working_memory, budget ? std::optional<uint64_t>(budget) : std::nullopt,
@@ -144,6 +159,7 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
   c.timing = o.timing;
   c.trace = o.trace;
   impl_->cache = cache::ModelCache::create(std::move(c));
+  impl_->set_budget_source(budget);
 }
 
 ModelCache::~ModelCache() = default;
@@ -178,9 +194,11 @@ void ModelCache::drop(const Model& model) {
 }
 
 void ModelCache::set_vram_budget(const std::string& budget) {
-  const uint64_t bytes = impl_->cache->parse_budget(budget, "vram_budget");
-  if (!budget.empty() && bytes == 0) throw InvalidArgument("vram_budget: must be positive, got '" + budget + "'");
-  impl_->cache->set_vram_budget(bytes);
+  const bool automatic = offload::is_auto_vram_budget(budget);
+  const offload::ResolvedVramBudget r = impl_->cache->parse_budget(
+      budget, automatic ? impl_->options.vram_headroom : std::string(), "vram_budget", "vram_headroom");
+  impl_->cache->set_vram_budget(r.bytes);
+  impl_->set_budget_source(r);
 }
 
 CacheStats ModelCache::stats() const {
@@ -198,6 +216,7 @@ CacheStats ModelCache::stats() const {
   o.ram_limit_bytes = s.ram_limit;
   o.ram = counter(s.ram);
   o.vram_budget_bytes = s.vram_budget;
+  o.vram_budget_source = impl_->budget_source_now();
   o.working_memory_bytes = s.working_memory;
   o.vram_limit_bytes = s.vram_limit;
   o.vram = counter(s.vram);

@@ -224,10 +224,9 @@ ModelCache::~ModelCache() {
   }
 }
 
-uint64_t ModelCache::parse_budget(const std::string& text, const std::string& flag) const {
-  if (text.empty()) return 0;
-  const uint64_t total = device_->total_memory();
-  return parse_size(text, total ? std::optional<uint64_t>(total) : std::nullopt, flag);
+offload::ResolvedVramBudget ModelCache::parse_budget(const std::string& text, const std::string& headroom,
+                                                     const std::string& flag, const std::string& headroom_flag) const {
+  return offload::resolve_vram_budget(*device_, text, headroom, flag, headroom_flag);
 }
 
 uint64_t ModelCache::vram_budget() const {
@@ -871,6 +870,7 @@ offload::EngineStats ModelCache::engine_stats(const std::shared_ptr<Entry>& e) c
   if (e->engine) s = e->engine->stats();
   s.model_name = e->name;
   s.device = device_->name();
+  offload::set_allocator_stats(s, *device_);
   if (!e->attached) s.model_total_bytes = e->model ? e->needs.model_bytes : 0;
   return s;
 }

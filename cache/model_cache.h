@@ -49,6 +49,7 @@
 #include "offload/device.h"
 #include "offload/engine.h"
 #include "offload/stats.h"
+#include "offload/vram_budget.h"
 #include "runtime/dtype_policy.h"
 
 namespace sluice {
@@ -201,8 +202,10 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // New budget in bytes (0: all device memory). See ModelCache::set_vram_budget in the
   // public header for the rules.
   void set_vram_budget(uint64_t budget);
-  // Parses a budget string ("50%", "6GiB", "" = all) against this device.
-  uint64_t parse_budget(const std::string& text, const std::string& flag) const;
+  // Resolves a budget string ("6GiB", "50%", "auto", "" = 0: all) on this device now, with
+  // `headroom` for "auto" (offload/vram_budget.h, Note [vram budget]).
+  offload::ResolvedVramBudget parse_budget(const std::string& text, const std::string& headroom,
+                                           const std::string& flag, const std::string& headroom_flag) const;
 
   // Runs fn(model, engine) with the entry's run mutex held; `lock` must lock the entry.
   void run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn);

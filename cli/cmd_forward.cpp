@@ -36,6 +36,7 @@ struct ForwardArgs {
   std::string storage;            // stored dtype of the Linears; empty: --dtype (no fp8)
   std::optional<double> max_resident;  // resident fraction of the streamable weights
   std::string vram_budget;        // device budget; empty: all of the device
+  std::string vram_headroom;      // --vram-budget auto: memory left free; empty: the default
   uint32_t prefetch = 2;          // streamed layers copied ahead
 };
 
@@ -108,6 +109,7 @@ int run_forward(const ForwardArgs& a) {
   RuntimeOptions ro;
   ro.device = device.str();
   ro.vram_budget = a.vram_budget;
+  ro.vram_headroom = a.vram_headroom;
   ro.prefetch = a.prefetch;
   ModelCache cache(ro);
   LoadOptions lo;
@@ -198,7 +200,7 @@ Subcommand add_forward(CLI::App& root) {
                   "Stored dtype of Linear/Embedding weights: float8_e4m3fn|float8_e5m2|bfloat16|... (default: --dtype)");
   sub->add_option("--max-resident", args->max_resident, "Resident fraction (0..1) of the streamable weights")
       ->check(CLI::Range(0.0, 1.0));
-  sub->add_option("--vram-budget", args->vram_budget, "Device budget: 50%, 6GiB or bytes (default: all of it)");
+  add_vram_budget_options(sub, args->vram_budget, args->vram_headroom, "all of it");
   sub->add_option("--prefetch", args->prefetch, "Streamed layers copied ahead of compute")->capture_default_str();
   return {sub, [args] { return run_forward(*args); }};
 }

@@ -49,6 +49,7 @@ struct RunArgs {
   std::string synthetic;                  // or: preset / JSON config of a random-weight model
   std::string device;                     // empty: cuda when present, else cpu
   std::string vram_budget;                // empty: embedded default or all device memory
+  std::string vram_headroom;              // --vram-budget auto: memory left free; empty: the default
   std::optional<double> max_resident;     // cap on the resident fraction of streamable weights
   std::string working_memory;             // empty: the runtime sizes it for the resolution
   std::string storage = "float8_e4m3fn";  // stored dtype of Linear/Embedding weights
@@ -81,21 +82,6 @@ std::string fmt(const char* format, double a) {
 }
 
 std::string mb(uint64_t bytes) { return format_mib(bytes); }
-
-// Syntax-only check of a size flag (the real value needs the device's memory): turns a
-// malformed value into a usage error (exit 2).
-CLI::Validator size_validator(const std::string& flag, bool allow_percent) {
-  return CLI::Validator(
-      [flag, allow_percent](std::string& value) -> std::string {
-        try {
-          parse_size(value, allow_percent ? std::optional<uint64_t>(1ull << 40) : std::nullopt, flag);
-          return {};
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-      },
-      allow_percent ? "BYTES|N%" : "BYTES", "size");
-}
 
 CLI::Validator finite_validator() {
   return CLI::Validator(
@@ -201,6 +187,7 @@ int run(const RunArgs& args) {
   RuntimeOptions ro;
   ro.device = a.device;
   ro.vram_budget = a.vram_budget;
+  ro.vram_headroom = a.vram_headroom;
   ro.working_memory = a.working_memory;
   ro.resolution = px;
   ro.prefetch = a.prefetch;
@@ -229,11 +216,17 @@ int run(const RunArgs& args) {
             << fmt("%.1f", ms0.total_bytes ? 100.0 * static_cast<double>(ms0.resident_bytes) / static_cast<double>(ms0.total_bytes) : 0.0)
             << "%), streamed per forward " << mb(ms0.streamed_dit_bytes) << " (+ " << mb(ms0.streamed_adapter_bytes)
             << " of LLM adapter layers, unused here)\n";
-  std::cout << "budget " << mb(cs0.vram_budget_bytes) << " (working memory " << mb(cs0.working_memory_bytes)
+  std::cout << "budget " << mb(cs0.vram_budget_bytes)
+            << (cs0.vram_budget_source.empty() ? std::string() : " [" + cs0.vram_budget_source + "]")
+            << " (working memory " << mb(cs0.working_memory_bytes)
             << "), max-resident "
             << (a.max_resident ? fmt("%.2f", *a.max_resident) : std::string("none")) << ", prefetch " << a.prefetch
             << ", pin-memory " << a.pin_memory << "\n";
   std::cout << "residency: " << ms0.residency << "\n";
+  if (ms0.streamed_dit_bytes == 0) {
+    std::cout << "note: the budget holds every DiT layer resident, so nothing will stream; give a smaller "
+                 "--vram-budget or a --max-resident below 1 to stream\n";
+  }
 
   const int64_t B = ctx.cond.size(0);
   const int64_t lat = px / kLatentScale;
@@ -335,8 +328,8 @@ Subcommand add_run(CLI::App& root) {
   synth->excludes(ckpt);
   sub->add_option("--device", a->device, "cpu|cuda[:N] (default: cuda when present, else cpu)")
       ->check(device_validator());
-  sub->add_option("--vram-budget", a->vram_budget, "Device budget: bytes (6GiB, 512MiB) or a percentage (50%)")
-      ->check(size_validator("--vram-budget", true));
+  add_vram_budget_options(sub, a->vram_budget, a->vram_headroom,
+                          std::string(kGpuDefaultBudget) + " on a GPU for the embedded default, else all of it");
   sub->add_option("--max-resident", a->max_resident, "Cap on the resident fraction of streamable weights (0..1)")
       ->check(CLI::Range(0.0, 1.0));
   sub->add_option("--working-memory", a->working_memory, "Budget part kept for activations (bytes)")

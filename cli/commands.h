@@ -26,8 +26,8 @@ Subcommand add_forward(CLI::App& root);
 Subcommand add_make_checkpoint(CLI::App& root);
 // sluice fp8-report <checkpoint> [--storage float8_e4m3fn|float8_e5m2] [--forward] [--json]
 Subcommand add_fp8_report(CLI::App& root);
-// sluice run [--checkpoint F | --synthetic PRESET] [--device] [--vram-budget] [--max-resident]
-//            [--working-memory] [--storage] [--steps] [--cfg] [--resolution] [--prefetch]
+// sluice run [--checkpoint F | --synthetic PRESET] [--device] [--vram-budget] [--vram-headroom]
+//            [--max-resident] [--working-memory] [--storage] [--steps] [--cfg] [--resolution] [--prefetch]
 //            [--pin-memory] [--seed] [--context F] [--output F] [--stats-json F] [--trace F]
 Subcommand add_run(CLI::App& root);
 

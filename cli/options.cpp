@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cctype>
 
+#include "offload/vram_budget.h"
 #include "runtime/error.h"
+#include "runtime/size_parse.h"
 
 namespace sluice::cli {
 namespace {
@@ -83,6 +85,32 @@ at::Device resolve_device(const std::string& spec) {
   if (index >= count)
     throw ResourceError("device '" + spec + "' does not exist (" + std::to_string(count) + " device(s) visible)");
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index < 0 ? 0 : index));
+}
+
+CLI::Validator size_validator(const std::string& flag, bool allow_percent, bool allow_auto) {
+  return CLI::Validator(
+      [flag, allow_percent, allow_auto](std::string& value) -> std::string {
+        if (allow_auto && offload::is_auto_vram_budget(value)) return {};
+        try {
+          parse_size(value, allow_percent ? std::optional<uint64_t>(1ull << 40) : std::nullopt, flag);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      },
+      std::string(allow_auto ? "auto|" : "") + (allow_percent ? "BYTES|N%" : "BYTES"), "size");
+}
+
+void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,
+                             const std::string& default_text) {
+  sub->add_option("--vram-budget", vram_budget,
+                  "Device budget: bytes (6GiB, 512MiB), a percentage of the TOTAL device memory (50%), or auto "
+                  "(free memory now minus --vram-headroom) (default: " + default_text + ")")
+      ->check(size_validator("--vram-budget", true, true));
+  sub->add_option("--vram-headroom", vram_headroom,
+                  "With --vram-budget auto: device memory left free, bytes or a percentage of the TOTAL memory "
+                  "(default: max(512MiB, 5%))")
+      ->check(size_validator("--vram-headroom", true));
 }
 
 CLI::Validator config_validator() {

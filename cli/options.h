@@ -25,6 +25,14 @@ CLI::Validator device_validator();
 // throws ResourceError when it does not.
 at::Device resolve_device(const std::string& spec);
 
+// Syntax-only check of a size flag (the real value needs the device's memory): turns a
+// malformed value into a usage error (exit 2). `allow_auto`: "auto" is accepted too.
+CLI::Validator size_validator(const std::string& flag, bool allow_percent, bool allow_auto = false);
+
+// --vram-budget (size, percent of total device memory, or auto) and --vram-headroom on `sub`.
+void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,
+                             const std::string& default_text);
+
 // Accepts a preset name or a path ending in ".json" (whose contents are checked later,
 // when it is read, because that can fail for runtime reasons).
 CLI::Validator config_validator();

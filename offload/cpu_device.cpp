@@ -212,8 +212,22 @@ class CpuDevice final : public DeviceBackend {
   }
 
   c10::Device device() const override { return c10::Device(c10::kCPU); }
-  uint64_t total_memory() const override {
-    return options_.total_memory ? options_.total_memory : physical_ram_bytes();
+  DeviceMemoryInfo memory_info() const override {
+    if (options_.memory_source) return options_.memory_source();
+    const auto total = static_cast<int64_t>(options_.total_memory ? options_.total_memory : physical_ram_bytes());
+    return {std::max<int64_t>(total - memory_stats().total.current, 0), total};
+  }
+  // Plain device: tensors come straight from the CPU allocator, which keeps no
+  // statistics. Strict device: its caching allocator's own.
+  AllocatorStats allocator_stats() const override {
+    AllocatorStats a;
+    if (!strict()) return a;
+    std::lock_guard<std::mutex> lock(pool_->mutex);
+    a.available = true;
+    a.current_bytes = pool_->current;
+    a.peak_bytes = pool_->peak;
+    a.reserved_bytes = pool_->reserved;
+    return a;
   }
   bool pins_memory() const override { return strict(); }
   bool is_pinned(const at::Tensor& src) const override {

@@ -40,6 +40,7 @@
 // their spin-waiting between parallel regions starves it (tests and benches on small
 // machines run with at::set_num_threads(1)).
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "offload/device.h"
@@ -52,6 +53,9 @@ bool strict_device_requested();
 
 struct CpuDeviceOptions {
   uint64_t total_memory = 0;         // reported device memory in bytes; 0: physical RAM
+  // What memory_info() reports. Unset: total = total_memory above, free = total minus
+  // what the device's ledger holds. Tests set it to play a device shared with others.
+  std::function<DeviceBackend::DeviceMemoryInfo()> memory_source;
   double copy_latency_us = 0;        // fixed time added to every host->device copy
   double copy_bytes_per_second = 0;  // copy rate cap ("slowed copy"); 0: memcpy speed
   double copy_timeout_ms = 20;       // how long a copy hit by fault point copy.h2d.timeout stalls before it fails

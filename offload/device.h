@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Device.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -79,8 +80,26 @@ class DeviceBackend {
   virtual c10::Device device() const = 0;
   // "cpu", "cuda:0".
   std::string name() const { return device().str(); }
-  // Device memory in bytes (the 100% of a "--budget 50%").
-  virtual uint64_t total_memory() const = 0;
+  // Device memory in bytes (the 100% of a "--vram-budget 50%"): memory_info().total_bytes.
+  uint64_t total_memory() const { return static_cast<uint64_t>(std::max<int64_t>(memory_info().total_bytes, 0)); }
+  // Free and total device memory now, as the driver sees it (all processes); both 0 when
+  // unknown. "--vram-budget auto" starts from free_bytes.
+  struct DeviceMemoryInfo {
+    int64_t free_bytes = 0;
+    int64_t total_bytes = 0;
+  };
+  virtual DeviceMemoryInfo memory_info() const = 0;
+  // The device allocator's own counters for this device (all its users, not only the
+  // ledger's requested bytes): allocated now, allocated at most since the process started
+  // (or the allocator's last peak reset), and reserved (held from the driver, cache
+  // included). available=false where the backend has no such allocator.
+  struct AllocatorStats {
+    bool available = false;
+    int64_t current_bytes = 0, peak_bytes = 0, reserved_bytes = 0;
+  };
+  virtual AllocatorStats allocator_stats() const { return {}; }
+  // Hands memory the allocator caches but nothing uses back to the driver (emptyCache).
+  virtual void release_cached_memory() {}
   // Whether pin() really page-locks memory (false: it is a no-op returning the input).
   virtual bool pins_memory() const = 0;
 

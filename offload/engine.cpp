@@ -1161,6 +1161,14 @@ void StreamingEngine::resolve(bool wait_all) {
   if (event_pool_.size() > 4096) event_pool_.resize(4096);
 }
 
+void set_allocator_stats(EngineStats& stats, const DeviceBackend& device) {
+  const DeviceBackend::AllocatorStats a = device.allocator_stats();
+  stats.allocator_stats_available = a.available;
+  stats.allocator_current_bytes = a.current_bytes;
+  stats.allocator_peak_bytes = a.peak_bytes;
+  stats.allocator_reserved_bytes = a.reserved_bytes;
+}
+
 EngineStats StreamingEngine::stats() {
   resolve(true);
   EngineStats s;
@@ -1189,6 +1197,7 @@ EngineStats StreamingEngine::stats() {
     s.sync_copies = bounce_->sync_copies();
   }
   s.forward_records.assign(records_.begin(), records_.end());
+  set_allocator_stats(s, *device_);
   return s;
 }
 

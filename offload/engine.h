@@ -79,6 +79,9 @@ enum class PinMode { auto_, on, off };
 // "auto" | "on" | "off"; throws InvalidArgument naming `flag`.
 PinMode parse_pin_mode(std::string_view text, const std::string& flag = "--pin");
 
+// Copies `device`'s allocator_stats() into the allocator fields of `stats`.
+void set_allocator_stats(EngineStats& stats, const DeviceBackend& device);
+
 struct EngineOptions {
   std::shared_ptr<DeviceBackend> device;       // where resident layers live; null: a CPU device
   uint64_t budget_bytes = 0;                   // device bytes for this model, working memory included; 0: all device memory

@@ -44,10 +44,17 @@ std::string EngineStats::to_json(int indent) const {
   j["budget"] = {{"budget_bytes", budget_bytes}, {"working_memory_bytes", working_memory_bytes}};
   nlohmann::json kinds = nlohmann::json::object();
   for (size_t k = 0; k < kMemoryKinds; ++k) kinds[memory_kind_name(static_cast<MemoryKind>(k))] = stat_json(device_memory.by_kind[k]);
+  // The ledger counts the bytes sluice requested; the allocator's numbers are its own.
+  const auto allocator = [&](int64_t v) { return allocator_stats_available ? nlohmann::json(v) : nlohmann::json(); };
   j["device"] = {{"name", device},
+                 {"ledger_peak_bytes", device_memory.total.peak},
                  {"peak_bytes", device_memory.total.peak},
                  {"current_bytes", device_memory.total.current},
                  {"by_kind", kinds},
+                 {"allocator_stats", allocator_stats_available ? "available" : "unavailable"},
+                 {"allocator_current_bytes", allocator(allocator_current_bytes)},
+                 {"allocator_peak_bytes", allocator(allocator_peak_bytes)},
+                 {"allocator_reserved_bytes", allocator(allocator_reserved_bytes)},
                  {"ring_slots", ring_slots},
                  {"slot_bytes", slot_bytes}};
   j["pinned"] = stat_json(pinned);

@@ -84,6 +84,11 @@ struct EngineStats {
   uint64_t ring_slots = 0;
   uint64_t slot_bytes = 0;
   DeviceMemoryStats device_memory;  // what the engine holds on the device; peaks since attach or the last residency change
+  // The device allocator's own counters (DeviceBackend::allocator_stats()): the whole
+  // device, every user, what it allocated now and at most (since the process started) and
+  // what it reserves from the driver. Not available on every backend (the CPU device).
+  bool allocator_stats_available = false;
+  int64_t allocator_current_bytes = 0, allocator_peak_bytes = 0, allocator_reserved_bytes = 0;
   Stat pinned;                      // pinned host bytes of streamed layers
   Stat residency_h2d;               // bytes copied/dropped by attach and residency changes
   uint64_t forwards = 0;
@@ -96,7 +101,9 @@ struct EngineStats {
 
   // JSON text with the fields the CLI's --stats prints: model.{name,total_bytes,
   // resident_bytes,residency}, budget.{budget_bytes,working_memory_bytes},
-  // device.{name,peak_bytes,current_bytes,by_kind}, pinned, forwards[].
+  // device.{name,ledger_peak_bytes (peak_bytes: the same, older name),current_bytes,by_kind,
+  // allocator_stats ("available"|"unavailable"),allocator_{current,peak,reserved}_bytes
+  // (null when unavailable)}, pinned, forwards[].
   std::string to_json(int indent = 2) const;
 };
 

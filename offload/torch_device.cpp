@@ -1,5 +1,6 @@
 #include "offload/torch_device.h"
 
+#include <ATen/DeviceAccelerator.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -9,12 +10,12 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <atomic>
+
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
-
-#ifdef SLUICE_HAS_CUDA
-#include "offload/cuda/cuda_memory.h"
-#endif
+#include "runtime/logging.h"
 
 namespace sluice::offload {
 
@@ -36,21 +37,13 @@ c10::Event& event_of(DeviceEvent& e) {
 
 const c10::Event& event_of(const DeviceEvent& e) { return event_of(const_cast<DeviceEvent&>(e)); }
 
-uint64_t query_total_memory(c10::Device device) {
-#ifdef SLUICE_HAS_CUDA
-  if (device.is_cuda()) return cuda::total_memory(device.index());
-#endif
-  (void)device;
-  return 0;
-}
-
 class TorchDevice final : public DeviceBackend {
  public:
   TorchDevice(c10::Device device, const TorchDeviceOptions& options)
       : impl_(device.type()),
         device_(device.has_index() ? device : c10::Device(device.type(), impl_.getDevice().index())),
         copy_stream_(impl_.getStreamFromGlobalPool(device_, options.high_priority_copy_stream)),
-        total_(options.total_memory ? options.total_memory : query_total_memory(device_)) {}
+        total_override_(static_cast<int64_t>(options.total_memory)) {}
 
   ~TorchDevice() override {
     try {
@@ -60,7 +53,51 @@ class TorchDevice final : public DeviceBackend {
   }
 
   c10::Device device() const override { return device_; }
-  uint64_t total_memory() const override { return total_; }
+  // Through torch's device-generic accelerator API (CUDA and ROCm alike, nvcc or not).
+  // It serves the build's one accelerator: any other device type has no numbers.
+  DeviceMemoryInfo memory_info() const override {
+    DeviceMemoryInfo info;
+    if (is_accelerator()) {
+      try {
+        c10::DeviceGuard guard(device_);
+        const auto [free_bytes, total_bytes] = at::accelerator::getMemoryInfo(device_.index());
+        info = {static_cast<int64_t>(free_bytes), static_cast<int64_t>(total_bytes)};
+      } catch (const c10::Error& e) {
+        warn_once(memory_warned_, "memory query", e);
+      }
+    }
+    if (total_override_ > 0) {  // TorchDeviceOptions::total_memory: a smaller device
+      info.total_bytes = total_override_;
+      info.free_bytes = info.free_bytes > 0 ? std::min(info.free_bytes, total_override_) : total_override_;
+    }
+    return info;
+  }
+
+  AllocatorStats allocator_stats() const override {
+    if (!is_accelerator()) return {};
+    try {
+      const auto s = at::accelerator::getDeviceStats(device_.index());
+      constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+      AllocatorStats out;
+      out.available = true;
+      out.current_bytes = s.allocated_bytes[all].current;
+      out.peak_bytes = s.allocated_bytes[all].peak;
+      out.reserved_bytes = s.reserved_bytes[all].current;
+      return out;
+    } catch (const c10::Error& e) {
+      warn_once(stats_warned_, "allocator statistics", e);
+      return {};
+    }
+  }
+
+  void release_cached_memory() override {
+    if (!is_accelerator()) return;
+    try {
+      at::accelerator::emptyCache();
+    } catch (const c10::Error& e) {
+      warn_once(empty_warned_, "emptyCache", e);
+    }
+  }
   bool pins_memory() const override { return true; }
 
   std::unique_ptr<DeviceEvent> create_event() override { return std::make_unique<TorchEvent>(device_.type()); }
@@ -139,10 +176,19 @@ class TorchDevice final : public DeviceBackend {
     return kind == StreamKind::copy ? copy_stream_ : impl_.getStream(device_);
   }
 
+  bool is_accelerator() const { return at::accelerator::getAccelerator(false) == device_.type(); }
+
+  void warn_once(std::atomic<bool>& warned, const char* what, const c10::Error& e) const {
+    if (!warned.exchange(true)) {
+      log::warn(name() + ": " + what + " unavailable: " + e.what_without_backtrace());
+    }
+  }
+
   c10::impl::VirtualGuardImpl impl_;
   c10::Device device_;
   c10::Stream copy_stream_;
-  uint64_t total_;
+  int64_t total_override_;
+  mutable std::atomic<bool> memory_warned_{false}, stats_warned_{false}, empty_warned_{false};
 };
 
 }  // namespace

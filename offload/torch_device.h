@@ -7,6 +7,9 @@
 //  - Copy stream: one stream from the global pool, fixed for the backend's life.
 //  - Events are created with timing enabled (EventFlag::BACKEND_DEFAULT), so elapsed_ms()
 //    gives device-side times.
+//  - Memory: free/total, the allocator's counters and cache release come from torch's
+//    device-generic accelerator API (ATen/DeviceAccelerator.h: getMemoryInfo,
+//    getDeviceStats, emptyCache), so CUDA and ROCm builds need no nvcc for them.
 //  - pin() allocates page-locked memory through ATen (pinned_memory(true)) and copies into
 //    it; any failure returns an undefined tensor so the caller falls back to pageable.
 //
@@ -26,7 +29,7 @@
 namespace sluice::offload {
 
 struct TorchDeviceOptions {
-  uint64_t total_memory = 0;               // device memory in bytes; 0: query (CUDA builds only)
+  uint64_t total_memory = 0;               // device memory to report in bytes (free capped to it); 0: query
   bool high_priority_copy_stream = false;  // take the copy stream from the high-priority pool
 };
 

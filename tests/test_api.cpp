@@ -227,6 +227,34 @@ TEST_CASE("api: residency and budget changes at runtime") {
   CHECK_THROWS_AS(cache.set_vram_budget("1MiB"), sluice::ResourceError);
 }
 
+TEST_CASE("api: vram_budget auto is the free device memory minus vram_headroom, at creation and when set again") {
+  sluice::RuntimeOptions o = cpu("auto");
+  o.device_memory = 1024 * MiB;  // the CPU device's total; free is the total minus what it holds
+  o.vram_headroom = "256MiB";
+  sluice::ModelCache cache(o);
+  sluice::CacheStats cs = cache.stats();
+  CHECK(cs.vram_budget_bytes == 768 * MiB);
+  CHECK(cs.vram_budget_source == "auto: free 1.0GiB - headroom 256.0MiB = 768.0MiB on cpu");
+  sluice::Model model = cache.load("anima-tiny");
+  (void)model.lock();
+  // Again with a model on the device: what sluice holds counts as free for its budget.
+  cache.set_vram_budget("auto");
+  cs = cache.stats();
+  CHECK(cs.vram_budget_bytes == 768 * MiB);
+  CHECK(cs.vram_budget_source.find("sluice holds") != std::string::npos);
+  cache.set_vram_budget("50%");
+  CHECK(cache.stats().vram_budget_bytes == 512 * MiB);
+  CHECK(cache.stats().vram_budget_source == "50% of total 1.0GiB = 512.0MiB on cpu");
+  cache.set_vram_budget("300MiB");  // the headroom applies to auto only: no error here
+  CHECK(cache.stats().vram_budget_source.empty());
+  // A headroom that leaves nothing, or one given with another budget, is refused.
+  o.vram_headroom = "100%";
+  CHECK_THROWS_WITH(sluice::ModelCache(o), Catch::Contains("vram_headroom '100%'"));
+  o.vram_budget = "50%";
+  o.vram_headroom = "1MiB";
+  CHECK_THROWS_WITH(sluice::ModelCache(o), Catch::Contains("vram_headroom: only applies to vram_budget auto"));
+}
+
 TEST_CASE("api: LoRA changes the output and its removal restores it bit-exactly") {
   TempDir dir;
   sluice::ModelCache cache(cpu());

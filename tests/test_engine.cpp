@@ -542,6 +542,8 @@ TEST_CASE("engine: stats JSON carries the documented fields") {
   CHECK(j["budget"]["budget_bytes"].get<uint64_t>() == o.budget_bytes);
   CHECK(j["budget"]["working_memory_bytes"].get<uint64_t>() == o.working_memory_bytes);
   CHECK(j["device"]["peak_bytes"].get<int64_t>() == s.device_memory.total.peak);
+  CHECK(j["device"]["ledger_peak_bytes"].get<int64_t>() == s.device_memory.total.peak);
+  CHECK(j["device"]["allocator_stats"] == "unavailable");
   REQUIRE(j["forwards"].size() == 2);
   for (const auto& f : j["forwards"]) {
     CHECK(f["bytes_streamed"].get<uint64_t>() == streamed_bytes(engine));

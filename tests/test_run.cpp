@@ -130,6 +130,9 @@ TEST_CASE("run: the stats JSON has the documented fields and each forward stream
     CHECK(j.at("budget").at("budget_bytes").get<uint64_t>() > 0);
     CHECK(j.at("budget").contains("working_memory_bytes"));
     CHECK(j.at("device").at("peak_bytes").get<uint64_t>() > 0);
+    CHECK(j.at("device").at("ledger_peak_bytes") == j.at("device").at("peak_bytes"));
+    CHECK(j.at("device").at("allocator_stats") == "unavailable");  // the CPU device has no caching allocator
+    CHECK(j.at("device").at("allocator_peak_bytes").is_null());
     for (const char* k : {"hits", "misses", "evictions"}) CHECK(j.at("cache").contains(k));
     CHECK(j.at("cache").at("misses").get<uint64_t>() == 1);
 
@@ -222,6 +225,29 @@ TEST_CASE("run: a context file is used and a wrong one is an error naming the te
   expect_error(small_run({"--context", ctx}), 1, {"'negative_context'"});
   sluice::safetensors::save(ctx, {{"prompt", at::randn({1, 7, 128}, gen)}});
   expect_error(small_run({"--context", ctx}), 1, {"'prompt'"});
+}
+
+TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and says so") {
+  // On the CPU device the memory is this machine's RAM, far more than anima-small needs.
+  Result r = run_ok(small_run({"--vram-budget", "auto"}));
+  INFO(r.out);
+  CHECK(r.out.find(" [auto: free ") != std::string::npos);
+  CHECK(r.out.find(" - headroom ") != std::string::npos);
+  CHECK(r.out.find("(default: max(512MiB, 5% of total") != std::string::npos);
+  CHECK(r.out.find("nothing will stream") != std::string::npos);
+  CHECK(r.err.empty());  // the CLI logs warnings only; the budget line is on stdout
+  r = run_ok(small_run({"--vram-budget", "AUTO", "--vram-headroom", "50%", "--log-level", "info"}));
+  CHECK(r.out.find("(50% of total)") != std::string::npos);
+  CHECK(r.err.find("vram budget ") != std::string::npos);  // and the library's log line
+  CHECK(r.err.find("(50% of total)") != std::string::npos);
+  r = run_ok(small_run({"--vram-budget", "50%"}));
+  CHECK(r.out.find(" [50% of total ") != std::string::npos);
+  // A budget that streams does not print the note.
+  r = run_ok(small_run({"--max-resident", "0.5"}));
+  CHECK(r.out.find("nothing will stream") == std::string::npos);
+  expect_error(small_run({"--vram-budget", "auto", "--vram-headroom", "100%"}), 1, {"vram_headroom", "100%"});
+  expect_error(small_run({"--vram-budget", "1GiB", "--vram-headroom", "1GiB"}), 1, {"vram_headroom", "auto"});
+  expect_error(small_run({"--vram-headroom", "lots"}), 2, {"--vram-headroom", "lots"});
 }
 
 TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {

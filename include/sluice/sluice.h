@@ -73,7 +73,8 @@ void sluice_free_string(char* s);
 typedef struct sluice_cache_options {
   size_t struct_size;        /* set by sluice_cache_options_init */
   const char* device;        /* "cpu" (CPU plays the device), "cuda", "cuda:N"; default "cpu" */
-  const char* vram_budget;   /* device bytes for all models, working memory included; default: all */
+  const char* vram_budget;   /* device bytes for all models, working memory included ("50%" of total,
+                                "auto": free memory minus vram_headroom); default: all */
   const char* working_memory; /* part of the budget kept for activations; default: sized for resolution */
   int64_t resolution;        /* image side the default working memory is sized for; default 1024 */
   const char* ram_limit;     /* host bytes for cached models, LRU eviction; "0": unlimited */
@@ -83,6 +84,7 @@ typedef struct sluice_cache_options {
   int timing;                /* nonzero: device-timed per-forward stats; default 1 */
   int trace;                 /* nonzero: record spans for sluice_model_write_trace; default 0 */
   uint64_t device_memory;    /* device memory to assume for percentages; 0: ask the device */
+  const char* vram_headroom; /* vram_budget "auto" only: memory left free ("10%" of total); default max(512MiB, 5%) */
 } sluice_cache_options;
 
 /* Options of sluice_load; NULL means all defaults. */

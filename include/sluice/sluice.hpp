@@ -49,7 +49,8 @@ std::string version();
 // ("6GB"), or a percentage ("50%") where the field says of what.
 struct RuntimeOptions {
   std::string device = "cpu";           // "cpu" (the CPU plays the device, for tests and CI), "cuda", "cuda:N"
-  std::string vram_budget;              // device bytes for all models, working memory included ("50%" of device memory); empty: all of it
+  std::string vram_budget;              // device bytes for all models, working memory included ("50%" of TOTAL device memory; "auto": free memory minus vram_headroom); empty: all of it
+  std::string vram_headroom;            // "auto" only: device memory left free ("10%" of TOTAL memory); empty: max(512MiB, 5% of total)
   std::string working_memory;           // part of the budget kept free for activations ("10%" of the budget); empty: 1GiB x (resolution/1024)^2, at least 256MiB, at most 25% of the budget
   int64_t resolution = 1024;            // image side (pixels) the default working memory is sized for
   std::string ram_limit;                // host bytes for cached models ("50%" of RAM), LRU eviction; "0": unlimited; empty: max(4GiB, 50% of RAM - 2GiB)
@@ -100,6 +101,7 @@ struct CacheStats {
   uint64_t ram_limit_bytes = 0;         // 0: unlimited
   Counter ram;                          // host bytes of cached models' weights
   uint64_t vram_budget_bytes = 0;       // the device budget
+  std::string vram_budget_source;       // how it was resolved ("auto: free 22.2GiB - headroom ... = 21.1GiB on cuda:0", "50% of total ..."); empty for a size or all memory
   uint64_t working_memory_bytes = 0;    // part of it kept for activations
   uint64_t vram_limit_bytes = 0;        // budget - working memory: what models may hold together
   Counter vram;                         // device bytes all models hold (weights, staging rings, upcast scratch); peak since the last budget change
@@ -309,7 +311,8 @@ class ModelCache {
   // Removes a model: now, or when its last lock ends. Its handles' lock() throws afterwards.
   void drop(const Model& model);
 
-  // New budget for all models (RuntimeOptions::vram_budget forms). Unlocked models give up
+  // New budget for all models (RuntimeOptions::vram_budget forms; "auto" reads the free
+  // memory now, with RuntimeOptions::vram_headroom). Unlocked models give up
   // residency first; locked ones are only partially unloaded. ResourceError (nothing
   // changed) when the locked models' minimum does not fit.
   void set_vram_budget(const std::string& budget);

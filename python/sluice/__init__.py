@@ -161,7 +161,8 @@ class ModelCache:
     """Models in RAM (fp8 storage by default) on one device under one VRAM budget.
 
     Keyword arguments are the fields of the C++ RuntimeOptions: device ("cpu" plays the
-    device for tests), vram_budget ("50%", "6GiB"), working_memory, resolution, ram_limit,
+    device for tests), vram_budget ("50%" of total device memory, "6GiB", or "auto": free
+    memory minus vram_headroom), vram_headroom, working_memory, resolution, ram_limit,
     prefetch, pin_memory ("auto"|"on"|"off"), pin_cap_fraction, policy, timing, trace,
     device_memory, cpu_copy_gbps.
     """

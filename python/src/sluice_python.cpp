@@ -27,7 +27,7 @@ sluice::RuntimeOptions runtime_options(const std::string& device, const std::str
                                        const std::string& working_memory, int64_t resolution, const std::string& ram_limit,
                                        uint32_t prefetch, const std::string& pin_memory, double pin_cap_fraction,
                                        const std::string& policy, bool timing, bool trace, uint64_t device_memory,
-                                       double cpu_copy_gbps) {
+                                       double cpu_copy_gbps, const std::string& vram_headroom) {
   sluice::RuntimeOptions o;
   o.device = device;
   o.vram_budget = vram_budget;
@@ -42,6 +42,7 @@ sluice::RuntimeOptions runtime_options(const std::string& device, const std::str
   o.trace = trace;
   o.device_memory = device_memory;
   o.cpu_copy_gbps = cpu_copy_gbps;
+  o.vram_headroom = vram_headroom;
   return o;
 }
 
@@ -98,7 +99,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("working_memory") = "", py::arg("resolution") = 1024, py::arg("ram_limit") = "",
            py::arg("prefetch") = 2, py::arg("pin_memory") = "auto", py::arg("pin_cap_fraction") = 0.5,
            py::arg("policy") = "spread", py::arg("timing") = true, py::arg("trace") = false,
-           py::arg("device_memory") = 0, py::arg("cpu_copy_gbps") = 0.0)
+           py::arg("device_memory") = 0, py::arg("cpu_copy_gbps") = 0.0, py::arg("vram_headroom") = "")
       .def_readonly("device", &sluice::RuntimeOptions::device)
       .def_readonly("vram_budget", &sluice::RuntimeOptions::vram_budget)
       .def_readonly("prefetch", &sluice::RuntimeOptions::prefetch);
