@@ -1,6 +1,6 @@
 // sluice_bench_pipeline: the streaming pipeline on a real model (Anima presets), swept
 // over residency, on the CPU device (with a slowed copy standing in for the bus) or on a
-// GPU (bench/gpu/run.sh runs it there for anima-2b).
+// GPU (bench/gpu/device_all.sh runs it there for anima-2b).
 //
 // First it measures the copy rates the floor is computed from: host->device from pinned
 // and from pageable memory, and device->device. Then, for each preset and resolution: a

@@ -36,7 +36,7 @@
 #   --dry-run-cpu        see above
 #   --build-dir DIR      build folder (env SLUICE_BUILD_DIR; default: build-device-all on a
 #                        GPU, build with --dry-run-cpu)
-#   --budget-s N         total seconds (env SLUICE_DEVICE_ALL_BUDGET_S; default 480, 170
+#   --budget-s N         total seconds (env SLUICE_DEVICE_ALL_BUDGET_S; default 480, 300
 #                        with --dry-run-cpu)
 #   --phases LIST        run only these of tests,upcast,pipeline,compare (env and build always)
 #   OUT                  results folder (default: a new temporary folder, printed)
@@ -68,7 +68,7 @@ if [ "$MODE" = gpu ]; then
   : "${BUILD:=$ROOT/build-device-all}" "${BUDGET:=480}"
   DEVICE=cuda
 else
-  : "${BUILD:=$ROOT/build}" "${BUDGET:=170}"
+  : "${BUILD:=$ROOT/build}" "${BUDGET:=300}"
   DEVICE=cpu
 fi
 case "$BUILD" in /*) ;; *) BUILD="$ROOT/$BUILD" ;; esac
@@ -111,8 +111,26 @@ out_of_time() {
 PY="${PYTHON:-python3}"
 if ! "$PY" -c 'import torch' 2>/dev/null && [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; fi
 PY="$(command -v "$PY" || echo "$PY")"
-TORCH_PREFIX="$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)"
-PREFIXES=("$TORCH_PREFIX")
+# One torch import (seconds each on a loaded machine): its cmake prefix and whether it sees
+# a CUDA device go to $WORK, its versions to env.txt below.
+TORCH_INFO="$("$PY" - "$WORK" <<'PY' 2>&1
+import sys
+try:
+    import torch, torch.utils
+except Exception as e:  # noqa: BLE001
+    print(f"torch: not importable ({e})")
+    sys.exit(0)
+open(f"{sys.argv[1]}/torch_prefix", "w").write(torch.utils.cmake_prefix_path)
+ok = torch.cuda.is_available()
+open(f"{sys.argv[1]}/cuda_ok", "w").write("1" if ok else "0")
+line = f"torch {torch.__version__}, built with CUDA {torch.version.cuda}, HIP {torch.version.hip}, cuda available {ok}"
+if ok:
+    p = torch.cuda.get_device_properties(0)
+    line += f", device 0: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, sm_{p.major}{p.minor}"
+print(line)
+PY
+)"
+PREFIXES=("$(cat "$WORK/torch_prefix" 2>/dev/null)")
 # The Debian packages carried in .gpu/debs, unpacked once into .gpu/sysroot (never into /).
 if [ "$MODE" = gpu ] && [ -d .gpu/debs ]; then
   if [ ! -f .gpu/sysroot/.unpacked ]; then
@@ -124,7 +142,7 @@ if [ "$MODE" = gpu ] && [ -d .gpu/debs ]; then
   export LD_LIBRARY_PATH="$ROOT/.gpu/sysroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 # diffusers, carried as a wheel, when the python lacks it.
-if ! "$PY" -c 'import diffusers' 2>/dev/null && compgen -G ".gpu/whl/*.whl" >/dev/null; then
+if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("diffusers") is None)' 2>/dev/null && compgen -G ".gpu/whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .gpu/whl/*.whl &&
     export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -154,24 +172,21 @@ commit_line() {
     echo "nvidia-smi: not found"
   fi
   echo "python: $PY ($("$PY" --version 2>&1))"
+  echo "$TORCH_INFO"
+  # Presence and version without importing (diffusers and accelerate take seconds).
   "$PY" - <<'PY' 2>&1
-import importlib
-try:
-    import torch
-    line = f"torch {torch.__version__}, built with CUDA {torch.version.cuda}, HIP {torch.version.hip}, cuda available {torch.cuda.is_available()}"
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        line += f", device 0: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, sm_{p.major}{p.minor}"
-    print(line)
-except Exception as e:  # noqa: BLE001
-    print(f"torch: not importable ({e})")
+import importlib.metadata as md, importlib.util
 mods = []
-for m in ["diffusers", "numpy", "safetensors", "einops", "huggingface_hub", "PIL", "regex", "requests",
-          "filelock", "accelerate", "scikit_build_core"]:
+for m, dist in [("diffusers", "diffusers"), ("numpy", "numpy"), ("safetensors", "safetensors"), ("einops", "einops"),
+                ("huggingface_hub", "huggingface_hub"), ("PIL", "pillow"), ("regex", "regex"), ("requests", "requests"),
+                ("filelock", "filelock"), ("accelerate", "accelerate"), ("scikit_build_core", "scikit_build_core")]:
+    if importlib.util.find_spec(m) is None:
+        mods.append(f"{m} MISSING")
+        continue
     try:
-        mods.append(f"{m} {getattr(importlib.import_module(m), '__version__', '?')}")
-    except Exception as e:  # noqa: BLE001
-        mods.append(f"{m} MISSING ({type(e).__name__})")
+        mods.append(f"{m} {md.version(dist)}")
+    except md.PackageNotFoundError:
+        mods.append(f"{m} (version unknown)")
 print("python modules: " + ", ".join(mods))
 PY
   echo "nvcc: $(nvcc --version 2>/dev/null | grep -E 'release' || echo 'not found')"
@@ -180,9 +195,7 @@ PY
   echo "build folder: $BUILD; results: $OUT"
   echo "CMAKE_PREFIX_PATH: $(IFS=';'; echo "${PREFIXES[*]}")"
 } 2>&1 | tee "$OUT/env.txt"
-CUDA_OK=0
-"$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null && CUDA_OK=1
-if [ "$MODE" = gpu ] && ((!CUDA_OK)); then
+if [ "$MODE" = gpu ] && [ "$(cat "$WORK/cuda_ok" 2>/dev/null)" != 1 ]; then
   record env fail "(torch sees no CUDA device: every GPU phase below is meaningless)"
 else
   record env pass "(env.txt)"
@@ -231,6 +244,30 @@ else
     record build fail "(rc $rc after $((SECONDS - b0)) s$( ((rc == 124)) && echo ', timed out'); build.log)"
   fi
 fi
+
+# --- the Python bindings compare.py imports: built in the background during the tests ---
+# (not during the timed phases), so the compare phase need not wait for them.
+PYINSTALL="${SLUICE_PYINSTALL:-}"
+[ -z "$PYINSTALL" ] && [ "$MODE" = cpu ] && PYINSTALL="$BUILD/pyinstall"
+BIND_PID=""
+BIND_RC=0
+if wants compare && [ -x "$BUILD/cli/sluice" ] && ! { [ -n "$PYINSTALL" ] && [ -f "$PYINSTALL/sluice/__init__.py" ]; } &&
+  t=$(allot 300 40); then
+  PYINSTALL="$WORK/pyinstall"
+  log "building the Python bindings into $PYINSTALL (in the background)"
+  CMAKE_PREFIX_PATH="$(IFS=':'; echo "${PREFIXES[*]}")" SLUICE_BUILD_DIR="$BUILD" SLUICE_PYTHON="$PY" \
+    SLUICE_INSTALL_PREFIX="$WORK/install" run_for "$t" bash scripts/python_install.sh --target "$PYINSTALL" \
+    >"$WORK/pyinstall.log" 2>&1 &
+  BIND_PID=$!
+fi
+wait_bindings() {
+  if [ -n "$BIND_PID" ]; then
+    wait "$BIND_PID"
+    BIND_RC=$?
+    BIND_PID=""
+    log "Python bindings: rc $BIND_RC"
+  fi
+}
 
 # --- tests -----------------------------------------------------------------------------
 if wants tests; then
@@ -281,6 +318,8 @@ if wants tests; then
     fi
   fi
 fi
+
+wait_bindings  # the timed phases below run alone
 
 # --- upcast ----------------------------------------------------------------------------
 if wants upcast; then
@@ -361,30 +400,20 @@ fi
 # --- compare ---------------------------------------------------------------------------
 if wants compare; then
   if [ "$MODE" = gpu ]; then
-    CMP_ARGS=(--device cuda --preset anima-2b --resolutions "1024,512")
+    CMP_ARGS=(--device cuda --preset anima-2b --resolutions "1024,512" --steps 3 --warmup 1)
   else
     CMP_ARGS=(--device cpu --preset anima-tiny --resolutions 64 --steps 3 --warmup 1)
   fi
   [ -f .gpu/reference/anima_transformer.py ] && CMP_ARGS+=(--reference "$ROOT/.gpu/reference/anima_transformer.py")
-  has_bindings() { [ -n "$1" ] && PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c 'import sluice' 2>/dev/null; }
-  PYINSTALL="${SLUICE_PYINSTALL:-}"
-  [ -z "$PYINSTALL" ] && [ "$MODE" = cpu ] && PYINSTALL="$BUILD/pyinstall"
+  wait_bindings
   if [ ! -x "$BUILD/cli/sluice" ]; then
     record compare fail "(sluice not built)"
   elif ! t=$(allot 270 40); then
     out_of_time compare
   else
     c0=$SECONDS
-    rc=0
-    if ! has_bindings "$PYINSTALL"; then
-      log "installing the Python bindings into $WORK/pyinstall"
-      PYINSTALL="$WORK/pyinstall"
-      CMAKE_PREFIX_PATH="$(IFS=':'; echo "${PREFIXES[*]}")" SLUICE_BUILD_DIR="$BUILD" SLUICE_PYTHON="$PY" \
-        SLUICE_INSTALL_PREFIX="$WORK/install" run_for "$t" bash scripts/python_install.sh --target "$PYINSTALL" \
-        >"$WORK/pyinstall.log" 2>&1
-      rc=$?
-      ((rc == 0)) || { tail -30 "$WORK/pyinstall.log" | tee "$OUT/compare.md"; }
-    fi
+    rc=$BIND_RC
+    ((rc == 0)) || { tail -30 "$WORK/pyinstall.log" | tee "$OUT/compare.md"; }
     if ((rc != 0)); then
       record compare fail "(building the Python bindings failed, rc $rc; compare.md)"
     elif ! t=$(allot $((270 - (SECONDS - c0))) 20); then
