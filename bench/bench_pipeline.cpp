@@ -1,6 +1,6 @@
 // sluice_bench_pipeline: the streaming pipeline on a real model (Anima presets), swept
 // over residency, on the CPU device (with a slowed copy standing in for the bus) or on a
-// GPU (bench/gpu/run.sh runs it there for anima-2b).
+// GPU (bench/gpu/device_all.sh runs it there for anima-2b).
 //
 // First it measures the copy rates the floor is computed from: host->device from pinned
 // and from pageable memory, and device->device. Then, for each preset and resolution: a
@@ -9,7 +9,11 @@
 //   bf16 resident    bf16 storage, every layer on the device
 //   fp8 resident     fp8 storage (bf16 compute), every layer on the device: the baseline
 //   max_resident F   fp8, at most F of the streamable bytes resident, the rest streamed
-// with F in 0.75, 0.5, 0.25, 0. Each row prints the median step time, bytes streamed per
+// with F in 0.75, 0.5, 0.25, 0, and for each --budgets B (none by default; e.g. 8GiB for
+//   budget B         an 8 GB card) fp8 under a device budget of B bytes, working memory
+//                    included (sized for the resolution as `sluice run` sizes it), no cap:
+//                    the residency the budget allows.
+// Each row prints the median step time, bytes streamed per
 // step, the H2D rate the copy stream achieved, the compute time spent waiting on copies
 // (stall), the peak device bytes the engine held, and two ratios:
 //   /fp8:   step time / the fp8 resident step of the same run;
@@ -25,7 +29,7 @@
 //   sluice_bench_pipeline [--device cpu|cuda[:N]] [--presets anima-small,anima-medium]
 //                         [--resolutions 256,...] [--reps N] [--warmup N] [--copy-ratio R]
 //                         [--prefetch N] [--policy spread|front_first] [--fractions F,F]
-//                         [--no-bf16] [--markdown]
+//                         [--budgets SIZE,SIZE] [--no-bf16] [--markdown]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -40,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/model_cache.h"
 #include "models/anima/anima.h"
 #include "models/anima/generator.h"
 #include "offload/cpu_device.h"
@@ -48,6 +53,7 @@
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/size_parse.h"
 
 using namespace sluice;
 using namespace sluice::offload;
@@ -66,6 +72,7 @@ struct Args {
   uint32_t prefetch = 2;                       // engine prefetch depth
   ResidencyPolicy policy = ResidencyPolicy::spread;
   std::vector<double> fractions = {0.75, 0.5, 0.25, 0.0};  // max_resident rows
+  std::vector<uint64_t> budgets;               // byte-budget rows (device bytes, working memory included)
   bool bf16_row = true;                        // include the bf16 resident row
   bool markdown = false;                       // print tables as markdown
 };
@@ -75,7 +82,7 @@ struct Args {
   std::fprintf(stderr,
                "usage: sluice_bench_pipeline [--device cpu|cuda[:N]] [--presets a,b] [--resolutions px,px] "
                "[--reps N] [--warmup N] [--copy-ratio R] [--prefetch N] [--policy spread|front_first] "
-               "[--fractions F,F] [--no-bf16] [--markdown]\n");
+               "[--fractions F,F] [--budgets SIZE,SIZE] [--no-bf16] [--markdown]\n");
   std::exit(2);
 }
 
@@ -116,6 +123,9 @@ Args parse(int argc, char** argv) {
       } else if (k == "--fractions") {
         a.fractions.clear();
         for (const auto& f : split(value())) a.fractions.push_back(std::stod(f));
+      } else if (k == "--budgets") {
+        a.budgets.clear();
+        for (const auto& b : split(value())) a.budgets.push_back(parse_size(b, std::nullopt, "--budgets"));
       } else if (k == "--no-bf16") {
         a.bf16_row = false;
       } else if (k == "--markdown") {
@@ -242,11 +252,15 @@ struct Row {
   std::string map;
 };
 
+// max_resident set: at most that fraction resident, no budget; unset: `budget` bytes
+// (working memory `working` included) decide.
 Row run_engine(anima::AnimaModel& model, const Inputs& in, const Args& a, const std::shared_ptr<DeviceBackend>& dev,
-               double max_resident) {
+               std::optional<double> max_resident, uint64_t budget = 0, uint64_t working = 0) {
   EngineOptions o;
   o.device = dev;
   o.max_resident = max_resident;
+  o.budget_bytes = budget;
+  o.working_memory_bytes = working;
   o.prefetch_depth = a.prefetch;
   o.policy = a.policy;
   StreamingEngine engine(o);
@@ -370,6 +384,16 @@ int main(int argc, char** argv) {
           std::snprintf(label, sizeof label, "max_resident %.2f", f);
           r.label = label;
           rows.push_back(r);
+        }
+        for (uint64_t b : a.budgets) {
+          const std::string label = "budget " + format_bytes(b);
+          try {
+            Row r = run_engine(model, in, a, dev, std::nullopt, b, cache::default_working_memory(b, px));
+            r.label = label;
+            rows.push_back(r);
+          } catch (const ResourceError& e) {
+            std::printf("%s: does not fit: %s\n", label.c_str(), e.what());
+          }
         }
         std::printf("\n%s at %lldx%lld px (latent %lld), batch 2 (cfg), bf16 compute, prefetch %u, %s policy, %s\n",
                     name.c_str(), static_cast<long long>(px), static_cast<long long>(px),

@@ -7,6 +7,7 @@
 #include "offload/device.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
+#include "tests/device_env.h"
 
 using namespace sluice::offload;
 
@@ -195,4 +196,72 @@ TEST_CASE("cpu device: a failed copy is reported once by the next event wait or 
   CHECK_THROWS_AS(dev->copy_to_device(dst, src), sluice::DeviceError);
   dev->synchronize();
   CHECK(dst.sum().item<float>() == 0.0f);
+}
+
+// --- On the device SLUICE_TEST_DEVICE names (tests/device_env.h) ---------------------
+
+TEST_CASE("env device: copies from pinned and pageable memory arrive, in order, and the ledger returns to zero",
+          "[env-device]") {
+  SLUICE_TEST_DEVICE_OR_SKIP(dev);
+  if (!dev->device().is_cpu()) CHECK(dev->total_memory() > 0);
+  constexpr int64_t n = 1 << 20;  // 4 MiB of float
+  const at::Tensor host = at::arange(n, at::kFloat);
+  {
+    at::Tensor pinned = dev->pin(host);
+    REQUIRE(pinned.defined());
+    CHECK(pinned.is_pinned() == (dev->pins_memory() && !dev->device().is_cpu()));
+    at::Tensor a = dev->allocate({n}, at::kFloat, MemoryKind::ring, "pinned dst");
+    at::Tensor b = dev->allocate({n}, at::kFloat, MemoryKind::scratch, "pageable dst");
+    CHECK(a.device() == dev->device());
+    CHECK(static_cast<uint64_t>(dev->memory_stats().total.current) == 2 * n * sizeof(float));
+    auto done = dev->create_event();
+    auto reused = dev->create_event();
+    for (int round = 0; round < 3; ++round) {
+      // The copy stream overwrites a and b only after the compute stream is done with them.
+      dev->record(*reused, StreamKind::compute);
+      dev->wait(StreamKind::copy, *reused);
+      dev->copy_to_device(a, pinned);
+      dev->copy_to_device(b, host);
+      dev->record(*done, StreamKind::copy);
+      // Compute-stream work after the wait sees both copies complete.
+      dev->wait(StreamKind::compute, *done);
+      const at::Tensor sum = (a + b).cpu();
+      CHECK(at::equal(sum, host * 2));
+      a.zero_();
+      b.zero_();
+    }
+    dev->synchronize();
+    CHECK(done->query());
+  }
+  dev->synchronize();
+  CHECK(dev->memory_stats().total.current == 0);
+}
+
+TEST_CASE("env device: events time device work and an injected enqueue fault leaves the device usable",
+          "[env-device]") {
+  struct Disarm {
+    ~Disarm() { sluice::fault::disarm_all(); }
+  } disarm;
+  SLUICE_TEST_DEVICE_OR_SKIP(dev);
+  const at::Tensor host = at::ones({1 << 18}, at::kFloat);
+  at::Tensor dst = dev->allocate({1 << 18}, at::kFloat, MemoryKind::ring, "dst");
+  auto start = dev->create_event();
+  auto stop = dev->create_event();
+  dev->record(*start, StreamKind::copy);
+  dev->copy_to_device(dst, host);
+  dev->record(*stop, StreamKind::copy);
+  stop->synchronize();
+  CHECK(dev->elapsed_ms(*start, *stop) >= 0.0);
+
+  sluice::fault::Trigger once;
+  once.nth = 1;
+  sluice::fault::arm("copy.h2d.enqueue", once);
+  dst.zero_();
+  CHECK_THROWS_AS(dev->copy_to_device(dst, host), sluice::DeviceError);
+  dev->synchronize();
+  CHECK(dst.sum().item<float>() == 0.0f);
+  dev->copy_to_device(dst, host);
+  dev->record(*stop, StreamKind::copy);
+  dev->wait(StreamKind::compute, *stop);
+  CHECK(dst.sum().item<float>() == static_cast<float>(1 << 18));
 }

@@ -10,6 +10,7 @@
 #include "offload/engine.h"
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
+#include "tests/device_env.h"
 #include "tests/toy_model.h"
 
 using namespace sluice::offload;
@@ -671,4 +672,35 @@ TEST_CASE("engine: set_max_resident replans under the current limit") {
   engine.attach(*model, "toy");
   CHECK(engine.plan().streamed_count() == 24);
   CHECK(at::equal(run(engine, model, x), ref));
+}
+
+// --- On the device SLUICE_TEST_DEVICE names (tests/device_env.h) ---------------------
+
+TEST_CASE("env device: every residency gives the fully resident output bit for bit and frees all it held",
+          "[env-device]") {
+  SLUICE_TEST_DEVICE_OR_SKIP(dev);
+  ToyModel m;
+  const at::Tensor x = input().to(dev->device());
+  at::Tensor ref;
+  for (double f : {1.0, 0.5, 0.0}) {
+    INFO("max_resident " << f);
+    EngineOptions o = options(dev);
+    o.max_resident = f;
+    StreamingEngine e(o);
+    e.attach(*m, "toy");
+    for (int i = 0; i < 3; ++i) {
+      const at::Tensor y = run(e, m, x);
+      CHECK(y.device() == dev->device());
+      const at::Tensor host = y.cpu();
+      if (!ref.defined()) ref = host;
+      CHECK(at::equal(host, ref));
+    }
+    const EngineStats s = e.stats();
+    CHECK(s.slot_violations == 0);
+    CHECK((e.plan().streamed_count() > 0) == (f < 1.0));
+    if (f < 1.0) CHECK(s.forward_records.back().bytes_streamed > 0);
+    e.detach();
+    dev->synchronize();
+    CHECK(dev->memory_stats().total.current == 0);
+  }
 }

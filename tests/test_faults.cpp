@@ -31,6 +31,7 @@
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
 #include "runtime/safetensors.h"
+#include "tests/device_env.h"
 
 using namespace sluice;
 using namespace sluice::anima;
@@ -630,4 +631,69 @@ TEST_CASE("faults: a LoRA loader or patch failure leaves no sidecar and the mode
   CHECK(same_bits(step(*rig.model, rig.in, &engine), rig.ref));
   CHECK(engine.device_bytes() == pre);
   require_unchanged(*rig.model, rig.before);
+}
+
+// --- On the device SLUICE_TEST_DEVICE names (tests/device_env.h) ---------------------
+
+TEST_CASE("env device: after an allocation, copy or layer fault the next forwards equal the fault-free one",
+          "[env-device]") {
+  DisarmAll guard;
+  SLUICE_TEST_DEVICE_OR_SKIP(dev);
+  AnimaModel model = fp8_tiny();
+  const Snapshot before = snapshot(*model);
+  Inputs in = inputs();
+  in.x = in.x.to(dev->device());
+  in.t = in.t.to(dev->device());
+  in.ctx = in.ctx.to(dev->device());
+  at::Tensor ref;
+  {
+    StreamingEngine resident(engine_options(dev, 1.0));
+    resident.attach(*model, "anima-tiny");
+    ref = dit(*model, in, &resident).cpu();
+    resident.detach();
+  }
+  require_unchanged(*model, before);
+
+  StreamingEngine engine(engine_options(dev, 0.0));
+  {
+    fault::ScopedFault f("device.alloc.ring", nth(1));
+    CHECK_THROWS_AS(engine.attach(*model, "anima-tiny"), ResourceError);
+    CHECK(f.fired() == 1);
+  }
+  CHECK_FALSE(engine.attached());
+  dev->synchronize();
+  CHECK(dev->memory_stats().total.current == 0);
+  engine.attach(*model, "anima-tiny");
+  REQUIRE(engine.plan().streamed_count() > 0);
+  CHECK(same_bits(dit(*model, in, &engine).cpu(), ref));
+  const uint64_t held = engine.device_bytes();
+  for (const char* point : {"copy.h2d.enqueue", "layer.forward"}) {
+    INFO(point);
+    {
+      fault::ScopedFault f(point, nth(2));
+      // A failed prefetch is issued again (the forward succeeds); a failed on-demand copy
+      // or layer throws. Either way the result, if any, is right.
+      at::Tensor out;
+      std::string error;
+      try {
+        out = dit(*model, in, &engine).cpu();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      if (out.defined()) {
+        CHECK(same_bits(out, ref));
+      } else {
+        CHECK_THAT(error, Catch::Contains("injected fault"));
+      }
+      CHECK(f.fired() == 1);
+    }
+    dev->synchronize();
+    CHECK(engine.device_bytes() == held);
+    for (int i = 0; i < 2; ++i) CHECK(same_bits(dit(*model, in, &engine).cpu(), ref));
+  }
+  CHECK(engine.stats().slot_violations == 0);
+  engine.detach();
+  dev->synchronize();
+  CHECK(dev->memory_stats().total.current == 0);
+  require_unchanged(*model, before);
 }

@@ -22,6 +22,7 @@
 #include "offload/layer.h"
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
+#include "tests/device_env.h"
 
 using namespace sluice;
 using namespace sluice::cache;
@@ -554,4 +555,37 @@ TEST_CASE("model_cache: residency changes of one model move only its share") {
   CHECK(cache->entry_state(a).in_ram);
   CHECK(cache->stats().vram.current == 0);
   CHECK_THROWS_AS(cache->lock(a), ResourceError);
+}
+
+// --- On the device SLUICE_TEST_DEVICE names (tests/device_env.h) ---------------------
+
+TEST_CASE("env device: two models sharing a budget too small for both give their fully resident outputs",
+          "[env-device]") {
+  SLUICE_TEST_DEVICE_OR_SKIP(dev);
+  const auto n = needs_of("anima-tiny");
+  REQUIRE(n.minimum < n.full);
+  const uint64_t W = 1 * MiB;
+  CacheOptions roomy = options(2 * n.full + W, W);
+  roomy.device = dev;
+  const anima::AnimaConfig c = anima::preset("anima-tiny");
+  Inputs in = inputs(c);
+  in.x = in.x.to(dev->device());
+  in.t = in.t.to(dev->device());
+  in.ctx = in.ctx.to(dev->device());
+  auto cache = ModelCache::create(roomy);
+  auto a = cache->load(spec("anima-tiny", 1));
+  auto b = cache->load(spec("anima-tiny", 2));
+  const at::Tensor ref_a = forward(*cache, a, in).cpu();
+  const at::Tensor ref_b = forward(*cache, b, in).cpu();
+  CHECK_FALSE(at::equal(ref_a, ref_b));
+  check_accounting(*cache, {a, b});
+
+  // One fully resident, the other near its minimum: the cache moves room between them.
+  cache->set_vram_budget(n.full + n.minimum + (n.full - n.minimum) / 4 + W);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(at::equal(forward(*cache, a, in).cpu(), ref_a));
+    CHECK(at::equal(forward(*cache, b, in).cpu(), ref_b));
+    check_accounting(*cache, {a, b});
+  }
+  CHECK(cache->stats().device_unloads > 0);
 }

@@ -2,7 +2,7 @@
 """Side-by-side (issue 6 §4): sluice against diffusers' group offloading and an InvokeAI-style
 partial load, on one device, the same random weights, the same inputs.
 
-    # on a GPU machine (bench/gpu/compare.sh builds sluice and the bindings first):
+    # on a GPU machine (bench/gpu/device_all.sh builds sluice and the bindings, then runs this):
     python bench/gpu/compare.py --device cuda --preset anima-2b --resolutions 1024,512
     # the CPU smoke run (ctest "bench: compare.py CPU smoke"):
     python bench/gpu/compare.py --device cpu --preset anima-tiny --resolutions 64 --check-rel-l2 0.05
@@ -37,13 +37,13 @@ peak device memory, the relative L2 vs sluice-full, and the ratio to the floor
 max(compute, streamed bytes / pinned H2D bandwidth) with compute = sluice-full's step time
 and the bandwidth measured here. A markdown table goes to stdout, JSON to --json.
 
-Device-time budget on one H200 (issue: < 8 min including the build):
-  build of sluice + bindings (compare.sh, 16 cores, no ccache)   ~4 min (not yet measured)
+Time on one H200, as bench/gpu/device_all.sh runs it (--steps 3 --warmup 1; estimates, no GPU
+run yet; the build of sluice and of the bindings is device_all.sh's):
   checkpoint generation (anima-2b, bf16, 4 GB)                  ~20 s
   4 child processes x (start + load 4 GB)                       ~60 s
-  steps: (2 warm-up + 5 timed + 1 counted) x 9 contenders x 2 resolutions, at most ~1 s
-  each for the slowest (InvokeAI-style streams bf16 through pageable memory)   ~90 s
-  total                                                          ~7 min (estimate: no GPU run yet)
+  steps: (1 warm-up + 3 timed + 1 counted) x 9 contenders x 2 resolutions, at most ~1 s
+  each for the slowest (InvokeAI-style streams bf16 through pageable memory)   ~60 s
+  total                                                          ~2.5 min
 """
 from __future__ import annotations
 

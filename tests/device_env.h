@@ -1,0 +1,46 @@
+#pragma once
+// The device that the device-generic test cases (tagged [env-device]) run on: the
+// environment variable SLUICE_TEST_DEVICE, "cpu" (the default: the CPU-as-device backend),
+// "cuda" or "cuda:N". bench/gpu/device_all.sh sets it to cuda on a GPU machine; CI runs the
+// same cases on the CPU device. When the named accelerator is not available here, each
+// such case warns once and returns (a clean skip: Catch2 v2 has no SKIP).
+//
+// These cases compare only results computed on the same device (streamed against fully
+// resident), never against a host reference, so they hold on any backend.
+#include <ATen/Context.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "offload/cpu_device.h"
+#include "offload/device.h"
+
+namespace sluice::testing {
+
+inline std::string test_device_spec() {
+  const char* s = std::getenv("SLUICE_TEST_DEVICE");
+  return s && *s ? std::string(s) : std::string("cpu");
+}
+
+// The backend SLUICE_TEST_DEVICE names, or null when it names an accelerator this process
+// cannot use (no CUDA/ROCm device, or a CPU-only libtorch).
+inline std::shared_ptr<offload::DeviceBackend> test_device() {
+  const std::string spec = test_device_spec();
+  if (spec == "cpu") return std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  if (spec.rfind("cuda", 0) == 0 && !at::hasCUDA()) return nullptr;
+  return std::shared_ptr<offload::DeviceBackend>(offload::make_device(spec, 0, "SLUICE_TEST_DEVICE"));
+}
+
+}  // namespace sluice::testing
+
+// Declares `var`, the test device, or skips the test case when it is unavailable.
+#define SLUICE_TEST_DEVICE_OR_SKIP(var)                                                               \
+  auto var = ::sluice::testing::test_device();                                                        \
+  if (!var) {                                                                                         \
+    WARN("SLUICE_TEST_DEVICE=" << ::sluice::testing::test_device_spec() << " is not available: skipped"); \
+    return;                                                                                           \
+  }                                                                                                   \
+  INFO("device " << var->name())
