@@ -30,7 +30,7 @@
 #   bash bench/gpu/device_all.sh --dry-run-cpu       # here: the same phases on the CPU device
 #
 # --dry-run-cpu runs every phase on the CPU-as-device backend with small presets
-# (anima-tiny, 64 px), in about a minute on 2 cores, reusing an already built build folder
+# (anima-tiny, 64 px), in one to two minutes on 2 cores, reusing an already built build folder
 # (it configures and builds nothing); ctest runs it ("bench: device_all.sh --dry-run-cpu").
 #
 # Options and environment:
