@@ -14,8 +14,9 @@
 #   upcast    the fused fp8 -> bf16 upcast kernel against a device-to-device copy of the
 #             same bytes (bench/gpu/upcast_cuda_bench.cpp);                -> upcast.txt
 #   pipeline  the anima-2b table at 1024^2 and 512^2 (bench/bench_pipeline.cpp: bf16 and
-#             fp8 resident, --max-resident 0.75/0.5/0.25/0 and the byte budget of an 8 GB
-#             card), then one `sluice run` under that budget with its stats; -> pipeline.txt
+#             fp8 resident, --max-resident 0.75/0.5/0.25/0, the byte budget of an 8 GB
+#             card and one of 2 GiB, less than the model), then one `sluice run` under
+#             the 2 GiB budget with its stats;                            -> pipeline.txt
 #   compare   bench/gpu/compare.py side by side against diffusers' group offloading and an
 #             InvokeAI-style partial load (builds the Python bindings first);
 #                                                              -> compare.md, compare.json
@@ -29,7 +30,7 @@
 #   bash bench/gpu/device_all.sh --dry-run-cpu       # here: the same phases on the CPU device
 #
 # --dry-run-cpu runs every phase on the CPU-as-device backend with small presets
-# (anima-tiny, 64 px), in about a minute on 2 cores, reusing an already built build folder
+# (anima-tiny, 64 px), in one to two minutes on 2 cores, reusing an already built build folder
 # (it configures and builds nothing); ctest runs it ("bench: device_all.sh --dry-run-cpu").
 #
 # Options and environment:
@@ -344,13 +345,17 @@ fi
 # --- pipeline --------------------------------------------------------------------------
 if wants pipeline; then
   if [ "$MODE" = gpu ]; then
-    # 8GiB: all of an 8 GB card's memory as the budget (a real one has a little less free).
-    BUDGET_ROW=8GiB
+    # 8GiB: all of an 8 GB card's memory as the budget (a real one has a little less free);
+    # anima-2b's ~2 GB of fp8 fit there whole. 2GiB (a quarter of it working memory at
+    # 1024 px) is less than the model, so that row and the `sluice run` stream.
+    BUDGET_ROWS=8GiB,2GiB
+    RUN_BUDGET=2GiB
     PIPE_ARGS=(--device cuda --presets anima-2b --resolutions "1024,512" --reps 5 --warmup 2)
     RUN_ARGS=(--device cuda --synthetic anima-2b --resolution 1024 --steps 4)
   else
-    # anima-tiny is 0.2 MB of fp8 weights: this budget keeps part of them streamed.
-    BUDGET_ROW=200KiB
+    # anima-tiny is 0.2 MB of fp8 weights: 8MiB holds it whole, 200KiB keeps part streamed.
+    BUDGET_ROWS=8MiB,200KiB
+    RUN_BUDGET=200KiB
     PIPE_ARGS=(--device cpu --presets anima-tiny --resolutions 64 --reps 2 --warmup 1)
     RUN_ARGS=(--device cpu --synthetic anima-tiny --resolution 64 --steps 2)
   fi
@@ -361,15 +366,15 @@ if wants pipeline; then
     out_of_time pipeline
   else
     p0=$SECONDS
-    OMP_WAIT_POLICY=passive run_for "$t" "$bench" "${PIPE_ARGS[@]}" --budgets "$BUDGET_ROW" --markdown \
+    OMP_WAIT_POLICY=passive run_for "$t" "$bench" "${PIPE_ARGS[@]}" --budgets "$BUDGET_ROWS" --markdown \
       2>&1 | tee "$OUT/pipeline.txt"
     rc=${PIPESTATUS[0]}
     rc2=1
     if ((rc == 0)) && t=$(allot $((200 - (SECONDS - p0))) 10); then
       echo >>"$OUT/pipeline.txt"
-      echo "sluice run ${RUN_ARGS[*]} --vram-budget $BUDGET_ROW" | tee -a "$OUT/pipeline.txt"
+      echo "sluice run ${RUN_ARGS[*]} --vram-budget $RUN_BUDGET" | tee -a "$OUT/pipeline.txt"
       OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn run_for "$t" "$BUILD/cli/sluice" run "${RUN_ARGS[@]}" \
-        --vram-budget "$BUDGET_ROW" --stats-json "$WORK/run_stats.json" 2>&1 | tee -a "$OUT/pipeline.txt"
+        --vram-budget "$RUN_BUDGET" --stats-json "$WORK/run_stats.json" 2>&1 | tee -a "$OUT/pipeline.txt"
       rc2=${PIPESTATUS[0]}
       if ((rc2 == 0)); then
         "$PY" - "$WORK/run_stats.json" <<'PY' 2>&1 | tee -a "$OUT/pipeline.txt"
