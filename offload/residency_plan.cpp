@@ -15,13 +15,19 @@
 namespace sluice::offload {
 
 ResidencyPolicy parse_residency_policy(std::string_view text, const std::string& flag) {
+  if (text == "balanced") return ResidencyPolicy::balanced;
   if (text == "spread") return ResidencyPolicy::spread;
   if (text == "front_first" || text == "front-first") return ResidencyPolicy::front_first;
-  throw InvalidArgument(flag + ": unknown residency policy '" + std::string(text) + "' (use spread or front_first)");
+  throw InvalidArgument(flag + ": unknown residency policy '" + std::string(text) + "' (use balanced, spread or front_first)");
 }
 
 const char* residency_policy_name(ResidencyPolicy policy) {
-  return policy == ResidencyPolicy::spread ? "spread" : "front_first";
+  switch (policy) {
+    case ResidencyPolicy::balanced: return "balanced";
+    case ResidencyPolicy::spread: return "spread";
+    case ResidencyPolicy::front_first: return "front_first";
+  }
+  return "?";
 }
 
 size_t ResidencyPlan::streamed_count() const {
@@ -96,7 +102,7 @@ uint64_t select(const PlanInput& in, const std::vector<size_t>& candidates, uint
     for (size_t i : candidates) take(i);
     return taken;
   }
-  if (in.policy == ResidencyPolicy::spread && total > 0) {
+  if (in.policy != ResidencyPolicy::front_first && total > 0) {
     // Bresenham by bytes, see Note [residency policy].
     const double fraction = static_cast<double>(limit) / static_cast<double>(total);
     double seen = 0;
@@ -200,6 +206,7 @@ ResidencyPlan plan_residency(const PlanInput& in) {
     if (!plan.resident[i]) plan.slot_bytes = std::max(plan.slot_bytes, in.layers[i].slot_size());
   }
   plan.ring_slots = plan.slot_bytes ? in.ring_slots : 0;
+  plan.ring_bytes = static_cast<uint64_t>(plan.ring_slots) * plan.slot_bytes;
   TORCH_INTERNAL_ASSERT(plan.device_bytes() <= in.weight_budget, "plan_residency: plan of ", plan.device_bytes(),
                         " bytes exceeds the weight budget ", in.weight_budget);
   TORCH_INTERNAL_ASSERT(resident_streamable <= p.cap, "plan_residency: max_resident exceeded");

@@ -38,11 +38,15 @@
 #include <string_view>
 #include <vector>
 
+#include "offload/cost_model.h"
+
 namespace sluice::offload {
 
-enum class ResidencyPolicy { spread, front_first };
+// balanced: the default, see Note [balanced plan]; spread and front_first are kept for
+// comparison and for the benchmarks.
+enum class ResidencyPolicy { balanced, spread, front_first };
 
-// "spread" | "front_first" (also "front-first"); throws InvalidArgument naming `flag`.
+// "balanced" | "spread" | "front_first" (also "front-first"); throws InvalidArgument naming `flag`.
 ResidencyPolicy parse_residency_policy(std::string_view text, const std::string& flag = "--policy");
 const char* residency_policy_name(ResidencyPolicy policy);
 
@@ -64,24 +68,28 @@ struct PlanInput {
   uint64_t scratch_bytes = 0;              // upcast scratch kept on the device
   uint64_t weight_budget = 0;              // device bytes for everything above + resident + ring
   std::optional<double> max_resident;      // cap on resident streamable bytes, fraction 0..1
-  ResidencyPolicy policy = ResidencyPolicy::spread;  // see Note [residency policy]
-  uint32_t ring_slots = 3;                 // staging slots needed when anything streams
+  ResidencyPolicy policy = ResidencyPolicy::balanced;  // see Note [residency policy]
+  uint32_t ring_slots = 3;                 // the ring holds at least this many of the largest streamed slot
+  uint32_t max_ahead = kPrefetchAuto;      // prefetch bound in streamed layers (the user's --prefetch)
+  CostModel costs;                         // measured costs; balanced plans by them when usable()
 };
 
 struct ResidencyPlan {
   std::vector<PlanLayer> layers;   // as given
   std::vector<bool> resident;      // per layer
-  ResidencyPolicy policy = ResidencyPolicy::spread;
+  ResidencyPolicy policy = ResidencyPolicy::balanced;
   uint64_t weight_budget = 0;
   uint64_t required_bytes = 0;     // required layers + extra_required_bytes
   uint64_t resident_bytes = 0;     // every weight byte on the device (required included)
   uint64_t streamed_bytes = 0;     // stored bytes of streamed layers
   uint64_t scratch_bytes = 0;
-  uint32_t ring_slots = 0;         // 0 when nothing streams
+  uint32_t ring_slots = 0;         // the minimum the ring holds, in largest slots; 0 when nothing streams
   uint64_t slot_bytes = 0;         // largest streamed layer's slot size
-  uint64_t ring_bytes() const { return static_cast<uint64_t>(ring_slots) * slot_bytes; }
+  uint64_t ring_bytes = 0;         // the staging ring's capacity (>= ring_slots * slot_bytes); 0 when nothing streams
+  // Predictions under the plan's costs (empty when the input had no usable CostModel).
+  std::vector<KindPrediction> predictions;
   // What the plan puts on the device: weights + ring + scratch.
-  uint64_t device_bytes() const { return resident_bytes + ring_bytes() + scratch_bytes; }
+  uint64_t device_bytes() const { return resident_bytes + ring_bytes + scratch_bytes; }
   size_t streamed_count() const;
 
   // One char per block of each group, in block order: R (all resident), S (all streamed),

@@ -378,7 +378,7 @@ TEST_CASE("engine: residency changes move exact bytes and never copy device to h
     const auto mem = engine.stats().device_memory;
     CHECK(static_cast<uint64_t>(mem.total.current) == engine.device_bytes());
     CHECK(static_cast<uint64_t>(mem.total.current) ==
-          engine.plan().resident_bytes + engine.plan().ring_bytes() + engine.plan().scratch_bytes);
+          engine.plan().resident_bytes + engine.plan().ring_bytes + engine.plan().scratch_bytes);
   };
   check_consistent();
   const uint64_t start_bytes = engine.device_bytes();

@@ -109,7 +109,7 @@ TEST_CASE("residency plan: everything resident needs no ring") {
   const ResidencyPlan p = plan_residency(in);
   CHECK(p.residency_map() == "blocks: RRRR");
   CHECK(p.ring_slots == 0);
-  CHECK(p.ring_bytes() == 0);
+  CHECK(p.ring_bytes == 0);
   CHECK(p.streamed_count() == 0);
   CHECK(p.device_bytes() == 45 * MiB);
 }
