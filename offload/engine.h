@@ -14,19 +14,13 @@
 // host copy of every layer is kept in RAM for as long as the model is attached, so
 // unloading only drops device copies.
 //
-// Note [prefetch order]
-// ~~~~~~~~~~~~~~~~~~~~~
-// The order in which layers are acquired is recorded during a forward (per forward kind,
-// see begin_forward()) and replayed by the next one: at each acquire the engine keeps the
-// next `prefetch_depth` streamed layers of the recorded order copied or in flight. A call
-// that differs from the prediction stays correct (the layer is copied on demand and
-// waited for, counted as a stall), the engine resynchronizes with the recorded order if
-// it can, and the new order is recorded at end_forward(). Near the end of a forward the
-// prefetch wraps around: the first streamed layers of the next forward are copied during
-// the tail of this one, and at end_forward() at the latest. Copies belong to the forward
-// that reads them: each streamed layer is copied exactly once per forward (unless a forward
-// calls a layer twice and its slot was reused in between, or diverges from the order), so
-// bytes_streamed == the stored bytes of the streamed layers.
+// Prefetching follows the recorded acquire order of each forward kind (Note [prefetch
+// order] in prefetch_scheduler.h) and runs ahead as far as the staging ring's bytes allow
+// (Note [staging ring]). Copies belong to the forward that reads them: each streamed layer
+// is copied once per forward, unless a forward calls a layer twice and its slot was reused
+// in between, or diverges from the order, or a prefetch was dropped (a replan, a forward of
+// another kind). Such a copy is counted as wasted (stats: wasted_prefetch_*), with one
+// warning: it costs bytes on the bus, never correctness.
 //
 // Note [engine faults]
 // ~~~~~~~~~~~~~~~~~~~~
@@ -66,6 +60,7 @@
 
 #include "offload/device.h"
 #include "offload/layer.h"
+#include "offload/prefetch_scheduler.h"
 #include "offload/residency_plan.h"
 #include "offload/staging_ring.h"
 #include "offload/stats.h"
@@ -87,9 +82,10 @@ struct EngineOptions {
   uint64_t budget_bytes = 0;                   // device bytes for this model, working memory included; 0: all device memory
   uint64_t working_memory_bytes = 0;           // part of the budget left free for activations
   std::optional<double> max_resident;          // cap on resident streamable bytes, fraction 0..1; none: budget decides
-  uint32_t prefetch_depth = 2;                 // streamed layers kept copied/in flight ahead of compute
-  uint32_t ring_slots = 0;                     // staging slots; 0: prefetch_depth + 1 (Note [staging ring sizing])
-  ResidencyPolicy policy = ResidencyPolicy::spread;  // see Note [residency policy]
+  uint32_t prefetch_depth = kPrefetchAuto;     // most streamed layers copied ahead; auto: as far as the ring's bytes allow
+  uint32_t ring_slots = 0;                     // the ring holds at least this many of the largest streamed layer;
+                                               // 0: prefetch_depth + 1, or 3 with auto (Note [staging ring])
+  ResidencyPolicy policy = ResidencyPolicy::balanced;  // see Note [residency policy] and Note [balanced plan]
   PinMode pin = PinMode::auto_;                // page-locked host copies of streamed layers
   double pin_cap_fraction = 0.5;               // most pinned bytes, as a fraction of physical RAM
   std::optional<uint64_t> pin_cap_bytes;       // most pinned bytes; overrides pin_cap_fraction
@@ -227,11 +223,6 @@ class StreamingEngine final : public WeightProvider {
     std::shared_ptr<Anchor> begin;
     std::unique_ptr<DeviceEvent> end;
   };
-  struct ForwardKind {
-    std::vector<int64_t> order;        // layer ids in acquire order
-    std::vector<size_t> next_streamed; // index of first streamed position >= i
-    bool duplicates = false;
-  };
   struct Scratch {
     at::Tensor buffer;
     bool in_use = false;
@@ -255,11 +246,12 @@ class StreamingEngine final : public WeightProvider {
   void unpin_host(LayerRec& r);
   int64_t replan(uint64_t weight_budget, std::optional<double> max_resident);
   void require_idle(const char* what) const;
-  void refresh_kinds();
-  void refresh_kind(ForwardKind& k);
-  size_t advance_cursor(int64_t id);
+  void open_forward(std::string_view kind, bool implicit);
+  void refresh_streamed();  // tells the scheduler which layers stream now
   void top_up(size_t pos, bool at_end);
+  PrefetchScheduler::Offer offer(int64_t id, uint64_t epoch);
   int issue(int64_t id, uint64_t epoch, bool demand);
+  void retire_ring();  // drops the ring, counting its unread copies as wasted
   int take_scratch(uint64_t bytes);
   BounceRing* bounce_for(const std::vector<SlotPart>& parts);  // the bounce ring when a part is pageable
   std::unique_ptr<DeviceEvent> take_event();  // from the pool of finished events
@@ -293,6 +285,9 @@ class StreamingEngine final : public WeightProvider {
   std::unique_ptr<BounceRing> bounce_;  // made at the first copy from pageable memory
   std::vector<Scratch> scratch_;
   uint64_t ring_violations_ = 0;  // from rings already dropped
+  uint64_t wasted_copies_ = 0, wasted_bytes_ = 0;  // from rings already dropped
+  uint64_t mismatched_forwards_ = 0;  // forwards whose streamed bytes were not the streamed layers' bytes
+  bool waste_warned_ = false;
 
   // Pinning.
   bool want_pin_ = false;
@@ -308,13 +303,7 @@ class StreamingEngine final : public WeightProvider {
   uint64_t forwards_ = 0;
   std::string kind_name_;
   std::string last_kind_name_;
-  std::map<std::string, ForwardKind> kinds_;
-  ForwardKind* kind_ = nullptr;
-  size_t cursor_ = 0;            // expected next position in kind_->order
-  bool order_known_ = false;
-  bool diverged_ = false;
-  std::vector<int64_t> recording_;
-  bool recording_overflow_ = false;
+  PrefetchScheduler sched_;
   ForwardAcc acc_cur_, acc_next_;
   std::shared_ptr<Anchor> anchor_;
   uint64_t last_stream_ = 0;               // compute stream of the last forward

@@ -2,66 +2,133 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "runtime/logging.h"
 
 namespace sluice::offload {
 
-StagingRing::StagingRing(DeviceBackend& device, std::shared_ptr<MemoryLedger> budget, uint32_t slots,
-                         uint64_t slot_bytes)
-    : device_(device), budget_(std::move(budget)), slot_bytes_(slot_bytes) {
-  TORCH_CHECK(slots >= 1 && slot_bytes > 0, "StagingRing: need at least one slot of nonzero size");
-  slots_.reserve(slots);
-  for (uint32_t i = 0; i < slots; ++i) slots_.push_back(make_slot());
+StagingRing::StagingRing(DeviceBackend& device, std::shared_ptr<MemoryLedger> budget, uint64_t capacity_bytes)
+    : device_(device), budget_(std::move(budget)), capacity_(capacity_bytes) {
+  TORCH_CHECK(capacity_bytes > 0, "StagingRing: the capacity must be nonzero");
 }
 
 // Slots may still be written by queued copies and read by queued compute: their uses are
-// recorded (fill, StreamingEngine::release), so the allocator keeps them until those finish.
+// recorded (fill, StreamingEngine::end_lease), so the allocator keeps them until those finish.
 StagingRing::~StagingRing() = default;
 
-StagingSlot StagingRing::make_slot() {
-  StagingSlot s;
-  s.buffer = device_.allocate({static_cast<int64_t>(slot_bytes_)}, at::kByte, MemoryKind::ring, "staging slot",
-                              budget_);
-  s.leases = std::make_shared<std::atomic<int>>(0);
-  s.copy_done = device_.create_event();
-  s.compute_done = device_.create_event();
-  return s;
+size_t StagingRing::live_slots() const {
+  size_t n = 0;
+  for (const auto& s : slots_) n += s.buffer.defined() ? 1 : 0;
+  return n;
+}
+
+uint64_t StagingRing::bytes() const {
+  uint64_t n = 0;
+  for (const auto& s : slots_) n += s.bytes();
+  return n;
+}
+
+int StagingRing::make_slot(uint64_t bytes, bool overflow) {
+  size_t i = 0;
+  while (i < slots_.size() && slots_[i].buffer.defined()) ++i;
+  if (i == slots_.size()) {
+    StagingSlot s;
+    s.leases = std::make_shared<std::atomic<int>>(0);
+    s.copy_done = device_.create_event();
+    s.compute_done = device_.create_event();
+    slots_.push_back(std::move(s));
+  }
+  StagingSlot& s = slots_[i];
+  s.buffer = device_.allocate({static_cast<int64_t>(bytes)}, at::kByte, MemoryKind::ring,
+                              overflow ? "staging slot beyond the ring" : "staging slot", budget_);
+  s.layer = -1;
+  s.consumed = true;
+  s.overflow = overflow;
+  if (!overflow) held_ += bytes;
+  return static_cast<int>(i);
+}
+
+void StagingRing::forget(StagingSlot& s) {
+  if (s.layer >= 0 && !s.consumed) {
+    wasted_copies_ += 1;
+    wasted_bytes_ += s.copy_bytes;
+  }
+  s.layer = -1;
+  s.consumed = true;
+}
+
+void StagingRing::release(StagingSlot& s) {
+  forget(s);
+  if (!s.overflow) held_ -= s.bytes();
+  s.buffer = at::Tensor();  // the allocator waits for the uses recorded on it
+  s.overflow = false;
 }
 
 int StagingRing::find(int64_t layer, uint64_t epoch) const {
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i].layer == layer && slots_[i].epoch == epoch) return static_cast<int>(i);
+    if (slots_[i].layer == layer && slots_[i].epoch == epoch && slots_[i].buffer.defined()) return static_cast<int>(i);
   }
   return -1;
 }
 
-int StagingRing::pick(uint64_t epoch, bool keep_unconsumed) {
-  for (size_t k = 0; k < slots_.size(); ++k) {
-    const size_t i = (next_ + k) % slots_.size();
+int StagingRing::pick(uint64_t bytes, uint64_t epoch, bool keep_unconsumed) {
+  const uint64_t want = align_up(std::max<uint64_t>(bytes, 1));
+  auto is_free = [&](const StagingSlot& s) {
+    if (!s.buffer.defined() || s.leases->load() > 0) return false;
+    return !(keep_unconsumed && s.layer >= 0 && !s.consumed && s.epoch >= epoch);
+  };
+  for (auto& s : slots_) {
+    if (s.overflow && s.buffer.defined() && s.leases->load() == 0) release(s);  // released overflow slots go
+  }
+  // 1. A free slot of exactly this size, least recently filled.
+  int best = -1;
+  for (size_t i = 0; i < slots_.size(); ++i) {
     const StagingSlot& s = slots_[i];
-    if (s.leases->load() > 0) continue;
-    if (keep_unconsumed && s.layer >= 0 && !s.consumed && s.epoch >= epoch) continue;
-    next_ = (i + 1) % slots_.size();
-    return static_cast<int>(i);
+    if (s.overflow || !is_free(s) || s.bytes() != want) continue;
+    if (best < 0 || s.stamp < slots_[static_cast<size_t>(best)].stamp) best = static_cast<int>(i);
   }
-  return -1;
+  if (best >= 0) return best;
+  // 2. Room for a new one.
+  if (held_ + want <= capacity_) return make_slot(want, false);
+  // 3. The smallest free slot that is larger.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const StagingSlot& s = slots_[i];
+    if (s.overflow || !is_free(s) || s.bytes() < want) continue;
+    if (best < 0 || s.bytes() < slots_[static_cast<size_t>(best)].bytes()) best = static_cast<int>(i);
+  }
+  if (best >= 0) return best;
+  // 4. Free slots of other sizes make room, least recently filled first.
+  std::vector<size_t> victims;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (!slots_[i].overflow && is_free(slots_[i])) victims.push_back(i);
+  }
+  std::sort(victims.begin(), victims.end(), [&](size_t a, size_t b) { return slots_[a].stamp < slots_[b].stamp; });
+  uint64_t freed = 0;
+  size_t k = 0;
+  while (k < victims.size() && held_ - freed + want > capacity_) freed += slots_[victims[k++]].bytes();
+  if (held_ - freed + want > capacity_) return -1;
+  for (size_t j = 0; j < k; ++j) release(slots_[victims[j]]);
+  return make_slot(want, false);
 }
 
-void StagingRing::grow() { slots_.push_back(make_slot()); }
+int StagingRing::overflow(uint64_t bytes) { return make_slot(align_up(std::max<uint64_t>(bytes, 1)), true); }
 
 void StagingRing::fill(int index, int64_t layer, uint64_t epoch, const std::vector<SlotPart>& parts, DeviceEvent* start,
                        DeviceEvent* end, BounceRing* bounce) {
   StagingSlot& s = slots_.at(static_cast<size_t>(index));
-  TORCH_INTERNAL_ASSERT(s.leases->load() == 0, "staging slot ", index, " picked while in use");
+  TORCH_INTERNAL_ASSERT(s.buffer.defined() && s.leases->load() == 0, "staging slot ", index, " picked while in use");
   // Until every part is enqueued the slot holds nothing usable: if an enqueue throws, no
   // find() may hand out its half-overwritten bytes as the layer it held before.
-  s.layer = -1;
-  s.consumed = true;
+  forget(s);
+  const uint64_t slot_bytes = s.bytes();
+  uint64_t copy_bytes = 0;
   device_.wait(StreamKind::copy, *s.compute_done);  // FENCE(F2): the slot's last reader is done
   if (start) device_.record(*start, StreamKind::copy);
   for (const auto& part : parts) {
     const uint64_t n = part.host.nbytes();
-    TORCH_INTERNAL_ASSERT(part.offset + n <= slot_bytes_, "slot part out of bounds");
+    TORCH_INTERNAL_ASSERT(part.offset + n <= slot_bytes, "slot part out of bounds");
+    copy_bytes += n;
     at::Tensor dst = s.buffer.narrow(0, static_cast<int64_t>(part.offset), static_cast<int64_t>(n));
     at::Tensor src = part.host.reshape({-1}).view(at::kByte);
     auto leases = s.leases;
@@ -80,6 +147,8 @@ void StagingRing::fill(int index, int64_t layer, uint64_t epoch, const std::vect
   if (end) device_.record(*end, StreamKind::copy);
   s.layer = layer;
   s.epoch = epoch;
+  s.copy_bytes = copy_bytes;
+  s.stamp = ++stamp_;
   s.consumed = false;
 }
 
@@ -88,7 +157,7 @@ at::Tensor StagingRing::view(int index, uint64_t offset, at::ScalarType dtype, a
   int64_t numel = 1;
   for (int64_t d : sizes) numel *= d;
   const uint64_t n = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
-  TORCH_INTERNAL_ASSERT(offset % c10::elementSize(dtype) == 0 && offset + n <= slot_bytes_, "bad slot view");
+  TORCH_INTERNAL_ASSERT(offset % c10::elementSize(dtype) == 0 && offset + n <= s.bytes(), "bad slot view");
   return s.buffer.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(n)).view(dtype).view(sizes);
 }
 
@@ -110,9 +179,12 @@ void StagingRing::end_use(int index) noexcept {
 }
 
 void StagingRing::invalidate() {
+  for (auto& s : slots_) forget(s);
+}
+
+void StagingRing::drop_unread(uint64_t epoch) {
   for (auto& s : slots_) {
-    s.layer = -1;
-    s.consumed = true;
+    if (!s.consumed && s.epoch == epoch) forget(s);
   }
 }
 

@@ -30,7 +30,16 @@ nlohmann::json stat_json(const Stat& s) {
   return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
 }
 
+nlohmann::json ms_or_null(double v) { return v > 0 ? nlohmann::json(v) : nlohmann::json(); }
+
 }  // namespace
+
+const PlanKindStats* PlanStats::step() const {
+  for (const auto& k : kinds) {
+    if (k.kind == step_kind) return &k;
+  }
+  return nullptr;
+}
 
 std::string EngineStats::to_json(int indent) const {
   nlohmann::json j;
@@ -56,7 +65,34 @@ std::string EngineStats::to_json(int indent) const {
                  {"allocator_peak_bytes", allocator(allocator_peak_bytes)},
                  {"allocator_reserved_bytes", allocator(allocator_reserved_bytes)},
                  {"ring_slots", ring_slots},
-                 {"slot_bytes", slot_bytes}};
+                 {"slot_bytes", slot_bytes},
+                 {"ring_capacity_bytes", ring_capacity_bytes}};
+  // The prediction of the step kind (null until measured costs exist), and every kind's.
+  const PlanKindStats* step = plan.step();
+  nlohmann::json plan_kinds = nlohmann::json::array();
+  for (const auto& k : plan.kinds) {
+    plan_kinds.push_back({{"kind", k.kind},
+                          {"predicted_step_ms", ms_or_null(k.predicted_step_ms)},
+                          {"floor_ms", ms_or_null(k.floor_ms)},
+                          {"compute_ms", k.compute_ms},
+                          {"copy_ms", k.copy_ms},
+                          {"measured_step_ms", ms_or_null(k.measured_step_ms)},
+                          {"measured_forwards", k.measured_forwards}});
+  }
+  j["plan"] = {{"policy", plan.policy},
+               {"from_measurements", plan.from_measurements},
+               {"copy_gbps", plan.copy_gbps},
+               {"ring_bytes", plan.ring_bytes},
+               {"measured_plans", plan.measured_plans},
+               {"recomputed", plan.recomputed},
+               {"step_kind", plan.step_kind},
+               {"predicted_step_ms", ms_or_null(step ? step->predicted_step_ms : 0)},
+               {"floor_ms", ms_or_null(step ? step->floor_ms : 0)},
+               {"measured_step_ms", ms_or_null(step ? step->measured_step_ms : 0)},
+               {"kinds", plan_kinds}};
+  j["prefetch"] = {{"wasted_copies", wasted_prefetch_copies},
+                   {"wasted_bytes", wasted_prefetch_bytes},
+                   {"mismatched_forwards", mismatched_forwards}};
   j["pinned"] = stat_json(pinned);
   j["residency_h2d"] = stat_json(residency_h2d);
   // Seen only where the copy stream is a host thread; a GPU cannot detect it (the strict

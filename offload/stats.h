@@ -69,6 +69,30 @@ struct ForwardRecord {
   bool aborted = false;         // the forward ended by an exception
 };
 
+// The residency plan's prediction for one forward kind, beside what was measured.
+struct PlanKindStats {
+  std::string kind;
+  double predicted_step_ms = 0;  // Note [cost model]
+  double floor_ms = 0;           // max(compute, streamed bytes / copy rate)
+  double compute_ms = 0;
+  double copy_ms = 0;
+  double measured_step_ms = 0;   // median wall_ms of this kind's forwards under the plan (0: none yet)
+  uint64_t measured_forwards = 0;
+};
+
+// How the current residency was planned (Note [balanced plan]).
+struct PlanStats {
+  std::string policy;             // balanced, spread, front_first
+  bool from_measurements = false; // planned with measured compute times and copy rate
+  double copy_gbps = 0;           // the copy rate the plan assumed
+  uint64_t ring_bytes = 0;        // the staging ring's capacity
+  uint64_t measured_plans = 0;    // plans made from measurements since attach
+  bool recomputed = false;        // a measured step was more than 15% off its prediction, so the plan was made again
+  std::string step_kind;          // the most frequent kind: what predicted/measured_step_ms describe
+  std::vector<PlanKindStats> kinds;
+  const PlanKindStats* step() const;
+};
+
 // Everything the engine reports. See StreamingEngine::stats().
 struct EngineStats {
   std::string model_name;
@@ -81,8 +105,13 @@ struct EngineStats {
   uint64_t layers = 0;                // managed layers
   uint64_t resident_layers = 0;
   uint64_t streamed_layers = 0;
-  uint64_t ring_slots = 0;
-  uint64_t slot_bytes = 0;
+  uint64_t ring_slots = 0;           // staging slots allocated now
+  uint64_t slot_bytes = 0;           // the largest streamed layer's slot
+  uint64_t ring_capacity_bytes = 0;  // the staging ring's byte capacity (Note [staging ring])
+  uint64_t wasted_prefetch_copies = 0;  // copies dropped before any forward read them
+  uint64_t wasted_prefetch_bytes = 0;
+  uint64_t mismatched_forwards = 0;     // forwards that streamed more or less than their streamed layers hold
+  PlanStats plan;
   DeviceMemoryStats device_memory;  // what the engine holds on the device; peaks since attach or the last residency change
   // The device allocator's own counters (DeviceBackend::allocator_stats()): the whole
   // device, every user, what it allocated now and at most (since the process started) and
@@ -103,7 +132,8 @@ struct EngineStats {
   // resident_bytes,residency}, budget.{budget_bytes,working_memory_bytes},
   // device.{name,ledger_peak_bytes (peak_bytes: the same, older name),current_bytes,by_kind,
   // allocator_stats ("available"|"unavailable"),allocator_{current,peak,reserved}_bytes
-  // (null when unavailable)}, pinned, forwards[].
+  // (null when unavailable)}, plan.{policy,predicted_step_ms,floor_ms,measured_step_ms,...},
+  // prefetch.{wasted_copies,wasted_bytes,mismatched_forwards}, pinned, forwards[].
   std::string to_json(int indent = 2) const;
 };
 
