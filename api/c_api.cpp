@@ -115,7 +115,7 @@ sluice::RuntimeOptions runtime_options(const sluice_cache_options* o) {
   if (SLUICE_HAS_FIELD(o, working_memory)) r.working_memory = str(o->working_memory);
   if (SLUICE_HAS_FIELD(o, resolution) && o->resolution > 0) r.resolution = o->resolution;
   if (SLUICE_HAS_FIELD(o, ram_limit)) r.ram_limit = str(o->ram_limit);
-  if (SLUICE_HAS_FIELD(o, prefetch)) r.prefetch = o->prefetch;
+  if (SLUICE_HAS_FIELD(o, prefetch)) r.prefetch = o->prefetch == SLUICE_PREFETCH_AUTO ? "auto" : std::to_string(o->prefetch);
   if (SLUICE_HAS_FIELD(o, pin_memory) && o->pin_memory && *o->pin_memory) r.pin_memory = o->pin_memory;
   if (SLUICE_HAS_FIELD(o, policy) && o->policy && *o->policy) r.policy = o->policy;
   if (SLUICE_HAS_FIELD(o, timing)) r.timing = o->timing != 0;
@@ -173,7 +173,7 @@ void sluice_cache_options_init(sluice_cache_options* o) {
   o->struct_size = sizeof *o;
   const sluice::RuntimeOptions d;
   o->resolution = d.resolution;
-  o->prefetch = d.prefetch;
+  o->prefetch = SLUICE_PREFETCH_AUTO;  // d.prefetch is "auto"
   o->timing = d.timing ? 1 : 0;
   o->trace = d.trace ? 1 : 0;
   o->device_memory = d.device_memory;

@@ -152,7 +152,7 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
     const uint64_t ram = offload::physical_ram_bytes();
     c.ram_limit = parse_size(o.ram_limit, ram ? std::optional<uint64_t>(ram) : std::nullopt, "ram_limit");
   }
-  c.prefetch = o.prefetch;
+  c.prefetch = offload::parse_prefetch(o.prefetch, "prefetch");
   c.pin = offload::parse_pin_mode(o.pin_memory, "pin_memory");
   c.pin_cap_fraction = o.pin_cap_fraction;
   c.policy = offload::parse_residency_policy(o.policy, "policy");

@@ -205,7 +205,7 @@ std::shared_ptr<ModelCache> ModelCache::create(CacheOptions options) {
 
 ModelCache::ModelCache(CacheOptions options) : options_(std::move(options)) {
   device_ = options_.device ? options_.device : std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
-  if (options_.prefetch > 64) throw InvalidArgument("prefetch must be at most 64, got " + std::to_string(options_.prefetch));
+  offload::parse_prefetch(offload::prefetch_name(options_.prefetch), "prefetch");  // in range
   if (!(options_.pin_cap_fraction >= 0.0 && options_.pin_cap_fraction <= 1.0)) {
     throw InvalidArgument("pin cap fraction must be between 0 and 1, got " + std::to_string(options_.pin_cap_fraction));
   }
@@ -330,7 +330,8 @@ void ModelCache::attach(Entry& e, uint64_t share) {
   }
   std::ostringstream map;
   map << "Residency of '" << e.name << "' (" << offload::residency_policy_name(plan.policy)
-      << "): " << plan.residency_map() << "; ring " << plan.ring_slots << " x " << format_mib(plan.slot_bytes)
+      << "): " << plan.residency_map() << "; ring " << format_mib(plan.ring_bytes) << " (largest slot "
+      << format_mib(plan.slot_bytes) << ")"
       << ", share " << format_mib(share) << " of " << format_mib(limit()) << " (budget " << format_mib(budget_)
       << ", working memory " << format_mib(working_memory_) << ")";
   log::info(map.str());

@@ -64,10 +64,10 @@ struct CacheOptions {
   std::optional<uint64_t> working_memory;          // kept free for activations; none: default_working_memory(budget, resolution)
   int64_t resolution = 1024;                       // image side the default working memory is sized for
   std::optional<uint64_t> ram_limit;               // host bytes for models; 0: unlimited; none: default_ram_limit()
-  uint32_t prefetch = 2;                           // engine prefetch depth
+  uint32_t prefetch = offload::kPrefetchAuto;      // most streamed layers copied ahead (auto: the ring's bytes decide)
   offload::PinMode pin = offload::PinMode::auto_;  // pinned host copies of streamed layers
   double pin_cap_fraction = 0.5;                   // pinned bytes cap per model, fraction of RAM
-  offload::ResidencyPolicy policy = offload::ResidencyPolicy::spread;  // residency plan policy
+  offload::ResidencyPolicy policy = offload::ResidencyPolicy::balanced;  // residency plan policy
   bool timing = true;                              // per-forward device timings
   bool trace = false;                              // per-layer trace spans
 };

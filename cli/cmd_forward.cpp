@@ -37,7 +37,7 @@ struct ForwardArgs {
   std::optional<double> max_resident;  // resident fraction of the streamable weights
   std::string vram_budget;        // device budget; empty: all of the device
   std::string vram_headroom;      // --vram-budget auto: memory left free; empty: the default
-  uint32_t prefetch = 2;          // streamed layers copied ahead
+  std::string prefetch = "auto";  // most streamed layers copied ahead: auto | N
 };
 
 // Checks one input's rank and the dims that are fixed (-1: any size, bound by name below).
@@ -201,7 +201,10 @@ Subcommand add_forward(CLI::App& root) {
   sub->add_option("--max-resident", args->max_resident, "Resident fraction (0..1) of the streamable weights")
       ->check(CLI::Range(0.0, 1.0));
   add_vram_budget_options(sub, args->vram_budget, args->vram_headroom, "all of it");
-  sub->add_option("--prefetch", args->prefetch, "Streamed layers copied ahead of compute")->capture_default_str();
+  sub->add_option("--prefetch", args->prefetch,
+                  "Most streamed layers copied ahead of compute: auto (as far as the staging ring's bytes allow) or N")
+      ->check(prefetch_validator())
+      ->capture_default_str();
   return {sub, [args] { return run_forward(*args); }};
 }
 

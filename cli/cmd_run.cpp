@@ -56,8 +56,9 @@ struct RunArgs {
   std::optional<int> steps;               // Euler steps
   double cfg = 4.5;                       // classifier-free guidance scale
   std::optional<int64_t> resolution;      // image side in pixels (latent = px / 8)
-  uint32_t prefetch = 2;                  // streamed layers copied ahead of compute
+  std::string prefetch = "auto";          // most streamed layers copied ahead: auto | N
   std::string pin_memory = "auto";        // page-locked host copies of streamed layers
+  std::string policy = "balanced";        // residency plan policy
   uint64_t seed = 0;                      // noise and random-context seed
   std::string context;                    // safetensors with `context` [B,S,D] (+ optional `negative_context`)
   std::string output;                     // final latent (.safetensors)
@@ -192,6 +193,7 @@ int run(const RunArgs& args) {
   ro.resolution = px;
   ro.prefetch = a.prefetch;
   ro.pin_memory = a.pin_memory;
+  ro.policy = a.policy;
   ro.trace = !a.trace.empty();
   ModelCache cache(ro);
 
@@ -221,7 +223,7 @@ int run(const RunArgs& args) {
             << " (working memory " << mb(cs0.working_memory_bytes)
             << "), max-resident "
             << (a.max_resident ? fmt("%.2f", *a.max_resident) : std::string("none")) << ", prefetch " << a.prefetch
-            << ", pin-memory " << a.pin_memory << "\n";
+            << ", policy " << a.policy << ", pin-memory " << a.pin_memory << "\n";
   std::cout << "residency: " << ms0.residency << "\n";
   if (ms0.streamed_dit_bytes == 0) {
     std::cout << "note: the budget holds every DiT layer resident, so nothing will stream; give a smaller "
@@ -343,8 +345,14 @@ Subcommand add_run(CLI::App& root) {
       ->capture_default_str();
   sub->add_option("--resolution", a->resolution, "Image side in pixels, a multiple of 16 (default: 512 cpu, 1024 GPU)")
       ->check(resolution_validator());
-  sub->add_option("--prefetch", a->prefetch, "Streamed layers copied ahead of compute")
-      ->check(CLI::Range(0, 64))
+  sub->add_option("--prefetch", a->prefetch,
+                  "Most streamed layers copied ahead of compute: auto (as far as the staging ring's bytes allow) or N")
+      ->check(prefetch_validator())
+      ->capture_default_str();
+  sub->add_option("--policy", a->policy,
+                  "Residency plan: balanced (minimises the step predicted from measured compute and copy rate), "
+                  "spread or front_first")
+      ->check(policy_validator())
       ->capture_default_str();
   sub->add_option("--pin-memory", a->pin_memory, "Page-locked host memory for streamed layers (off on ROCm if it stalls)")
       ->check(CLI::IsMember({"auto", "on", "off"}))

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cctype>
 
+#include "offload/prefetch_scheduler.h"
+#include "offload/residency_plan.h"
 #include "offload/vram_budget.h"
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
@@ -99,6 +101,32 @@ CLI::Validator size_validator(const std::string& flag, bool allow_percent, bool 
         }
       },
       std::string(allow_auto ? "auto|" : "") + (allow_percent ? "BYTES|N%" : "BYTES"), "size");
+}
+
+CLI::Validator prefetch_validator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        try {
+          offload::parse_prefetch(value);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      },
+      "auto|N", "prefetch");
+}
+
+CLI::Validator policy_validator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        try {
+          offload::parse_residency_policy(value);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      },
+      "balanced|spread|front_first", "policy");
 }
 
 void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,

@@ -29,6 +29,11 @@ at::Device resolve_device(const std::string& spec);
 // malformed value into a usage error (exit 2). `allow_auto`: "auto" is accepted too.
 CLI::Validator size_validator(const std::string& flag, bool allow_percent, bool allow_auto = false);
 
+// --prefetch: "auto" or a number of streamed layers (offload::parse_prefetch).
+CLI::Validator prefetch_validator();
+// --policy: balanced | spread | front_first (offload::parse_residency_policy).
+CLI::Validator policy_validator();
+
 // --vram-budget (size, percent of total device memory, or auto) and --vram-headroom on `sub`.
 void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,
                              const std::string& default_text);

@@ -248,6 +248,7 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name, s
                           false});
     }
     apply_plan(plan);
+    planned();
     for (auto& r : layers_) r.layer->set_provider(this);
     attached_ = true;
   } catch (...) {
@@ -334,6 +335,7 @@ void StreamingEngine::clear_state() noexcept {
   unresolved_.clear();
   anchor_.reset();
   plan_ = ResidencyPlan{};
+  calib_.reset();
   if (budget_ && budget_->current() != 0) {
     log::warn("model '" + model_name_ + "': " + format_mib(budget_->current()) +
               " of device memory is still referenced outside the engine after detach");
@@ -375,6 +377,8 @@ PlanInput StreamingEngine::plan_input(uint64_t weight_budget, std::optional<doub
   in.max_resident = max_resident;
   in.policy = options_.policy;
   in.ring_slots = options_.ring_slots;
+  in.max_ahead = options_.prefetch_depth;
+  in.costs = calib_.model(layers_.size());
   return in;
 }
 
@@ -488,7 +492,7 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
     // throws DeviceError: undo below).
     device_->synchronize();  // FENCE(F7)
     if (degraded.empty()) {
-      if (plan.ring_bytes) ring_ = std::make_unique<StagingRing>(*device_, budget_, plan.ring_bytes);
+      if (plan.ring_bytes) make_ring(plan.ring_bytes);
       plan_ = plan;
     } else {
       // The layers that failed stream instead; the ring must hold the largest of them,
@@ -496,7 +500,7 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
       for (;;) {
         try {
           const uint64_t slot = streamed_slot_bytes();
-          if (slot) ring_ = std::make_unique<StagingRing>(*device_, budget_, uint64_t{options_.ring_slots} * slot);
+          if (slot) make_ring(uint64_t{options_.ring_slots} * slot);
           break;
         } catch (const ResourceError&) {
           if (promoted.empty()) throw;
@@ -520,7 +524,7 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
     for (size_t i : promoted) make_streamed(layers_[i]);
     plan_ = plan;
     plan_from_layers();
-    ring_.reset();
+    retire_ring();
     try {
       ensure_ring();
     } catch (const std::exception& e) {
@@ -564,7 +568,19 @@ void StreamingEngine::plan_from_layers() {
 
 void StreamingEngine::ensure_ring() {
   if (ring_ || plan_.ring_bytes == 0) return;
-  ring_ = std::make_unique<StagingRing>(*device_, budget_, plan_.ring_bytes);
+  make_ring(plan_.ring_bytes);
+}
+
+void StreamingEngine::make_ring(uint64_t capacity) {
+  retire_ring();
+  auto ring = std::make_unique<StagingRing>(*device_, budget_, capacity);
+  // The first slots now, in execution order: an allocation failure surfaces here.
+  std::vector<uint64_t> sizes;
+  for (const auto& r : layers_) {
+    if (!r.resident) sizes.push_back(r.slot_bytes);
+  }
+  ring->prepare(sizes);
+  ring_ = std::move(ring);
 }
 
 void StreamingEngine::require_idle(const char* what) const {
@@ -596,9 +612,53 @@ int64_t StreamingEngine::replan(uint64_t weight_budget, std::optional<double> ma
   weight_budget_ = weight_budget;
   max_resident_ = max_resident;
   apply_plan(plan);
+  planned();
   budget_->reset_peak();  // the budget may have shrunk: peaks count from the new plan on
   check_invariants("residency change");
   return static_cast<int64_t>(budget_->current()) - before;
+}
+
+void StreamingEngine::planned() {
+  if (plan_.predictions.empty()) {
+    calib_.unplanned();
+  } else {
+    calib_.planned(plan_.predictions);
+  }
+}
+
+void StreamingEngine::replan_if_measured() {
+  if (!calib_.replan_due() || !attached_) return;
+  try {
+    const PlanInput input = plan_input(weight_budget_, max_resident_);
+    if (!input.costs.usable()) {
+      calib_.planned({});  // nothing to plan by yet (no copy was timed): keep the plan
+      return;
+    }
+    ResidencyPlan plan = plan_residency(input);
+    if (plan.resident == plan_.resident && plan.ring_bytes == plan_.ring_bytes) {
+      plan_.predictions = plan.predictions;  // the same residency: keep the ring and its prefetches
+    } else {
+      apply_plan(plan);
+      budget_->reset_peak();
+      check_invariants("plan from measurements");
+    }
+    calib_.planned(plan_.predictions);
+  } catch (const std::exception& e) {
+    calib_.planned(plan_.predictions);  // do not retry every forward
+    log::warn("model '" + model_name_ + "': planning from the measured costs failed, keeping the plan: " + e.what());
+    return;
+  }
+  std::ostringstream line;
+  line.setf(std::ios::fixed);
+  line.precision(2);
+  line << "Plan of '" << model_name_ << "' (" << residency_policy_name(plan_.policy) << ", from measurements"
+       << (calib_.recomputed() ? ", recomputed" : "") << "): " << plan_.residency_map() << "; ring "
+       << format_mib(plan_.ring_bytes) << ", copy " << calib_.copy_fit()->gbps << " GB/s";
+  for (const auto& p : plan_.predictions) {
+    line << "; '" << p.kind << "' predicted " << p.step_ms << " ms (floor " << p.floor_ms << ", compute "
+         << p.compute_ms << ", copy " << p.copy_ms << ")";
+  }
+  log::info(line.str());
 }
 
 uint64_t StreamingEngine::weight_budget_of(uint64_t budget) const {
@@ -702,6 +762,7 @@ void StreamingEngine::open_forward(std::string_view kind, bool implicit) {
     acc_cur_ = ForwardAcc{};
   }
   sched_.begin(kind_name_, epoch_, implicit_);
+  acc_cur_.detail = timing() && !implicit_ && calib_.wants_detail(kind_name_);
   // A forward on another compute stream than the last one (a host running forwards on
   // streams of its own) reuses its scratch and reads what it left: it starts after it.
   const uint64_t stream = device_->compute_stream_id();
@@ -766,14 +827,27 @@ void StreamingEngine::end_forward(bool aborted) {
   Unresolved u;
   u.record = rec;
   u.spans = std::move(acc_cur_.spans);
+  u.detail = acc_cur_.detail && !aborted && !ended.diverged && !ended.overflow;
+  u.ids = std::move(acc_cur_.ids);
+  u.marks = std::move(acc_cur_.marks);
+  u.stall_span = std::move(acc_cur_.stall_span);
   u.begin = anchor_;
   u.end = device_->create_event();
   device_->record(*u.end, StreamKind::compute);
   unresolved_.push_back(std::move(u));
   acc_cur_ = ForwardAcc{};
   last_kind_name_ = kind_name_;
-  if (!aborted && explicit_forward) top_up(0, /*at_end=*/true);
+  if (ended.diverged && !aborted && ring_) {
+    // The prefetches made for the next forward followed the old order: drop them (counted
+    // as wasted) so the next forward runs on the new order with a clean ring.
+    ring_->drop_unread(epoch_ + 1);
+    acc_next_ = ForwardAcc{};
+  }
   resolve(false);
+  if (!aborted && explicit_forward) {
+    replan_if_measured();  // between forwards, before the next one's prefetches
+    top_up(0, /*at_end=*/true);
+  }
   if (rec.bytes_streamed != expected) {
     // A prefetch was dropped or a layer was copied twice (Note [prefetch order] in
     // engine.h): bytes on the bus, not a wrong result.
@@ -911,6 +985,11 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     open_forward(kind_name_, /*implicit=*/true);
   }
   const size_t pos = sched_.acquired(id);
+  if (acc_cur_.detail) {
+    acc_cur_.ids.push_back(id);
+    acc_cur_.marks.push_back(mark());
+    acc_cur_.stall_span.push_back(-1);
+  }
   Lease lease;
   at::Tensor w, b, s;
   if (r.resident) {
@@ -945,6 +1024,7 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
         std::unique_ptr<DeviceEvent> a = mark();
         device_->wait(StreamKind::compute, *st.copy_done);  // FENCE(F1): the slot's copy is done
         add_span(acc_cur_, TraceTrack::compute, 1, id, std::move(a), mark());
+        if (acc_cur_.detail) acc_cur_.stall_span.back() = static_cast<int>(acc_cur_.spans.size()) - 1;
       } else {
         if (!st.copy_done->query()) acc_cur_.stalls += 1;
         device_->wait(StreamKind::compute, *st.copy_done);  // FENCE(F1)
@@ -1060,12 +1140,19 @@ void StreamingEngine::resolve(bool wait_all) {
     u.end->synchronize();
     ForwardRecord& rec = u.record;
     double copy_ms = 0;
+    std::vector<double> span_ms;
+    span_ms.reserve(u.spans.size());
+    std::vector<std::pair<uint64_t, double>> copies;
     for (auto& sp : u.spans) {
       sp.a->synchronize();
       sp.b->synchronize();
       const double ms = device_->elapsed_ms(*sp.a, *sp.b);
+      span_ms.push_back(ms);
       switch (sp.kind) {
-        case 0: copy_ms += ms; break;
+        case 0:
+          copy_ms += ms;
+          copies.emplace_back(layers_[static_cast<size_t>(sp.layer)].stored_bytes, ms);
+          break;
         case 1:
           rec.stall_ms += ms;
           if (ms >= kStallMs) rec.stalls += 1;
@@ -1083,6 +1170,24 @@ void StreamingEngine::resolve(bool wait_all) {
     }
     rec.wall_ms = device_->elapsed_ms(*u.begin->event, *u.end);
     rec.h2d_gbps = copy_ms > 0 ? static_cast<double>(rec.bytes_streamed) / (copy_ms * 1e6) : 0.0;
+    if (!rec.aborted && !rec.diverged && timing()) {
+      ForwardSample sample;
+      if (u.detail) {
+        sample.kind = rec.kind;
+        sample.order = u.ids;
+        sample.wall_ms = rec.wall_ms;
+        sample.copies = std::move(copies);
+        for (size_t i = 0; i < u.marks.size(); ++i) {
+          u.marks[i]->synchronize();
+          sample.acquire_ms.push_back(device_->elapsed_ms(*u.begin->event, *u.marks[i]));
+          const int k = u.stall_span[i];
+          sample.stall_ms.push_back(k >= 0 ? span_ms[static_cast<size_t>(k)] : 0.0);
+          event_pool_.push_back(std::move(u.marks[i]));
+        }
+      }
+      if (!u.detail) calib_.copies(copies);
+      calib_.forward(rec.kind, rec.wall_ms, u.detail ? &sample : nullptr);
+    }
     if (log::enabled(log::Level::debug)) {
       std::ostringstream line;
       line.setf(std::ios::fixed);
@@ -1127,9 +1232,28 @@ EngineStats StreamingEngine::stats() {
   s.ring_slots = ring_ ? ring_->live_slots() : 0;
   s.slot_bytes = plan_.slot_bytes;
   s.ring_capacity_bytes = ring_ ? ring_->capacity() : 0;
+  s.ring_slot_bytes = ring_ ? ring_->bytes() : 0;
   s.wasted_prefetch_copies = wasted_copies_ + (ring_ ? ring_->wasted_copies() : 0);
   s.wasted_prefetch_bytes = wasted_bytes_ + (ring_ ? ring_->wasted_bytes() : 0);
   s.mismatched_forwards = mismatched_forwards_;
+  s.plan.policy = residency_policy_name(plan_.policy);
+  s.plan.from_measurements = !plan_.predictions.empty();
+  s.plan.copy_gbps = calib_.copy_fit() ? calib_.copy_fit()->gbps : 0.0;
+  s.plan.ring_bytes = plan_.ring_bytes;
+  s.plan.measured_plans = calib_.measured_plans();
+  s.plan.recomputed = calib_.recomputed();
+  s.plan.step_kind = calib_.main_kind();
+  for (const auto& p : plan_.predictions) {
+    PlanKindStats k;
+    k.kind = p.kind;
+    k.predicted_step_ms = p.step_ms;
+    k.floor_ms = p.floor_ms;
+    k.compute_ms = p.compute_ms;
+    k.copy_ms = p.copy_ms;
+    k.measured_step_ms = calib_.measured_step_ms(p.kind);
+    k.measured_forwards = calib_.measured_forwards(p.kind);
+    s.plan.kinds.push_back(std::move(k));
+  }
   if (budget_) s.device_memory = budget_->stats();
   s.pinned = pinned_;
   s.residency_h2d = residency_h2d_;

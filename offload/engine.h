@@ -58,6 +58,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "offload/calibration.h"
 #include "offload/device.h"
 #include "offload/layer.h"
 #include "offload/prefetch_scheduler.h"
@@ -90,7 +91,8 @@ struct EngineOptions {
   double pin_cap_fraction = 0.5;               // most pinned bytes, as a fraction of physical RAM
   std::optional<uint64_t> pin_cap_bytes;       // most pinned bytes; overrides pin_cap_fraction
   std::vector<std::string> required_patterns = {"^final_layer(\\.|$)"};  // regex search on layer names: always resident
-  bool require_unconverted = true;             // layers stored in their compute dtype (skip-listed) stay resident
+  bool require_unconverted = false;            // true: layers stored in their compute dtype stay resident (they stream
+                                               // like any other by default: the stored bytes are sent, no upcast)
   bool timing = true;                          // device-timed stall/upcast/copy stats (a few events per layer)
   uint32_t bounce_slots = 4;                   // pinned bounce slots for pageable copies (Note [bounce ring])
   uint64_t bounce_slot_bytes = uint64_t{8} << 20;
@@ -216,10 +218,20 @@ class StreamingEngine final : public WeightProvider {
   struct ForwardAcc {
     uint64_t bytes = 0, copies = 0, demand = 0, stalls = 0;
     std::vector<Span> spans;
+    // Measured in detail (Note [calibration]): per acquire, its layer, an event before its
+    // copy wait, and the index of its stall span in `spans` (-1: none).
+    bool detail = false;
+    std::vector<int64_t> ids;
+    std::vector<std::unique_ptr<DeviceEvent>> marks;
+    std::vector<int> stall_span;
   };
   struct Unresolved {
     ForwardRecord record;
     std::vector<Span> spans;
+    bool detail = false;
+    std::vector<int64_t> ids;
+    std::vector<std::unique_ptr<DeviceEvent>> marks;
+    std::vector<int> stall_span;
     std::shared_ptr<Anchor> begin;
     std::unique_ptr<DeviceEvent> end;
   };
@@ -240,11 +252,14 @@ class StreamingEngine final : public WeightProvider {
   uint64_t streamed_slot_bytes() const;  // largest slot of the layers streamed now
   void plan_from_layers();               // plan_'s residency and sizes from the layers as they are
   void ensure_ring();                    // a ring for plan_ if there is none (ResourceError if it does not fit)
+  void make_ring(uint64_t capacity);     // a new ring with its first slots made (ResourceError if it does not fit)
   void make_resident(LayerRec& r);
   void make_streamed(LayerRec& r);
   void pin_host(LayerRec& r);
   void unpin_host(LayerRec& r);
   int64_t replan(uint64_t weight_budget, std::optional<double> max_resident);
+  void planned();              // tells the calibrator what plan_ predicts (Note [calibration])
+  void replan_if_measured();   // between forwards: a plan from new measurements, when due
   void require_idle(const char* what) const;
   void open_forward(std::string_view kind, bool implicit);
   void refresh_streamed();  // tells the scheduler which layers stream now
@@ -304,6 +319,7 @@ class StreamingEngine final : public WeightProvider {
   std::string kind_name_;
   std::string last_kind_name_;
   PrefetchScheduler sched_;
+  Calibrator calib_;
   ForwardAcc acc_cur_, acc_next_;
   std::shared_ptr<Anchor> anchor_;
   uint64_t last_stream_ = 0;               // compute stream of the last forward

@@ -2,10 +2,35 @@
 
 #include <algorithm>
 
+#include "runtime/error.h"
+
 namespace sluice::offload {
 
 namespace {
 const std::vector<int64_t> kEmpty;
+constexpr uint32_t kMaxPrefetch = 65536;
+}  // namespace
+
+uint32_t parse_prefetch(std::string_view text, const std::string& flag) {
+  if (text == "auto") return kPrefetchAuto;
+  uint64_t n = 0;
+  bool ok = !text.empty() && text.size() <= 6;
+  for (char c : text) {
+    if (c < '0' || c > '9') {
+      ok = false;
+      break;
+    }
+    n = n * 10 + static_cast<uint64_t>(c - '0');
+  }
+  if (!ok || n > kMaxPrefetch) {
+    throw InvalidArgument(flag + ": expected 'auto' or a number of layers from 0 to " + std::to_string(kMaxPrefetch) +
+                          ", got '" + std::string(text) + "'");
+  }
+  return static_cast<uint32_t>(n);
+}
+
+std::string prefetch_name(uint32_t max_ahead) {
+  return max_ahead == kPrefetchAuto ? std::string("auto") : std::to_string(max_ahead);
 }
 
 bool PrefetchScheduler::streamed(int64_t id) const {
@@ -134,6 +159,12 @@ PrefetchScheduler::Ended PrefetchScheduler::end(bool aborted) {
   if (!aborted && !overflow_ && (!known_ || diverged_ || recording_ != kind_->order)) {
     kind_->order = recording_;
     refresh(*kind_);
+    // Offers already made for the next forward followed the old order: offer the new one
+    // from its start (copies already there are answered as issued, so nothing is copied twice).
+    if (frontier_epoch_ > epoch_) {
+      frontier_epoch_ = epoch_ + 1;
+      frontier_ = 0;
+    }
   }
   known_ = !kind_->order.empty();
   out.diverged = diverged_;

@@ -26,11 +26,18 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "offload/cost_model.h"
 
 namespace sluice::offload {
+
+// "--prefetch": "auto" (kPrefetchAuto: as far as the ring's bytes allow) or a number of
+// streamed layers, 0 (copies on demand only) to 65536. Throws InvalidArgument naming `flag`.
+uint32_t parse_prefetch(std::string_view text, const std::string& flag = "--prefetch");
+// "auto" or the number.
+std::string prefetch_name(uint32_t max_ahead);
 
 class PrefetchScheduler {
  public:

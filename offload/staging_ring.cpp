@@ -11,11 +11,23 @@ namespace sluice::offload {
 StagingRing::StagingRing(DeviceBackend& device, std::shared_ptr<MemoryLedger> budget, uint64_t capacity_bytes)
     : device_(device), budget_(std::move(budget)), capacity_(capacity_bytes) {
   TORCH_CHECK(capacity_bytes > 0, "StagingRing: the capacity must be nonzero");
+  if (budget_) budget_->charge(MemoryKind::ring, capacity_, "staging ring");
 }
 
 // Slots may still be written by queued copies and read by queued compute: their uses are
 // recorded (fill, StreamingEngine::end_lease), so the allocator keeps them until those finish.
-StagingRing::~StagingRing() = default;
+StagingRing::~StagingRing() {
+  slots_.clear();
+  if (budget_) budget_->release(MemoryKind::ring, capacity_);
+}
+
+void StagingRing::prepare(const std::vector<uint64_t>& sizes) {
+  for (uint64_t b : sizes) {
+    const uint64_t want = align_up(std::max<uint64_t>(b, 1));
+    if (held_ + want > capacity_) break;
+    make_slot(want, false);
+  }
+}
 
 size_t StagingRing::live_slots() const {
   size_t n = 0;
@@ -40,8 +52,10 @@ int StagingRing::make_slot(uint64_t bytes, bool overflow) {
     slots_.push_back(std::move(s));
   }
   StagingSlot& s = slots_[i];
+  // Slots within the capacity live in the ring's reservation; only overflow is charged.
   s.buffer = device_.allocate({static_cast<int64_t>(bytes)}, at::kByte, MemoryKind::ring,
-                              overflow ? "staging slot beyond the ring" : "staging slot", budget_);
+                              overflow ? "staging slot beyond the ring" : "staging slot",
+                              overflow ? budget_ : nullptr);
   s.layer = -1;
   s.consumed = true;
   s.overflow = overflow;

@@ -11,6 +11,11 @@
 // layers therefore run far ahead, and the time that resident layers give is used for
 // copies instead of being lost once a fixed number of slots is full.
 //
+// The capacity is charged to the budget when the ring is made (a reservation: the plan's
+// accounting is exact whatever sizes the slots settle on), and the engine makes the first
+// slots right away (prepare), so a device that cannot hold the ring fails at attach, not
+// in the middle of a forward. Only overflow slots are charged on top.
+//
 // A slot is one device allocation of exactly its layer's (aligned) size, so a layer holds
 // only its own bytes. A copy reuses, in this order: a free slot of exactly its size (the
 // least recently filled), a new slot if the capacity has room, the smallest free slot
@@ -72,9 +77,13 @@ struct SlotPart {
 
 class StagingRing {
  public:
-  // An empty ring of `capacity_bytes` (slots are ring memory, charged to `budget` as made).
+  // An empty ring of `capacity_bytes`, charged to `budget` now (ResourceError if it does
+  // not fit).
   StagingRing(DeviceBackend& device, std::shared_ptr<MemoryLedger> budget, uint64_t capacity_bytes);
   ~StagingRing();
+  // Makes slots of `sizes` (in order) while they fit in the capacity; throws ResourceError
+  // when the device cannot allocate one.
+  void prepare(const std::vector<uint64_t>& sizes);
 
   uint64_t capacity() const { return capacity_; }
   // Slot entries (some may be empty); indices stay valid for the ring's life.

@@ -66,7 +66,8 @@ std::string EngineStats::to_json(int indent) const {
                  {"allocator_reserved_bytes", allocator(allocator_reserved_bytes)},
                  {"ring_slots", ring_slots},
                  {"slot_bytes", slot_bytes},
-                 {"ring_capacity_bytes", ring_capacity_bytes}};
+                 {"ring_capacity_bytes", ring_capacity_bytes},
+                 {"ring_slot_bytes", ring_slot_bytes}};
   // The prediction of the step kind (null until measured costs exist), and every kind's.
   const PlanKindStats* step = plan.step();
   nlohmann::json plan_kinds = nlohmann::json::array();

@@ -107,7 +107,8 @@ struct EngineStats {
   uint64_t streamed_layers = 0;
   uint64_t ring_slots = 0;           // staging slots allocated now
   uint64_t slot_bytes = 0;           // the largest streamed layer's slot
-  uint64_t ring_capacity_bytes = 0;  // the staging ring's byte capacity (Note [staging ring])
+  uint64_t ring_capacity_bytes = 0;  // the staging ring's byte capacity, charged to the budget (Note [staging ring])
+  uint64_t ring_slot_bytes = 0;      // device bytes of the slots made now, within the capacity (overflow included)
   uint64_t wasted_prefetch_copies = 0;  // copies dropped before any forward read them
   uint64_t wasted_prefetch_bytes = 0;
   uint64_t mismatched_forwards = 0;     // forwards that streamed more or less than their streamed layers hold

@@ -95,10 +95,10 @@ TEST_CASE("engine: outputs are bit-identical to the plain model for every depth 
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
   const Snapshot before = snapshot(model);
-  for (uint32_t depth = 0; depth <= 4; ++depth) {
+  for (uint32_t depth : {0u, 1u, 2u, 3u, 4u, kPrefetchAuto}) {
     for (double cap : {0.0, 0.25, 0.5, 1.0}) {
-      for (auto policy : {ResidencyPolicy::spread, ResidencyPolicy::front_first}) {
-        INFO("depth " << depth << " max_resident " << cap << " policy " << residency_policy_name(policy));
+      for (auto policy : {ResidencyPolicy::balanced, ResidencyPolicy::spread, ResidencyPolicy::front_first}) {
+        INFO("depth " << prefetch_name(depth) << " max_resident " << cap << " policy " << residency_policy_name(policy));
         EngineOptions o = options(slowed_cpu());
         o.prefetch_depth = depth;
         o.max_resident = cap;
@@ -106,7 +106,7 @@ TEST_CASE("engine: outputs are bit-identical to the plain model for every depth 
         StreamingEngine engine(o);
         engine.attach(*model, "toy");
         if (cap == 1.0) CHECK(engine.plan().streamed_count() == 0);
-        if (cap == 0.0) CHECK(engine.plan().streamed_count() == 24);  // every block layer
+        if (cap == 0.0) CHECK(engine.plan().streamed_count() == 25);  // every block layer and x_embedder
         for (int f = 0; f < 3; ++f) {
           const at::Tensor out = run(engine, model, x);
           CHECK(at::equal(out, ref));
@@ -128,6 +128,45 @@ TEST_CASE("engine: outputs are bit-identical to the plain model for every depth 
         CHECK(static_cast<uint64_t>(s.device_memory.total.peak) <= o.budget_bytes - o.working_memory_bytes);
         engine.detach();
         CHECK(at::equal(model->forward(x), ref));
+      }
+    }
+  }
+}
+
+TEST_CASE("engine: bf16, fp16 and fp32 storage stream like fp8, bit-identical and without an upcast") {
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    ToyOptions to;
+    to.storage = dtype;
+    to.compute = dtype;  // stored in the compute dtype: the slot's bytes are the weights
+    ToyModel model(to);
+    const at::Tensor x = input().to(dtype);
+    const at::Tensor ref = model->forward(x);
+    const Snapshot before = snapshot(model);
+    for (double cap : {0.0, 0.5}) {
+      for (uint32_t depth : {kPrefetchAuto, 1u}) {
+        INFO(c10::toString(dtype) << " max_resident " << cap << " prefetch " << prefetch_name(depth));
+        EngineOptions o = options(slowed_cpu());
+        o.max_resident = cap;
+        o.prefetch_depth = depth;
+        StreamingEngine engine(o);
+        engine.attach(*model, "toy");
+        // Only the declared layer (final_layer) is required: the block layers and the
+        // unconverted x_embedder stream.
+        if (cap == 0.0) {
+          CHECK(engine.plan().streamed_count() == 25);
+          CHECK_FALSE(engine.is_resident("x_embedder"));
+        } else {
+          CHECK(engine.plan().streamed_count() >= 10);
+        }
+        for (int f = 0; f < 3; ++f) {
+          CHECK(at::equal(run(engine, model, x), ref));
+          check_stored_dtypes(model, before);
+        }
+        const EngineStats s = engine.stats();
+        for (const auto& r : s.forward_records) CHECK(r.bytes_streamed == streamed_bytes(engine));
+        CHECK(s.forward_records.back().demand_copies == 0);
+        CHECK(s.slot_violations == 0);
+        engine.detach();
       }
     }
   }

@@ -79,7 +79,7 @@ class ToyModelImpl : public torch::nn::Module {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     x_embedder = register_module("x_embedder", offload::Linear(o.dim, o.dim, true, f32));
     store(*x_embedder, at::randn({o.dim, o.dim}, gen, f32) / std::sqrt(static_cast<double>(o.dim)),
-          at::randn({o.dim}, gen, f32) * 0.1, o.compute, o.compute, false);  // unconverted: always resident
+          at::randn({o.dim}, gen, f32) * 0.1, o.compute, o.compute, false);  // unconverted: streams without an upcast
     blocks = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < o.blocks; ++i) {
       ToyBlock b(o, gen);

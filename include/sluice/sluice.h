@@ -43,6 +43,8 @@ extern "C" {
 #endif
 
 #define SLUICE_C_ABI_VERSION 1
+/* sluice_cache_options.prefetch: no bound in layers, only the staging ring's bytes. */
+#define SLUICE_PREFETCH_AUTO 0xFFFFFFFFu
 
 typedef enum sluice_status {
   SLUICE_OK = 0,
@@ -78,9 +80,10 @@ typedef struct sluice_cache_options {
   const char* working_memory; /* part of the budget kept for activations; default: sized for resolution */
   int64_t resolution;        /* image side the default working memory is sized for; default 1024 */
   const char* ram_limit;     /* host bytes for cached models, LRU eviction; "0": unlimited */
-  uint32_t prefetch;         /* streamed layers copied ahead of compute; default 2 */
+  uint32_t prefetch;         /* most streamed layers copied ahead of compute, 0..65536, or
+                                SLUICE_PREFETCH_AUTO (the default): as far as the ring's bytes allow */
   const char* pin_memory;    /* "auto" | "on" | "off"; default "auto" */
-  const char* policy;        /* "spread" | "front-first"; default "spread" */
+  const char* policy;        /* "balanced" | "spread" | "front-first"; default "balanced" */
   int timing;                /* nonzero: device-timed per-forward stats; default 1 */
   int trace;                 /* nonzero: record spans for sluice_model_write_trace; default 0 */
   uint64_t device_memory;    /* device memory to assume for percentages; 0: ask the device */

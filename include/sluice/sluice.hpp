@@ -54,10 +54,10 @@ struct RuntimeOptions {
   std::string working_memory;           // part of the budget kept free for activations ("10%" of the budget); empty: 1GiB x (resolution/1024)^2, at least 256MiB, at most 25% of the budget
   int64_t resolution = 1024;            // image side (pixels) the default working memory is sized for
   std::string ram_limit;                // host bytes for cached models ("50%" of RAM), LRU eviction; "0": unlimited; empty: max(4GiB, 50% of RAM - 2GiB)
-  uint32_t prefetch = 2;                // streamed layers copied ahead of compute
+  std::string prefetch = "auto";        // most streamed layers copied ahead of compute: "auto" (as far as the staging ring's bytes allow) or "0".."65536"
   std::string pin_memory = "auto";      // page-locked host copies of streamed layers: "auto" (on for CUDA), "on", "off" (turn off on ROCm if it stalls)
   double pin_cap_fraction = 0.5;        // most pinned host bytes per model, as a fraction of RAM
-  std::string policy = "spread";        // residency plan: "spread" (streamed layers spread for overlap) or "front-first"
+  std::string policy = "balanced";      // residency plan: "balanced" (minimises the predicted step from measured costs), "spread" or "front-first"
   bool timing = true;                   // device-timed stall/upcast/copy numbers per forward (a few events per layer)
   bool trace = false;                   // record per-layer spans for Model::write_trace (implies timing)
   uint64_t device_memory = 0;           // device memory to assume (the 100% of "50%"); 0: ask the device (CPU: physical RAM)

@@ -25,7 +25,7 @@ using release_gil = py::call_guard<py::gil_scoped_release>;
 
 sluice::RuntimeOptions runtime_options(const std::string& device, const std::string& vram_budget,
                                        const std::string& working_memory, int64_t resolution, const std::string& ram_limit,
-                                       uint32_t prefetch, const std::string& pin_memory, double pin_cap_fraction,
+                                       const py::object& prefetch, const std::string& pin_memory, double pin_cap_fraction,
                                        const std::string& policy, bool timing, bool trace, uint64_t device_memory,
                                        double cpu_copy_gbps, const std::string& vram_headroom) {
   sluice::RuntimeOptions o;
@@ -34,7 +34,8 @@ sluice::RuntimeOptions runtime_options(const std::string& device, const std::str
   o.working_memory = working_memory;
   o.resolution = resolution;
   o.ram_limit = ram_limit;
-  o.prefetch = prefetch;
+  // "auto" or a number of layers (an int or its string).
+  o.prefetch = py::isinstance<py::int_>(prefetch) ? std::to_string(prefetch.cast<int64_t>()) : prefetch.cast<std::string>();
   o.pin_memory = pin_memory;
   o.pin_cap_fraction = pin_cap_fraction;
   o.policy = policy;
@@ -97,8 +98,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<sluice::RuntimeOptions>(m, "RuntimeOptions")
       .def(py::init(&runtime_options), py::arg("device") = "cpu", py::arg("vram_budget") = "",
            py::arg("working_memory") = "", py::arg("resolution") = 1024, py::arg("ram_limit") = "",
-           py::arg("prefetch") = 2, py::arg("pin_memory") = "auto", py::arg("pin_cap_fraction") = 0.5,
-           py::arg("policy") = "spread", py::arg("timing") = true, py::arg("trace") = false,
+           py::arg("prefetch") = "auto", py::arg("pin_memory") = "auto", py::arg("pin_cap_fraction") = 0.5,
+           py::arg("policy") = "balanced", py::arg("timing") = true, py::arg("trace") = false,
            py::arg("device_memory") = 0, py::arg("cpu_copy_gbps") = 0.0, py::arg("vram_headroom") = "")
       .def_readonly("device", &sluice::RuntimeOptions::device)
       .def_readonly("vram_budget", &sluice::RuntimeOptions::vram_budget)
