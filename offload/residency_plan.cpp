@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -89,10 +90,25 @@ uint64_t minimum(const PlanInput& in, const Prepared& p) {
   return best;
 }
 
-// Marks candidates resident within `limit` bytes; returns the bytes taken.
-uint64_t select(const PlanInput& in, const std::vector<size_t>& candidates, uint64_t limit, std::vector<bool>& resident) {
+// How select() walks the candidates before its first-fit pass.
+enum class Walk {
+  bytes,    // Bresenham by bytes (spread), Note [residency policy]
+  compute,  // Bresenham by measured compute time (balanced), Note [balanced plan]
+  none,     // first fit only (front_first)
+};
+
+Walk walk_of(ResidencyPolicy policy) { return policy == ResidencyPolicy::front_first ? Walk::none : Walk::bytes; }
+
+// Marks candidates resident within `limit` bytes; returns the bytes taken. `compute[i]` is
+// layer i's weighted compute time (Walk::compute only).
+uint64_t select(const PlanInput& in, const std::vector<size_t>& candidates, uint64_t limit, Walk walk,
+                const std::vector<double>& compute, std::vector<bool>& resident) {
   uint64_t total = 0;
-  for (size_t i : candidates) total += in.layers[i].stored_bytes;
+  double total_compute = 0;
+  for (size_t i : candidates) {
+    total += in.layers[i].stored_bytes;
+    if (walk == Walk::compute) total_compute += compute[i];
+  }
   uint64_t taken = 0;
   auto take = [&](size_t i) {
     resident[i] = true;
@@ -102,7 +118,8 @@ uint64_t select(const PlanInput& in, const std::vector<size_t>& candidates, uint
     for (size_t i : candidates) take(i);
     return taken;
   }
-  if (in.policy != ResidencyPolicy::front_first && total > 0) {
+  if (walk == Walk::compute && !(total_compute > 0)) walk = Walk::bytes;  // nothing to weigh by
+  if (walk == Walk::bytes && total > 0) {
     // Bresenham by bytes, see Note [residency policy].
     const double fraction = static_cast<double>(limit) / static_cast<double>(total);
     double seen = 0;
@@ -111,19 +128,36 @@ uint64_t select(const PlanInput& in, const std::vector<size_t>& candidates, uint
       seen += static_cast<double>(b);
       if (static_cast<double>(taken) + static_cast<double>(b) / 2.0 <= fraction * seen && taken + b <= limit) take(i);
     }
+  } else if (walk == Walk::compute) {
+    // Bresenham by compute, see Note [balanced plan]: stream a layer while the streamed
+    // bytes so far (half of its own counted) stay within the even rate times the compute
+    // before it; otherwise keep it resident if it fits.
+    const double rate = static_cast<double>(total - limit) / total_compute;  // streamed bytes per compute-ms
+    double streamed = 0, before = 0;
+    for (size_t i : candidates) {
+      const uint64_t b = in.layers[i].stored_bytes;
+      if (streamed + static_cast<double>(b) / 2.0 > rate * before && taken + b <= limit) {
+        take(i);
+      } else {
+        streamed += static_cast<double>(b);
+      }
+      before += compute[i];
+    }
   }
-  for (size_t i : candidates) {  // first fit: all of front_first, the rest of the budget for spread
+  for (size_t i : candidates) {  // first fit: all of front_first, the rest of the budget for the walks
     if (!resident[i] && taken + in.layers[i].stored_bytes <= limit) take(i);
   }
   return taken;
 }
 
-// Plans with the k largest streamable layers forced resident; returns the resident
-// streamable bytes. `resident` starts with the required layers marked.
-uint64_t plan_with_forced(const PlanInput& in, const Prepared& p, size_t k, std::vector<bool>& resident) {
+// Plans with the k largest streamable layers forced resident, the ring at `ring_slots` of
+// the largest streamed slot; returns the resident streamable bytes. `resident` starts with
+// the required layers marked.
+uint64_t plan_with_forced(const PlanInput& in, const Prepared& p, size_t k, Walk walk, std::vector<bool>& resident) {
   for (size_t j = 0; j < k; ++j) resident[p.by_size[j]] = true;
   uint64_t taken = p.prefix[k];
   uint64_t slot = in.layers[p.by_size[k]].slot_size();
+  const std::vector<double> no_compute;
   for (;;) {
     const uint64_t fixed = p.required + in.scratch_bytes + static_cast<uint64_t>(in.ring_slots) * slot + taken;
     TORCH_INTERNAL_ASSERT(fixed <= in.weight_budget, "plan_residency: forced set over budget");
@@ -132,7 +166,7 @@ uint64_t plan_with_forced(const PlanInput& in, const Prepared& p, size_t k, std:
     for (size_t i : p.streamable) {
       if (!resident[i]) candidates.push_back(i);
     }
-    taken += select(in, candidates, limit, resident);
+    taken += select(in, candidates, limit, walk, no_compute, resident);
     uint64_t new_slot = 0;
     for (size_t i : p.streamable) {
       if (!resident[i]) new_slot = std::max(new_slot, in.layers[i].slot_size());
@@ -140,6 +174,139 @@ uint64_t plan_with_forced(const PlanInput& in, const Prepared& p, size_t k, std:
     if (new_slot >= slot || new_slot == 0) return taken;
     slot = new_slot;  // a smaller ring frees budget for another pass
   }
+}
+
+// Whether forcing the k largest streamable layers resident is a plan worth trying: within
+// the cap and the budget, and the first k at which the ring's slot size changes.
+bool forced_candidate(const PlanInput& in, const Prepared& p, size_t k) {
+  if (p.prefix[k] > p.cap) return false;
+  if (k > 0 && in.layers[p.by_size[k]].slot_size() == in.layers[p.by_size[k - 1]].slot_size()) return false;
+  return cost_with_forced(in, p, k) <= in.weight_budget;
+}
+
+// A residency and its ring.
+struct Choice {
+  std::vector<bool> resident;
+  uint64_t taken = 0;  // resident streamable bytes
+  uint64_t ring = 0;
+  double step = 0;     // weighted predicted step (costs only)
+};
+
+uint64_t largest_streamed_slot(const PlanInput& in, const Prepared& p, const std::vector<bool>& resident) {
+  uint64_t slot = 0;
+  for (size_t i : p.streamable) {
+    if (!resident[i]) slot = std::max(slot, in.layers[i].slot_size());
+  }
+  return slot;
+}
+
+// The spread / front_first plan: keeping the k largest layers resident shrinks the ring to
+// the (k+1)-th largest. Try every k at which the ring size changes and keep the plan with
+// the most resident bytes (ties: the smaller k, i.e. the walk's own choice).
+Choice walk_plan(const PlanInput& in, const Prepared& p, Walk walk, const std::vector<bool>& required) {
+  Choice best;
+  bool found = false;
+  for (size_t k = 0; k < p.by_size.size(); ++k) {
+    if (p.prefix[k] > p.cap) break;
+    if (!forced_candidate(in, p, k)) continue;
+    std::vector<bool> resident = required;
+    const uint64_t r = plan_with_forced(in, p, k, walk, resident);
+    if (!found || r > best.taken) {
+      best.resident = std::move(resident);
+      best.taken = r;
+      found = true;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(found, "plan_residency: no feasible plan above the minimum");
+  best.ring = static_cast<uint64_t>(in.ring_slots) * largest_streamed_slot(in, p, best.resident);
+  return best;
+}
+
+double predicted_step(const PlanInput& in, const std::vector<bool>& resident, uint64_t ring) {
+  return weighted_step_ms(predict(in.layers, resident, in.costs, ring, in.max_ahead), in.costs);
+}
+
+// Ring capacities to try above `base` (ring_slots of the largest streamed slot `slot`), up
+// to `most`: geometric steps of 1.25 and the next few whole slots.
+std::vector<uint64_t> ring_candidates(uint64_t base, uint64_t slot, uint32_t ring_slots, uint64_t most) {
+  std::vector<uint64_t> rings{base};
+  for (double r = static_cast<double>(base) * 1.25; r <= static_cast<double>(most); r *= 1.25) {
+    rings.push_back(std::max(base, static_cast<uint64_t>(r)));
+  }
+  for (uint64_t j = 1; j <= 4; ++j) {
+    const uint64_t r = (ring_slots + j) * slot;
+    if (r <= most) rings.push_back(r);
+  }
+  std::sort(rings.begin(), rings.end());
+  rings.erase(std::unique(rings.begin(), rings.end()), rings.end());
+  return rings;
+}
+
+// Note [balanced plan]: the joint search over the ring's capacity and the resident set.
+Choice balanced_plan(const PlanInput& in, const Prepared& p, const std::vector<bool>& required) {
+  // Each layer's compute time, summed over its positions and weighted across kinds.
+  std::vector<double> compute(in.layers.size(), 0.0);
+  for (const auto& kind : in.costs.kinds) {
+    for (size_t pos = 0; pos < kind.order.size(); ++pos) {
+      if (kind.order[pos] < compute.size()) compute[kind.order[pos]] += kind.weight * kind.compute_ms[pos];
+    }
+  }
+  // The plans of the other policies at this budget: the balanced plan never predicts worse.
+  Choice spread = walk_plan(in, p, Walk::bytes, required);
+  spread.step = predicted_step(in, spread.resident, spread.ring);
+  Choice front = walk_plan(in, p, Walk::none, required);
+  front.step = predicted_step(in, front.resident, front.ring);
+  std::vector<Choice> choices;
+  choices.push_back(std::move(spread));
+  choices.push_back(std::move(front));
+
+  for (size_t k = 0; k < p.by_size.size(); ++k) {
+    if (p.prefix[k] > p.cap) break;
+    if (!forced_candidate(in, p, k)) continue;
+    const uint64_t slot = in.layers[p.by_size[k]].slot_size();
+    const uint64_t base = static_cast<uint64_t>(in.ring_slots) * slot;
+    const uint64_t fixed = p.required + in.scratch_bytes + p.prefix[k];
+    std::vector<bool> forced = required;
+    std::vector<size_t> candidates;
+    uint64_t candidate_slots = 0;  // a ring larger than every candidate's slot gains nothing
+    for (size_t j = 0; j < k; ++j) forced[p.by_size[j]] = true;
+    for (size_t i : p.streamable) {
+      if (forced[i]) continue;
+      candidates.push_back(i);
+      candidate_slots += in.layers[i].slot_size();
+    }
+    const uint64_t most = std::min(in.weight_budget - fixed, std::max(base, candidate_slots));
+    for (uint64_t ring : ring_candidates(base, slot, in.ring_slots, most)) {
+      const uint64_t limit = std::min(in.weight_budget - fixed - ring, p.cap - p.prefix[k]);
+      for (Walk walk : {Walk::compute, Walk::bytes, Walk::none}) {
+        Choice c;
+        c.resident = forced;
+        c.taken = p.prefix[k] + select(in, candidates, limit, walk, compute, c.resident);
+        if (largest_streamed_slot(in, p, c.resident) == 0) continue;  // all resident: the caller's case
+        c.ring = ring;
+        c.step = predicted_step(in, c.resident, ring);
+        choices.push_back(std::move(c));
+      }
+    }
+  }
+  // The smallest ring within 1% of the best prediction, and no worse than spread or
+  // front_first (choices[0], choices[1]); then the better prediction, then more resident.
+  double best = choices[0].step;
+  for (const auto& c : choices) best = std::min(best, c.step);
+  const double bound = std::min({best * 1.01, choices[0].step, choices[1].step});
+  size_t pick = 0;
+  bool found = false;
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const Choice& c = choices[i];
+    if (c.step > bound) continue;
+    const Choice& b = choices[pick];
+    if (!found || c.ring < b.ring || (c.ring == b.ring && (c.step < b.step || (c.step == b.step && c.taken > b.taken)))) {
+      pick = i;
+      found = true;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(found, "plan_residency: no balanced plan");
+  return std::move(choices[pick]);
 }
 
 }  // namespace
@@ -171,42 +338,26 @@ ResidencyPlan plan_residency(const PlanInput& in) {
     throw ResourceError(msg.str());
   }
 
+  const bool costs = in.costs.usable();
   uint64_t resident_streamable = 0;
-  const size_t n = p.by_size.size();
+  uint64_t ring = 0;
   if (p.required + in.scratch_bytes + p.streamable_bytes <= in.weight_budget && p.streamable_bytes <= p.cap) {
     for (size_t i : p.streamable) plan.resident[i] = true;
     resident_streamable = p.streamable_bytes;
   } else {
-    // Keeping the k largest layers resident shrinks the ring to the (k+1)-th largest. Try
-    // every k at which the ring size changes and keep the plan with the most resident
-    // bytes (ties: the smaller k, i.e. the policy's own choice).
-    std::vector<bool> best;
-    uint64_t best_resident = 0;
-    bool found = false;
-    for (size_t k = 0; k < n; ++k) {
-      if (p.prefix[k] > p.cap) break;
-      if (k > 0 && in.layers[p.by_size[k]].slot_size() == in.layers[p.by_size[k - 1]].slot_size()) continue;
-      if (cost_with_forced(in, p, k) > in.weight_budget) continue;
-      std::vector<bool> resident = plan.resident;
-      const uint64_t r = plan_with_forced(in, p, k, resident);
-      if (!found || r > best_resident) {
-        best = std::move(resident);
-        best_resident = r;
-        found = true;
-      }
-    }
-    TORCH_INTERNAL_ASSERT(found, "plan_residency: no feasible plan above the minimum");
-    plan.resident = std::move(best);
-    resident_streamable = best_resident;
+    Choice c = in.policy == ResidencyPolicy::balanced && costs ? balanced_plan(in, p, plan.resident)
+                                                               : walk_plan(in, p, walk_of(in.policy), plan.resident);
+    plan.resident = std::move(c.resident);
+    resident_streamable = c.taken;
+    ring = c.ring;
   }
 
   plan.resident_bytes = p.required + resident_streamable;
   plan.streamed_bytes = p.streamable_bytes - resident_streamable;
-  for (size_t i : p.streamable) {
-    if (!plan.resident[i]) plan.slot_bytes = std::max(plan.slot_bytes, in.layers[i].slot_size());
-  }
+  plan.slot_bytes = largest_streamed_slot(in, p, plan.resident);
   plan.ring_slots = plan.slot_bytes ? in.ring_slots : 0;
-  plan.ring_bytes = static_cast<uint64_t>(plan.ring_slots) * plan.slot_bytes;
+  plan.ring_bytes = plan.slot_bytes ? std::max(ring, static_cast<uint64_t>(plan.ring_slots) * plan.slot_bytes) : 0;
+  if (costs) plan.predictions = predict(plan.layers, plan.resident, in.costs, plan.ring_bytes, in.max_ahead);
   TORCH_INTERNAL_ASSERT(plan.device_bytes() <= in.weight_budget, "plan_residency: plan of ", plan.device_bytes(),
                         " bytes exceeds the weight budget ", in.weight_budget);
   TORCH_INTERNAL_ASSERT(resident_streamable <= p.cap, "plan_residency: max_resident exceeded");
@@ -253,9 +404,17 @@ std::string ResidencyPlan::to_string() const {
   std::ostringstream out;
   out << "residency plan (" << residency_policy_name(policy) << "): weight budget " << format_mib(weight_budget)
       << ", resident " << format_mib(resident_bytes) << " (required " << format_mib(required_bytes) << "), streamed "
-      << format_mib(streamed_bytes) << " in " << streamed_count() << " layers, ring " << ring_slots << " x "
-      << format_mib(slot_bytes) << ", scratch " << format_mib(scratch_bytes) << "\n";
+      << format_mib(streamed_bytes) << " in " << streamed_count() << " layers, ring " << format_mib(ring_bytes)
+      << " (at least " << ring_slots << " x " << format_mib(slot_bytes) << "), scratch " << format_mib(scratch_bytes)
+      << "\n";
   out << "  " << residency_map() << "\n";
+  for (const auto& k : predictions) {
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "  predicted %s: step %.3f ms, floor %.3f ms (compute %.3f, copy %.3f, stall %.3f)\n",
+                  k.kind.c_str(), k.step_ms, k.floor_ms, k.compute_ms, k.copy_ms, k.stall_ms);
+    out << line;
+  }
   for (size_t i = 0; i < layers.size(); ++i) {
     out << "  " << (resident[i] ? (layers[i].required ? "required " : "resident ") : "streamed ") << layers[i].name
         << " " << format_mib(layers[i].stored_bytes) << "\n";

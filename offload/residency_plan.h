@@ -7,14 +7,14 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // A budgeted forward costs at least max(compute time, streamed bytes / H2D bandwidth).
 // Reaching that floor needs the copy stream busy whenever there is something left to
-// copy. But the copy stream can run at most `ring slots` streamed layers ahead of
-// compute (Note [staging ring sizing]): once the ring is full it idles until compute
-// frees a slot. So a long stretch of resident layers hides only a ring's worth of copies,
-// and a long stretch of streamed layers runs at copy speed. Copies hide best when the
-// streamed layers are spread as evenly as possible through the execution order, so that
-// every streamed layer's copy runs under the compute of the resident layers just before it.
+// copy. But the copy stream can run ahead of compute only as far as the staging ring's
+// bytes allow (Note [staging ring]): once the ring is full it idles until compute frees a
+// slot. So a long stretch of resident layers hides only a ring's worth of copies, and a
+// long stretch of streamed layers runs at copy speed. Copies hide best when the streamed
+// layers are spread as evenly as possible through the execution order, so that every
+// streamed layer's copy runs under the compute of the resident layers just before it.
 //
-// `spread` (the default) therefore distributes residency at *layer* granularity, by bytes,
+// `spread` therefore distributes residency at *layer* granularity, by bytes,
 // with a Bresenham walk over the streamable layers in execution order: with a resident
 // fraction f, layer i becomes resident when the resident bytes so far, plus half of its
 // own, stay within f times the bytes seen so far. Choosing at block granularity (whole
@@ -23,8 +23,10 @@
 // only matches the layer-level plan with a ring as deep as a block. A first-fit pass then
 // fills what the walk left of the budget. Streamed bytes, and so the floor, are the same
 // for any plan that fills the budget; the spread only decides how close to it we get.
-// (Not modelled: compute per byte differs between layers, e.g. adaLN modulation runs on
-// one token. A plan weighted by measured per-layer compute time would do better.)
+// spread and front_first size the ring at its minimum, `ring_slots` of the largest
+// streamed slot. Compute per byte differs between layers (adaLN modulation runs on one
+// token, attention sits on the output projection), which a byte spread cannot see:
+// `balanced` (the default) plans by measured compute time, Note [balanced plan].
 //
 // `front_first` fills the budget in execution order (first fit), like InvokeAI's partial
 // load: the streamed layers then form one run at the end, the worst case for overlap.
@@ -32,6 +34,38 @@
 //
 // Required layers (skip-listed unconverted modules, embeddings, the final layer) and the
 // parameters outside managed layers (norms) are always resident.
+//
+// Note [balanced plan]
+// ~~~~~~~~~~~~~~~~~~~~
+// With measured costs (PlanInput::costs usable: per-kind acquire order and per-position
+// compute times, the copy rate), `balanced` minimises the predicted step of
+// Note [cost model], weighted over the kinds, by a joint search over the ring's byte
+// capacity and the resident set. Both draw on the same budget: a larger ring lets copies
+// run further ahead under long resident stretches, but leaves fewer bytes resident.
+//  - As for spread, keeping the k largest layers resident shrinks the minimum ring; each k
+//    at which the largest slot changes is tried.
+//  - For each k, ring capacities from the minimum (`ring_slots` of the largest streamed
+//    slot) upward in steps of x1.25, and 1..4 whole slots more, up to what the budget
+//    leaves after required, scratch and the forced layers (and no more than every
+//    candidate's slot together). The resident limit is the rest of the budget (and the
+//    max_resident cap).
+//  - For each ring, three resident sets: a compute-weighted spread, the byte spread and
+//    first fit, each topped up by first fit. The compute-weighted spread is the Bresenham
+//    walk of Note [residency policy] with compute time in place of bytes: with S bytes to
+//    stream and W ms of compute (summed over each layer's positions, weighted across
+//    kinds), a layer streams while the streamed bytes so far, half of its own included,
+//    stay within S/W times the compute *before* it (its copy must end before it computes),
+//    and is resident otherwise. Streamed bytes per compute-ms are then even through the
+//    order, so the ring only absorbs the local unevenness.
+//  - Every candidate is predicted (O(positions) each), and so are the spread and
+//    front_first plans of the same input. The plan is the smallest ring whose prediction
+//    is within 1% of the best, and no worse than spread's or front_first's (a smaller ring
+//    is fewer device bytes held, for the same step); ties go to the better prediction.
+// About 5 k values x 20 rings x 3 sets: a few hundred predictions of a few thousand
+// positions for anima-2b's ~400 layers, a few ms (tests/test_residency_plan.cpp measures it).
+// Without usable costs (at attach, before anything was measured) balanced plans as spread;
+// the engine replans once it has measured a forward. Every policy fills plan.predictions
+// when costs are usable.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -86,7 +120,8 @@ struct ResidencyPlan {
   uint32_t ring_slots = 0;         // the minimum the ring holds, in largest slots; 0 when nothing streams
   uint64_t slot_bytes = 0;         // largest streamed layer's slot size
   uint64_t ring_bytes = 0;         // the staging ring's capacity (>= ring_slots * slot_bytes); 0 when nothing streams
-  // Predictions under the plan's costs (empty when the input had no usable CostModel).
+  // predict() of the plan under the input's costs, at ring_bytes and the input's max_ahead
+  // (empty when the input had no usable CostModel).
   std::vector<KindPrediction> predictions;
   // What the plan puts on the device: weights + ring + scratch.
   uint64_t device_bytes() const { return resident_bytes + ring_bytes + scratch_bytes; }
