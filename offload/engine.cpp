@@ -762,7 +762,7 @@ void StreamingEngine::open_forward(std::string_view kind, bool implicit) {
     acc_cur_ = ForwardAcc{};
   }
   sched_.begin(kind_name_, epoch_, implicit_);
-  acc_cur_.detail = timing() && !implicit_ && calib_.wants_detail(kind_name_);
+  acc_cur_.detail = timing() && options_.plan_from_measurements && !implicit_ && calib_.wants_detail(kind_name_);
   // A forward on another compute stream than the last one (a host running forwards on
   // streams of its own) reuses its scratch and reads what it left: it starts after it.
   const uint64_t stream = device_->compute_stream_id();
@@ -1170,7 +1170,7 @@ void StreamingEngine::resolve(bool wait_all) {
     }
     rec.wall_ms = device_->elapsed_ms(*u.begin->event, *u.end);
     rec.h2d_gbps = copy_ms > 0 ? static_cast<double>(rec.bytes_streamed) / (copy_ms * 1e6) : 0.0;
-    if (!rec.aborted && !rec.diverged && timing()) {
+    if (!rec.aborted && !rec.diverged && timing() && options_.plan_from_measurements) {
       ForwardSample sample;
       if (u.detail) {
         sample.kind = rec.kind;

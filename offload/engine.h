@@ -94,6 +94,7 @@ struct EngineOptions {
   bool require_unconverted = false;            // true: layers stored in their compute dtype stay resident (they stream
                                                // like any other by default: the stored bytes are sent, no upcast)
   bool timing = true;                          // device-timed stall/upcast/copy stats (a few events per layer)
+  bool plan_from_measurements = true;          // measure compute and copies and replan by them (Note [calibration]; needs timing)
   uint32_t bounce_slots = 4;                   // pinned bounce slots for pageable copies (Note [bounce ring])
   uint64_t bounce_slot_bytes = uint64_t{8} << 20;
   bool trace = false;                          // record per-layer spans for trace() (implies timing)

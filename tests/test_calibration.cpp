@@ -1,0 +1,128 @@
+#include <catch2/catch.hpp>
+
+#include "offload/calibration.h"
+
+using namespace sluice::offload;
+
+namespace {
+
+// Three layers acquired in order 0, 1, 2: acquires at 1, 4 and 6 ms, layer 1 waited
+// 0.5 ms for its copy, the forward ended at 10 ms.
+ForwardSample sample(const std::string& kind = "dit", double wall = 10) {
+  ForwardSample s;
+  s.kind = kind;
+  s.order = {0, 1, 2};
+  s.acquire_ms = {1, 4, 6};
+  s.stall_ms = {0, 0.5, 0};
+  s.wall_ms = wall;
+  s.copies = {{1000000, 1.1}, {3000000, 3.1}};  // 1 ms per MB + 0.1 ms per copy
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("calibration: compute per position takes the waits out and wraps the head into the tail") {
+  const std::vector<double> c = compute_times(sample());
+  REQUIRE(c.size() == 3);
+  CHECK(c[0] == Approx(3.0));        // 4 - 1
+  CHECK(c[1] == Approx(1.5));        // 6 - 4 - 0.5 waiting for its copy
+  CHECK(c[2] == Approx(4.0 + 1.0));  // 10 - 6, plus the 1 ms before the first acquire
+  ForwardSample bad = sample();
+  bad.stall_ms.pop_back();
+  CHECK(compute_times(bad).empty());
+  bad = sample();
+  bad.wall_ms = 0;
+  CHECK(compute_times(bad).empty());
+}
+
+TEST_CASE("calibration: the copy fit separates a per-copy latency from the bandwidth") {
+  auto f = fit_copies({{1000000, 1.1}, {3000000, 3.1}, {2000000, 2.1}});
+  REQUIRE(f);
+  CHECK(f->gbps == Approx(1.0));  // 1 MB per ms = 1 GB/s
+  CHECK(f->overhead_ms == Approx(0.1));
+  // Sizes all alike: a plain rate, no intercept.
+  f = fit_copies({{1000000, 2.0}, {1000000, 2.0}});
+  REQUIRE(f);
+  CHECK(f->gbps == Approx(0.5));
+  CHECK(f->overhead_ms == 0);
+  // A negative intercept is not a latency: a line through the origin.
+  f = fit_copies({{1000000, 0.5}, {3000000, 3.5}});
+  REQUIRE(f);
+  CHECK(f->overhead_ms == 0);
+  CHECK(f->gbps > 0);
+  CHECK_FALSE(fit_copies({}));
+  CHECK_FALSE(fit_copies({{1000, 0.0}}));
+}
+
+TEST_CASE("calibration: a profile makes a plan due, and a prediction off by more than 15% makes one more, once") {
+  Calibrator c;
+  CHECK(c.wants_detail("dit"));
+  CHECK_FALSE(c.model(3).usable());
+  const ForwardSample s = sample();
+  c.forward("dit", s.wall_ms, &s);
+  CHECK(c.replan_due());
+  const CostModel m = c.model(3);
+  REQUIRE(m.usable());
+  REQUIRE(m.kinds.size() == 1);
+  CHECK(m.kinds[0].order == std::vector<size_t>{0, 1, 2});
+  CHECK(m.copy_gbps == Approx(1.0));
+  CHECK(m.copy_overhead_ms == Approx(0.1));
+  CHECK_FALSE(c.model(2).usable());  // an order naming a layer the model does not have is dropped
+
+  c.planned({KindPrediction{"dit", 10.0}});
+  CHECK_FALSE(c.replan_due());
+  CHECK(c.measured_plans() == 1);
+  CHECK_FALSE(c.wants_detail("dit"));  // the first forward under the plan: warm-up
+  c.forward("dit", 30.0, nullptr);
+  CHECK(c.measured_forwards("dit") == 0);
+  CHECK(c.wants_detail("dit"));  // the check forward
+  const ForwardSample slow = sample("dit", 12.0);
+  c.forward("dit", 12.0, &slow);  // 20% off
+  CHECK(c.recomputed());
+  CHECK(c.replan_due());
+  CHECK(c.model(3).kinds[0].compute_ms[2] == Approx(7.0));  // the new profile: 12 - 6 + 1
+  c.planned({KindPrediction{"dit", 10.0}});
+  c.forward("dit", 10.0, nullptr);
+  CHECK_FALSE(c.wants_detail("dit"));  // once per attach
+  c.forward("dit", 20.0, nullptr);
+  CHECK_FALSE(c.replan_due());
+  c.forward("dit", 11.0, nullptr);
+  c.forward("dit", 12.0, nullptr);
+  CHECK(c.measured_forwards("dit") == 3);
+  CHECK(c.measured_step_ms("dit") == Approx(12.0));  // median of 20, 11, 12
+  CHECK(c.main_kind() == "dit");
+}
+
+TEST_CASE("calibration: a prediction within 15% keeps the plan") {
+  Calibrator c;
+  const ForwardSample s = sample();
+  c.forward("dit", s.wall_ms, &s);
+  c.planned({KindPrediction{"dit", 10.0}});
+  c.forward("dit", 10.0, nullptr);
+  const ForwardSample ok = sample("dit", 11.0);
+  c.forward("dit", 11.0, &ok);  // 10% off
+  CHECK_FALSE(c.recomputed());
+  CHECK_FALSE(c.replan_due());
+  // Kinds weigh by how often they run.
+  const ForwardSample a = sample("adapter");
+  c.forward("adapter", a.wall_ms, &a);
+  const CostModel m = c.model(3);
+  REQUIRE(m.kinds.size() == 2);
+  CHECK(m.kinds[0].kind == "adapter");
+  CHECK(m.kinds[0].weight == 1);
+  CHECK(m.kinds[1].weight == 3);
+}
+
+TEST_CASE("calibration: copies timed later make a plan due when the profile forward streamed nothing") {
+  Calibrator c;
+  ForwardSample s = sample();
+  s.copies.clear();
+  c.forward("dit", s.wall_ms, &s);
+  CHECK(c.replan_due());  // due, but model() is not usable without a copy rate
+  CHECK_FALSE(c.model(3).usable());
+  c.planned({});
+  CHECK_FALSE(c.replan_due());
+  c.copies({{2000000, 2.0}});
+  CHECK(c.replan_due());
+  CHECK(c.model(3).usable());
+}
