@@ -61,8 +61,9 @@
 //    front_first plans of the same input. The plan is the smallest ring whose prediction
 //    is within 1% of the best, and no worse than spread's or front_first's (a smaller ring
 //    is fewer device bytes held, for the same step); ties go to the better prediction.
-// About 5 k values x 20 rings x 3 sets: a few hundred predictions of a few thousand
-// positions for anima-2b's ~400 layers, a few ms (tests/test_residency_plan.cpp measures it).
+// A few k values x up to ~20 rings x 3 sets: at most a few hundred predictions of three
+// forwards each (137 for anima-2b's 454 layers), about 2 ms (tests/test_residency_plan.cpp
+// and bench_predict report it).
 // Without usable costs (at attach, before anything was measured) balanced plans as spread;
 // the engine replans once it has measured a forward. Every policy fills plan.predictions
 // when costs are usable.
