@@ -297,6 +297,7 @@ ModelStats Model::stats() const {
     f.index = r.index;
     f.kind = r.kind;
     f.bytes_streamed = r.bytes_streamed;
+    f.planned_bytes = r.planned_bytes;
     f.copies = r.copies;
     f.stalls = r.stalls;
     f.h2d_gbps = r.h2d_gbps;

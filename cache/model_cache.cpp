@@ -925,6 +925,7 @@ ModelCache::EntryState ModelCache::entry_state_locked(const std::shared_ptr<Entr
   s.ram_bytes = e->ram_bytes;
   s.share = e->attached ? e->share : 0;
   s.device_bytes = e->attached ? e->engine->device_bytes() : 0;
+  s.device_allocated = e->attached ? e->engine->device_allocated_bytes() : 0;
   if (e->model) {
     s.minimum = e->needs.minimum;
     s.wanted = e->needs.wanted;

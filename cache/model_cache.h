@@ -223,6 +223,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
     bool in_ram = false, attached = false, dropped = false;
     int locks = 0;
     uint64_t ram_bytes = 0, share = 0, device_bytes = 0, minimum = 0, wanted = 0, full = 0;
+    uint64_t device_allocated = 0;  // of device_bytes, allocated now (the ring's slots, not its reservation)
     uint64_t streamed_dit = 0;      // stored bytes of streamed DiT layers: what a DiT forward streams
     uint64_t streamed_adapter = 0;  // of streamed llm_adapter layers: what encode_text streams
     std::string residency;

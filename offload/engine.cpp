@@ -728,6 +728,10 @@ uint64_t StreamingEngine::minimum_budget() const {
 
 uint64_t StreamingEngine::device_bytes() const { return budget_ ? budget_->current() : 0; }
 
+uint64_t StreamingEngine::device_allocated_bytes() const {
+  return device_bytes() - (ring_ ? ring_->capacity() - std::min(ring_->capacity(), ring_->bytes()) : 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // forwards
 
@@ -818,6 +822,7 @@ void StreamingEngine::end_forward(bool aborted) {
     }
     if (dup) expected = rec.bytes_streamed;
   }
+  rec.planned_bytes = expected;
   for (auto& e : extras_) {
     device_->end_access(e.dev, StreamKind::compute);
     device_->record_use(e.dev, StreamKind::compute);  // FENCE(F5)

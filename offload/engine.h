@@ -165,8 +165,11 @@ class StreamingEngine final : public WeightProvider {
   bool is_resident(const std::string& layer_name) const;
   // Smallest budget (working memory included) the attached model runs under.
   uint64_t minimum_budget() const;
-  // Device bytes the engine holds now (resident + params + ring + scratch).
+  // Device bytes the engine holds now (resident + params + ring + scratch), the ring at its
+  // capacity (a reservation, Note [staging ring]).
   uint64_t device_bytes() const;
+  // Of which allocated on the device now: the ring's slots made so far instead of its capacity.
+  uint64_t device_allocated_bytes() const;
   // Resolves outstanding timings (may wait for the device) and returns a snapshot.
   EngineStats stats();
   // Spans recorded with options.trace (resolved like stats()).

@@ -57,6 +57,9 @@ struct ForwardRecord {
   uint64_t index = 0;           // 0-based count of forwards since attach
   std::string kind;             // the kind given to begin_forward() ("dit", "adapter"; "" when none)
   uint64_t bytes_streamed = 0;  // stored bytes copied host->device for this forward
+  uint64_t planned_bytes = 0;   // stored bytes of the streamed layers it used, under the plan it ran with (a plan
+                                // from measurements may change after it); differs from bytes_streamed only when a
+                                // copy was repeated or dropped (mismatched_forwards)
   uint64_t copies = 0;          // layer copies issued for this forward
   uint64_t demand_copies = 0;   // of which issued when the layer was asked for (not prefetched)
   uint64_t stalls = 0;          // acquires that waited for their copy (see stalls_timed)

@@ -91,13 +91,15 @@ std::map<std::string, at::ScalarType> stored_dtypes(ModelCache& cache, const Loc
   return out;
 }
 
-// The device bytes every attached model holds, summed, against the backend's own count.
+// The device bytes every attached model holds, summed, against the backend's own count
+// (a staging ring is reserved at its capacity and allocated as its slots are made).
 void check_accounting(ModelCache& cache, const std::vector<std::shared_ptr<Entry>>& entries) {
   const CacheStats s = cache.stats();
   uint64_t sum = 0;
   for (const auto& e : entries) {
     const auto st = cache.entry_state(e);
-    sum += st.device_bytes;
+    sum += st.device_allocated;
+    CHECK(st.device_allocated <= st.device_bytes);
     CHECK(st.device_bytes <= st.share);
   }
   CHECK(sum == static_cast<uint64_t>(s.vram.current));

@@ -123,6 +123,11 @@ ForwardResult checked_forward(cache::ModelCache& cache, const cache::Lock& lock,
     const at::Device dev = engine.device().device();
     std::optional<LoraScope> lora;
     if (with_lora) lora.emplace(m, mc.lora, kLoraStrength);
+    // The plan this forward runs under (a plan from measurements may follow it).
+    const offload::ResidencyPlan& plan = engine.plan();
+    uint64_t expected = 0;
+    for (size_t i = 0; i < plan.layers.size(); ++i)
+      if (!plan.resident[i] && plan.layers[i].name.rfind("llm_adapter.", 0) != 0) expected += plan.layers[i].stored_bytes;
     std::string error;
     try {
       offload::ForwardScope scope(engine, "dit");
@@ -144,10 +149,6 @@ ForwardResult checked_forward(cache::ModelCache& cache, const cache::Lock& lock,
     }
     // 4. Bytes streamed == non-resident bytes of the DiT (a DiT forward never touches the
     // LLM adapter's layers, which are streamed by encode_text only).
-    const offload::ResidencyPlan& plan = engine.plan();
-    uint64_t expected = 0;
-    for (size_t i = 0; i < plan.layers.size(); ++i)
-      if (!plan.resident[i] && plan.layers[i].name.rfind("llm_adapter.", 0) != 0) expected += plan.layers[i].stored_bytes;
     const offload::EngineStats s = engine.stats();
     if (!s.forward_records.empty()) {
       const uint64_t streamed = s.forward_records.back().bytes_streamed;

@@ -113,6 +113,7 @@ struct ForwardStats {
   uint64_t index = 0;           // 0-based count of the model's forwards
   std::string kind;             // "dit" (forward) or "adapter" (encode_text)
   uint64_t bytes_streamed = 0;  // stored bytes copied host->device for it
+  uint64_t planned_bytes = 0;   // stored bytes of the streamed layers it used under the plan it ran with
   uint64_t copies = 0;          // layer copies
   uint64_t stalls = 0;          // times compute waited for a copy
   double h2d_gbps = 0;          // achieved host->device rate (1e9 B/s)
@@ -196,8 +197,12 @@ class Model {
   // JSON with model.{name,total_bytes,resident_bytes,residency,streamed_bytes_by_forward
   // {dit,adapter}}, budget.{budget_bytes,
   // working_memory_bytes,share_bytes}, device.{peak_bytes,...}, forwards[] {kind,
-  // bytes_streamed, h2d_gbps, stall_ms, upcast_ms, wall_ms, ...}, cache.{hits,misses,
-  // evictions,...}. A forward's bytes_streamed equals streamed_bytes_by_forward[kind].
+  // bytes_streamed, planned_bytes, h2d_gbps, stall_ms, upcast_ms, wall_ms, ...},
+  // plan.{policy, predicted_step_ms, floor_ms, measured_step_ms, recomputed, kinds[], ...},
+  // prefetch.{wasted_copies, wasted_bytes, mismatched_forwards}, cache.{hits,misses,
+  // evictions,...}. A forward's bytes_streamed equals its planned_bytes: the
+  // streamed_bytes_by_forward[kind] of the plan it ran under (the balanced plan is made
+  // again from the first forward's measurements, so the first forward's may differ).
   std::string stats_json(int indent = 2) const;
   // Chrome/Perfetto trace of the recorded forwards (RuntimeOptions::trace); FileError.
   void write_trace(const std::string& path) const;

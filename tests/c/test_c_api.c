@@ -167,13 +167,16 @@ int main(void) {
   const long long resident = json_int(half_stats, "resident_bytes");
   const long long streamed = json_int(half_stats, "bytes_streamed");
   const long long streamed_dit = json_int(half_stats, "dit"); /* model.streamed_bytes_by_forward.dit */
+  const long long planned = json_int(half_stats, "planned_bytes"); /* of the first forward */
   printf("half: total %lld resident %lld streamed/forward %lld\n", total, resident, streamed);
   CHECK(total > 0);
   CHECK(resident < total);
   CHECK(streamed > 0);
-  /* Bytes streamed by a DiT forward = the non-resident DiT bytes (the LLM adapter's
-   * streamed layers are only read by encode_text). */
-  CHECK(streamed == streamed_dit);
+  /* Bytes streamed by a DiT forward = the non-resident DiT bytes under the plan it ran
+   * with (the LLM adapter's streamed layers are only read by encode_text). The plan made
+   * from the first forward's measurements may stream more or less after it. */
+  CHECK(streamed == planned);
+  CHECK(streamed_dit > 0);
   CHECK(streamed_dit <= total - resident);
   CHECK(strstr(half_stats, "\"residency\"") != NULL);
   CHECK(strstr(half_stats, "\"hits\"") != NULL);
