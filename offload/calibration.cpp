@@ -62,7 +62,8 @@ std::optional<CopyFit> fit_copies(const std::vector<std::pair<uint64_t, double>>
 
 bool Calibrator::wants_detail(const std::string& kind) const {
   const auto it = kinds_.find(kind);
-  if (it == kinds_.end() || it->second.compute_ms.empty()) return true;
+  if (it == kinds_.end()) return false;                        // the first forward: warm-up
+  if (it->second.compute_ms.empty()) return true;
   const Kind& k = it->second;
   return k.predicted.has_value() && !recomputed_ && k.under_plan == 1;  // the check forward
 }

@@ -4,7 +4,9 @@
 //
 // Note [calibration]
 // ~~~~~~~~~~~~~~~~~~
-// The engine measures the first complete forward of each kind in detail: one compute-
+// The engine measures the second complete forward of each kind in detail (the first pays
+// one-time costs: the allocator's first blocks, kernel and library initialisation, and on
+// the CPU cold caches, which made predictions from it 20% high): one compute-
 // stream event at every acquire, before its copy wait. Position i then computed for the
 // time from its acquire to the next one, minus its own wait for a copy; the last position
 // runs to the end of the forward, and the time before the first acquire (work outside

@@ -747,3 +747,89 @@ TEST_CASE("env device: every residency gives the fully resident output bit for b
     CHECK(dev->memory_stats().total.current == 0);
   }
 }
+
+TEST_CASE("engine: the balanced plan is made from measurements and reports its prediction") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  EngineOptions o = options(slowed_cpu(20, 100e6));
+  o.plan_from_measurements = true;
+  o.max_resident = 0.5;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  EngineStats s = engine.stats();
+  CHECK(s.plan.policy == "balanced");
+  CHECK_FALSE(s.plan.from_measurements);
+  CHECK(s.plan.kinds.empty());
+  auto j = nlohmann::json::parse(s.to_json());
+  CHECK(j["plan"]["predicted_step_ms"].is_null());
+
+  // Forward 0 warms up, forward 1 is measured, the plan is made after it.
+  for (int f = 0; f < 2; ++f) CHECK(at::equal(run(engine, model, x, "dit"), ref));
+  s = engine.stats();
+  CHECK(s.plan.from_measurements);
+  CHECK(s.plan.measured_plans == 1);
+  CHECK(s.plan.copy_gbps > 0);
+  REQUIRE(s.plan.step() != nullptr);
+  // The copy model reproduces the slowed copy (20 us + bytes at 100 MB/s) within a factor
+  // of 2: its slope and intercept are fitted to the timed copies.
+  const double modelled_ms = static_cast<double>(streamed_bytes(engine)) / 100e6 * 1e3 +
+                             0.02 * static_cast<double>(engine.plan().streamed_count());
+  CHECK(s.plan.step()->copy_ms > 0.5 * modelled_ms);
+  CHECK(s.plan.step()->copy_ms < 2.0 * modelled_ms);
+  CHECK(s.plan.step_kind == "dit");
+  const PlanKindStats first = *s.plan.step();
+  CHECK(first.predicted_step_ms > 0);
+  CHECK(first.predicted_step_ms >= first.floor_ms * (1 - 1e-9));  // no plan beats the floor
+  CHECK(first.floor_ms >= first.compute_ms * (1 - 1e-9));
+  CHECK(first.copy_ms > 0);
+  CHECK(s.plan.ring_bytes == engine.plan().ring_bytes);
+  CHECK(engine.plan().ring_bytes >= engine.plan().ring_slots * engine.plan().slot_bytes);
+  CHECK(static_cast<uint64_t>(s.device_memory.total.peak) <= o.budget_bytes - o.working_memory_bytes);
+
+  // Under the plan: outputs unchanged, every forward streams its plan's bytes, at most one
+  // more plan (the check forward), and the measured steps beside the prediction.
+  for (int f = 0; f < 5; ++f) CHECK(at::equal(run(engine, model, x, "dit"), ref));
+  s = engine.stats();
+  CHECK(s.plan.measured_plans == (s.plan.recomputed ? 2u : 1u));
+  for (const auto& r : s.forward_records) CHECK(r.bytes_streamed == r.planned_bytes);
+  CHECK(s.mismatched_forwards == 0);
+  CHECK(s.slot_violations == 0);
+  REQUIRE(s.plan.step() != nullptr);
+  CHECK(s.plan.step()->measured_forwards >= 1);
+  CHECK(s.plan.step()->measured_step_ms > 0);
+  j = nlohmann::json::parse(s.to_json());
+  CHECK(j["plan"]["predicted_step_ms"].get<double>() == Approx(s.plan.step()->predicted_step_ms));
+  CHECK(j["plan"]["floor_ms"].get<double>() > 0);
+  CHECK(j["plan"]["measured_step_ms"].get<double>() > 0);
+  CHECK(j["plan"]["recomputed"].get<bool>() == s.plan.recomputed);
+  CHECK(j["prefetch"]["mismatched_forwards"] == 0);
+
+  // A residency change replans with the measured costs: the prediction follows it.
+  engine.set_max_resident(0.0);
+  s = engine.stats();
+  REQUIRE(s.plan.step() != nullptr);
+  CHECK(s.plan.step()->copy_ms > first.copy_ms);
+  CHECK(at::equal(run(engine, model, x, "dit"), ref));
+  engine.detach();
+  CHECK(at::equal(model->forward(x), ref));
+}
+
+TEST_CASE("engine: without timing or with plan_from_measurements off the plan stays as attached") {
+  ToyModel model;
+  const at::Tensor x = input();
+  for (int variant = 0; variant < 2; ++variant) {
+    EngineOptions o = options(slowed_cpu());
+    o.plan_from_measurements = variant == 0;
+    o.timing = false;  // variant 0: no events, nothing to measure by
+    o.max_resident = 0.5;
+    StreamingEngine engine(o);
+    engine.attach(*model, "toy");
+    const std::vector<bool> resident = engine.plan().resident;
+    for (int f = 0; f < 4; ++f) run(engine, model, x, "dit");
+    const EngineStats s = engine.stats();
+    CHECK_FALSE(s.plan.from_measurements);
+    CHECK(s.plan.measured_plans == 0);
+    CHECK(engine.plan().resident == resident);
+  }
+}
