@@ -60,12 +60,20 @@ std::optional<CopyFit> fit_copies(const std::vector<std::pair<uint64_t, double>>
   return f;
 }
 
-bool Calibrator::wants_detail(const std::string& kind) const {
-  const auto it = kinds_.find(kind);
-  if (it == kinds_.end()) return false;                        // the first forward: warm-up
-  if (it->second.compute_ms.empty()) return true;
-  const Kind& k = it->second;
-  return k.predicted.has_value() && !recomputed_ && k.under_plan == 1;  // the check forward
+bool Calibrator::begin(const std::string& kind) {
+  Kind& k = kinds_[kind];
+  bool detail = false;
+  if (!k.pending) {
+    if (k.compute_ms.empty()) {
+      detail = k.started >= 1;  // not the first forward: it pays one-time costs
+    } else {
+      detail = k.predicted.has_value() && !recomputed_ && k.started_under_plan == 1;  // the check forward
+    }
+  }
+  k.started += 1;
+  if (k.predicted) k.started_under_plan += 1;
+  k.pending = k.pending || detail;
+  return detail;
 }
 
 void Calibrator::take_profile(Kind& k, const ForwardSample& s) {
@@ -79,8 +87,11 @@ void Calibrator::take_profile(Kind& k, const ForwardSample& s) {
   replan_due_ = true;
 }
 
-void Calibrator::forward(const std::string& kind, double wall_ms, const ForwardSample* detail) {
+void Calibrator::forward(const std::string& kind, bool detailed, double wall_ms, const ForwardSample* sample) {
   Kind& k = kinds_[kind];
+  if (detailed) k.pending = false;
+  if (!sample) return;
+  const ForwardSample* detail = detailed ? sample : nullptr;
   k.forwards += 1;
   if (k.compute_ms.empty()) {
     if (detail) take_profile(k, *detail);
@@ -135,6 +146,7 @@ void Calibrator::planned(const std::vector<KindPrediction>& predictions) {
   for (auto& [name, k] : kinds_) {
     k.predicted.reset();
     k.under_plan = 0;
+    k.started_under_plan = 0;
     k.steps.clear();
     for (const auto& p : predictions) {
       if (p.kind == name) k.predicted = p.step_ms;
@@ -146,6 +158,7 @@ void Calibrator::unplanned() {
   for (auto& [name, k] : kinds_) {
     k.predicted.reset();
     k.under_plan = 0;
+    k.started_under_plan = 0;
     k.steps.clear();
   }
 }

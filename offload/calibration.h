@@ -17,7 +17,8 @@
 // when their sizes are all alike), so a per-copy latency is not mistaken for bandwidth.
 //
 // Once a kind has a profile the engine replans with it (StreamingEngine: between forwards,
-// never during one). Under the new plan the first forward of each kind warms the ring up
+// never during one; the host waits for the end of a forward measured in detail, so the
+// plan follows it at once on an asynchronous device too). Under the new plan the first forward of each kind warms the ring up
 // and the second is compared with the prediction: when it is more than 15% off, that
 // forward (measured in detail as well) replaces the kind's profile and the plan is made
 // again, once per attach. The stats report the prediction, the floor and the median
@@ -59,11 +60,13 @@ class Calibrator {
  public:
   static constexpr double kTolerance = 0.15;  // relative error of a prediction that triggers a new plan
 
-  // Should the next forward of `kind` be measured in detail?
-  bool wants_detail(const std::string& kind) const;
-  // A complete forward of `kind` ended (counts forwards for the kinds' weights), with its
-  // wall time and, when it was measured in detail, its sample.
-  void forward(const std::string& kind, double wall_ms, const ForwardSample* detail);
+  // A forward of `kind` begins: should it be measured in detail? (Decided when it begins,
+  // since on an asynchronous device earlier forwards may not be resolved yet.)
+  bool begin(const std::string& kind);
+  // A forward of `kind` was resolved, in the order they began: `detailed` when begin()
+  // said so. `sample` is its measurement, null when it was aborted or left the recorded
+  // order (then it counts for nothing, and a later forward is measured instead).
+  void forward(const std::string& kind, bool detailed, double wall_ms, const ForwardSample* sample);
   // Copies timed in a forward not measured in detail: used while no copy was timed yet
   // (the profile forward streamed nothing, and a residency change made layers stream).
   void copies(const std::vector<std::pair<uint64_t, double>>& timed);
@@ -96,7 +99,10 @@ class Calibrator {
     std::vector<double> compute_ms;   // empty: no profile yet
     uint64_t forwards = 0;
     std::optional<double> predicted;  // step under the current plan
-    uint64_t under_plan = 0;          // forwards of this kind since the plan
+    uint64_t started = 0;             // forwards begun
+    uint64_t started_under_plan = 0;  // of which since the plan
+    bool pending = false;             // a forward measured in detail is not resolved yet
+    uint64_t under_plan = 0;          // forwards of this kind resolved since the plan
     std::vector<double> steps;        // their wall times, after the first
   };
   void take_profile(Kind& k, const ForwardSample& s);

@@ -766,7 +766,7 @@ void StreamingEngine::open_forward(std::string_view kind, bool implicit) {
     acc_cur_ = ForwardAcc{};
   }
   sched_.begin(kind_name_, epoch_, implicit_);
-  acc_cur_.detail = timing() && options_.plan_from_measurements && !implicit_ && calib_.wants_detail(kind_name_);
+  acc_cur_.detail = timing() && options_.plan_from_measurements && !implicit_ && calib_.begin(kind_name_);
   // A forward on another compute stream than the last one (a host running forwards on
   // streams of its own) reuses its scratch and reads what it left: it starts after it.
   const uint64_t stream = device_->compute_stream_id();
@@ -832,7 +832,8 @@ void StreamingEngine::end_forward(bool aborted) {
   Unresolved u;
   u.record = rec;
   u.spans = std::move(acc_cur_.spans);
-  u.detail = acc_cur_.detail && !aborted && !ended.diverged && !ended.overflow;
+  u.detail = acc_cur_.detail;
+  u.complete = !aborted && !ended.diverged && !ended.overflow;
   u.ids = std::move(acc_cur_.ids);
   u.marks = std::move(acc_cur_.marks);
   u.stall_span = std::move(acc_cur_.stall_span);
@@ -840,6 +841,7 @@ void StreamingEngine::end_forward(bool aborted) {
   u.end = device_->create_event();
   device_->record(*u.end, StreamKind::compute);
   unresolved_.push_back(std::move(u));
+  const bool measured = unresolved_.back().detail;
   acc_cur_ = ForwardAcc{};
   last_kind_name_ = kind_name_;
   if (ended.diverged && !aborted && ring_) {
@@ -848,7 +850,9 @@ void StreamingEngine::end_forward(bool aborted) {
     ring_->drop_unread(epoch_ + 1);
     acc_next_ = ForwardAcc{};
   }
-  resolve(false);
+  // A forward measured in detail is waited for (twice per attach, Note [calibration]), so
+  // the plan from it is made before the next forward on every device.
+  resolve(measured);
   if (!aborted && explicit_forward) {
     replan_if_measured();  // between forwards, before the next one's prefetches
     top_up(0, /*at_end=*/true);
@@ -1175,9 +1179,9 @@ void StreamingEngine::resolve(bool wait_all) {
     }
     rec.wall_ms = device_->elapsed_ms(*u.begin->event, *u.end);
     rec.h2d_gbps = copy_ms > 0 ? static_cast<double>(rec.bytes_streamed) / (copy_ms * 1e6) : 0.0;
-    if (!rec.aborted && !rec.diverged && timing() && options_.plan_from_measurements) {
+    if (timing() && options_.plan_from_measurements) {
       ForwardSample sample;
-      if (u.detail) {
+      if (u.detail && u.complete) {
         sample.kind = rec.kind;
         sample.order = u.ids;
         sample.wall_ms = rec.wall_ms;
@@ -1190,8 +1194,8 @@ void StreamingEngine::resolve(bool wait_all) {
           event_pool_.push_back(std::move(u.marks[i]));
         }
       }
-      if (!u.detail) calib_.copies(copies);
-      calib_.forward(rec.kind, rec.wall_ms, u.detail ? &sample : nullptr);
+      if (!u.detail && u.complete) calib_.copies(copies);
+      calib_.forward(rec.kind, u.detail, rec.wall_ms, u.complete ? &sample : nullptr);
     }
     if (log::enabled(log::Level::debug)) {
       std::ostringstream line;

@@ -232,7 +232,8 @@ class StreamingEngine final : public WeightProvider {
   struct Unresolved {
     ForwardRecord record;
     std::vector<Span> spans;
-    bool detail = false;
+    bool detail = false;    // begun as a forward measured in detail
+    bool complete = false;  // not aborted, in the recorded order: its measurements count
     std::vector<int64_t> ids;
     std::vector<std::unique_ptr<DeviceEvent>> marks;
     std::vector<int> stall_span;

@@ -54,15 +54,20 @@ TEST_CASE("calibration: the copy fit separates a per-copy latency from the bandw
   CHECK_FALSE(fit_copies({{1000, 0.0}}));
 }
 
+// One forward of `kind` through the calibrator as the engine drives it: begin, then resolve
+// with the sample when begin() asked for detail (`sample` stands for the measurement).
+bool step(Calibrator& c, const std::string& kind, const ForwardSample& sample) {
+  const bool detail = c.begin(kind);
+  c.forward(kind, detail, sample.wall_ms, &sample);
+  return detail;
+}
+
 TEST_CASE("calibration: a profile makes a plan due, and a prediction off by more than 15% makes one more, once") {
   Calibrator c;
-  CHECK_FALSE(c.wants_detail("dit"));  // the first forward of a kind pays one-time costs
-  c.forward("dit", 50.0, nullptr);
+  CHECK_FALSE(step(c, "dit", sample("dit", 50.0)));  // the first forward of a kind pays one-time costs
   CHECK_FALSE(c.replan_due());
-  CHECK(c.wants_detail("dit"));
   CHECK_FALSE(c.model(3).usable());
-  const ForwardSample s = sample();
-  c.forward("dit", s.wall_ms, &s);
+  CHECK(step(c, "dit", sample()));  // the second is measured
   CHECK(c.replan_due());
   const CostModel m = c.model(3);
   REQUIRE(m.usable());
@@ -75,52 +80,65 @@ TEST_CASE("calibration: a profile makes a plan due, and a prediction off by more
   c.planned({KindPrediction{"dit", 10.0}});
   CHECK_FALSE(c.replan_due());
   CHECK(c.measured_plans() == 1);
-  CHECK_FALSE(c.wants_detail("dit"));  // the first forward under the plan: warm-up
-  c.forward("dit", 30.0, nullptr);
+  CHECK_FALSE(step(c, "dit", sample("dit", 30.0)));  // the first forward under the plan: warm-up
   CHECK(c.measured_forwards("dit") == 0);
-  CHECK(c.wants_detail("dit"));  // the check forward
-  const ForwardSample slow = sample("dit", 12.0);
-  c.forward("dit", 12.0, &slow);  // 20% off
+  CHECK(step(c, "dit", sample("dit", 12.0)));  // the check forward, 20% off
   CHECK(c.recomputed());
   CHECK(c.replan_due());
   CHECK(c.model(3).kinds[0].compute_ms[2] == Approx(7.0));  // the new profile: 12 - 6 + 1
   c.planned({KindPrediction{"dit", 10.0}});
-  c.forward("dit", 10.0, nullptr);
-  CHECK_FALSE(c.wants_detail("dit"));  // once per attach
-  c.forward("dit", 20.0, nullptr);
+  CHECK_FALSE(step(c, "dit", sample("dit", 10.0)));
+  CHECK_FALSE(step(c, "dit", sample("dit", 20.0)));  // once per attach: no second check
   CHECK_FALSE(c.replan_due());
-  c.forward("dit", 11.0, nullptr);
-  c.forward("dit", 12.0, nullptr);
+  step(c, "dit", sample("dit", 11.0));
+  step(c, "dit", sample("dit", 12.0));
   CHECK(c.measured_forwards("dit") == 3);
   CHECK(c.measured_step_ms("dit") == Approx(12.0));  // median of 20, 11, 12
   CHECK(c.main_kind() == "dit");
 }
 
+TEST_CASE("calibration: detail is decided when a forward begins, before earlier ones resolve") {
+  // An asynchronous device: forwards 0 and 1 begin before either is resolved.
+  Calibrator c;
+  const bool d0 = c.begin("dit");
+  const bool d1 = c.begin("dit");
+  CHECK_FALSE(d0);
+  CHECK(d1);
+  CHECK_FALSE(c.begin("dit"));  // one measured forward in flight is enough
+  c.forward("dit", d0, 50.0, nullptr);  // aborted: counts for nothing
+  c.forward("dit", d1, 10.0, nullptr);  // aborted too: a later forward is measured instead
+  CHECK_FALSE(c.replan_due());
+  c.forward("dit", false, 10.0, nullptr);
+  const ForwardSample s = sample();
+  CHECK(step(c, "dit", s));
+  CHECK(c.replan_due());
+}
+
 TEST_CASE("calibration: a prediction within 15% keeps the plan") {
   Calibrator c;
-  const ForwardSample s = sample();
-  c.forward("dit", s.wall_ms, &s);
+  step(c, "dit", sample("dit", 50.0));
+  step(c, "dit", sample());
   c.planned({KindPrediction{"dit", 10.0}});
-  c.forward("dit", 10.0, nullptr);
-  const ForwardSample ok = sample("dit", 11.0);
-  c.forward("dit", 11.0, &ok);  // 10% off
+  step(c, "dit", sample("dit", 10.0));
+  CHECK(step(c, "dit", sample("dit", 11.0)));  // the check: 10% off
   CHECK_FALSE(c.recomputed());
   CHECK_FALSE(c.replan_due());
-  // Kinds weigh by how often they run.
-  const ForwardSample a = sample("adapter");
-  c.forward("adapter", a.wall_ms, &a);
+  // Kinds weigh by how often they ran to completion.
+  step(c, "adapter", sample("adapter"));
+  step(c, "adapter", sample("adapter"));
   const CostModel m = c.model(3);
   REQUIRE(m.kinds.size() == 2);
   CHECK(m.kinds[0].kind == "adapter");
-  CHECK(m.kinds[0].weight == 1);
-  CHECK(m.kinds[1].weight == 3);  // dit ran 3 times, the adapter once
+  CHECK(m.kinds[0].weight == 2);
+  CHECK(m.kinds[1].weight == 4);
 }
 
 TEST_CASE("calibration: copies timed later make a plan due when the profile forward streamed nothing") {
   Calibrator c;
   ForwardSample s = sample();
   s.copies.clear();
-  c.forward("dit", s.wall_ms, &s);
+  step(c, "dit", s);
+  step(c, "dit", s);
   CHECK(c.replan_due());  // due, but model() is not usable without a copy rate
   CHECK_FALSE(c.model(3).usable());
   c.planned({});
