@@ -81,6 +81,32 @@ TEST_CASE("run: the same seed gives a bit-identical latent for every budget and 
   CHECK_FALSE(at::equal(read_latent(other), expected));
 }
 
+TEST_CASE("run: bf16 and fp8 storage stream at --max-resident 0.5 and give the fully resident latent bit for bit") {
+  // The issue's acceptance check: `sluice run --synthetic anima-small --device cpu
+  // --storage bfloat16 --max-resident 0.5` streams, and its latent equals full residency's.
+  for (const char* storage : {"bfloat16", "float8_e4m3fn"}) {
+    INFO("storage " << storage);
+    TempDir dir;
+    const std::string ref = dir / "ref.safetensors";
+    const std::string out = dir / "half.safetensors";
+    const std::string stats = dir / "half.json";
+    run_ok(small_run({"--storage", storage, "--max-resident", "1", "--output", ref}));
+    for (const char* policy : {"balanced", "spread", "front_first"}) {
+      INFO("policy " << policy);
+      run_ok(small_run({"--storage", storage, "--max-resident", "0.5", "--policy", policy, "--output",
+                        out, "--stats-json", stats}));
+      CHECK(at::equal(read_latent(out), read_latent(ref)));
+      const nlohmann::json j = read_json(stats);
+      CHECK(j["model"]["streamed_bytes_by_forward"]["dit"].get<uint64_t>() > 0);
+      for (const auto& f : j["forwards"]) {
+        CHECK(f["bytes_streamed"].get<uint64_t>() > 0);  // it streamed
+        CHECK(f["bytes_streamed"] == f["planned_bytes"]);
+      }
+      CHECK(j["plan"]["policy"] == policy);
+    }
+  }
+}
+
 TEST_CASE("run: prints the residency map and one line per step and writes the final latent") {
   TempDir dir;
   const std::string out = dir / "latent.safetensors";
@@ -264,6 +290,9 @@ TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
   expect_error(small_run({"--vram-budget", "lots"}), 2, {"lots"});
   expect_error(small_run({"--working-memory", "50%"}), 2, {"50%"});
   expect_error(small_run({"--prefetch", "-1"}), 2, {"--prefetch"});
+  expect_error(small_run({"--prefetch", "lots"}), 2, {"--prefetch", "auto", "lots"});
+  expect_error(small_run({"--prefetch", "70000"}), 2, {"--prefetch", "65536"});
+  expect_error(small_run({"--policy", "random"}), 2, {"--policy", "random", "balanced"});
   expect_error(small_run({"--device", "tpu"}), 2, {"tpu"});
   expect_error(small_run({"--frobnicate"}), 2, {"--frobnicate", "sluice run --help"});
   expect_error({"run", "--synthetic", "anima-huge"}, 2, {"anima-huge"});
