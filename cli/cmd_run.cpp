@@ -24,6 +24,8 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -285,6 +287,26 @@ int run(const RunArgs& args) {
             << fmt("%.1f", total_ms / so.steps) << " ms/step), " << st.forwards << " forwards; per forward "
             << mb(static_cast<uint64_t>(static_cast<double>(bytes) / nf)) << " streamed at " << fmt("%.2f", gbps / nf)
             << " GB/s, stall " << fmt("%.1f", stall / nf) << " ms, upcast " << fmt("%.1f", upcast / nf) << " ms\n";
+  {
+    // The plan's prediction beside the measured step (Note [calibration]).
+    const nlohmann::json plan = nlohmann::json::parse(model.stats_json()).at("plan");
+    std::cout << "plan: " << plan.at("policy").get<std::string>();
+    if (plan.at("predicted_step_ms").is_number() && plan.at("measured_step_ms").is_number()) {
+      const double pred = plan.at("predicted_step_ms").get<double>();
+      const double meas = plan.at("measured_step_ms").get<double>();
+      std::cout << " from measurements" << (plan.at("recomputed").get<bool>() ? " (recomputed once)" : "")
+                << ", predicted " << fmt("%.1f", pred) << " ms/forward (floor "
+                << fmt("%.1f", plan.at("floor_ms").get<double>()) << "), measured " << fmt("%.1f", meas)
+                << " ms (median after the plan), predicted/measured " << fmt("%.3f", pred / meas);
+    } else if (plan.at("predicted_step_ms").is_number()) {
+      std::cout << " from measurements, predicted " << fmt("%.1f", plan.at("predicted_step_ms").get<double>())
+                << " ms/forward (floor " << fmt("%.1f", plan.at("floor_ms").get<double>())
+                << "); too few forwards under it to measure";
+    } else {
+      std::cout << " (no measurements yet: it is made from the second forward of each kind)";
+    }
+    std::cout << ", ring " << mb(plan.at("ring_bytes").get<uint64_t>()) << "\n";
+  }
   std::cout << "device: peak " << mb(st.device_peak_bytes) << " (model), " << mb(static_cast<uint64_t>(cs.vram.peak))
             << " (cache) of limit " << mb(cs.vram_limit_bytes) << "; cache hits " << cs.hits << ", misses "
             << cs.misses << ", evictions " << cs.evictions << "\n";
