@@ -994,6 +994,7 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     open_forward(kind_name_, /*implicit=*/true);
   }
   const size_t pos = sched_.acquired(id);
+  last_pos_ = pos;
   if (acc_cur_.detail) {
     acc_cur_.ids.push_back(id);
     acc_cur_.marks.push_back(mark());
@@ -1102,7 +1103,17 @@ void StreamingEngine::release(ManagedLayerImpl& layer) noexcept {
     } catch (...) {
     }
   }
+  const bool freed_slot = lease.slot >= 0;
   end_lease(lease);
+  if (freed_slot && depth_ > 0) {
+    // The slot is free now: the next copy need not wait for the next acquire (work
+    // between layers, such as attention, would otherwise leave the copy stream idle).
+    try {
+      top_up(last_pos_, false);
+    } catch (const std::exception& e) {
+      log::warn(std::string("release: prefetching failed: ") + e.what());
+    }
+  }
 }
 
 void StreamingEngine::end_lease(Lease& lease) noexcept {

@@ -324,6 +324,7 @@ class StreamingEngine final : public WeightProvider {
   std::string kind_name_;
   std::string last_kind_name_;
   PrefetchScheduler sched_;
+  size_t last_pos_ = PrefetchScheduler::kNone;  // recorded position of the latest acquire
   Calibrator calib_;
   ForwardAcc acc_cur_, acc_next_;
   std::shared_ptr<Anchor> anchor_;

@@ -12,6 +12,7 @@ StagingRing::StagingRing(DeviceBackend& device, std::shared_ptr<MemoryLedger> bu
     : device_(device), budget_(std::move(budget)), capacity_(capacity_bytes) {
   TORCH_CHECK(capacity_bytes > 0, "StagingRing: the capacity must be nonzero");
   if (budget_) budget_->charge(MemoryKind::ring, capacity_, "staging ring");
+  slots_ledger_ = std::make_shared<MemoryLedger>("staging ring", capacity_);
 }
 
 // Slots may still be written by queued copies and read by queued compute: their uses are
@@ -52,10 +53,13 @@ int StagingRing::make_slot(uint64_t bytes, bool overflow) {
     slots_.push_back(std::move(s));
   }
   StagingSlot& s = slots_[i];
-  // Slots within the capacity live in the ring's reservation; only overflow is charged.
+  // Slots within the capacity live in the ring's reservation, counted by the ring's own
+  // ledger until the device has really freed them (a freed slot may still be read by
+  // queued work: Note [stream-safe frees]), so the device never holds more than the
+  // reservation. Only overflow is charged to the budget.
   s.buffer = device_.allocate({static_cast<int64_t>(bytes)}, at::kByte, MemoryKind::ring,
                               overflow ? "staging slot beyond the ring" : "staging slot",
-                              overflow ? budget_ : nullptr);
+                              overflow ? budget_ : slots_ledger_);
   s.layer = -1;
   s.consumed = true;
   s.overflow = overflow;
@@ -103,8 +107,8 @@ int StagingRing::pick(uint64_t bytes, uint64_t epoch, bool keep_unconsumed) {
     if (best < 0 || s.stamp < slots_[static_cast<size_t>(best)].stamp) best = static_cast<int>(i);
   }
   if (best >= 0) return best;
-  // 2. Room for a new one.
-  if (held_ + want <= capacity_) return make_slot(want, false);
+  // 2. Room for a new one (once the slots freed before are really gone).
+  if (held_ + want <= capacity_ && slots_ledger_->current() + want <= capacity_) return make_slot(want, false);
   // 3. The smallest free slot that is larger.
   for (size_t i = 0; i < slots_.size(); ++i) {
     const StagingSlot& s = slots_[i];
@@ -123,6 +127,7 @@ int StagingRing::pick(uint64_t bytes, uint64_t epoch, bool keep_unconsumed) {
   while (k < victims.size() && held_ - freed + want > capacity_) freed += slots_[victims[k++]].bytes();
   if (held_ - freed + want > capacity_) return -1;
   for (size_t j = 0; j < k; ++j) release(slots_[victims[j]]);
+  if (slots_ledger_->current() + want > capacity_) return -1;  // the freed slots are still in use on the device
   return make_slot(want, false);
 }
 

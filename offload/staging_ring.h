@@ -138,6 +138,7 @@ class StagingRing {
   DeviceBackend& device_;
   std::shared_ptr<MemoryLedger> budget_;
   uint64_t capacity_;
+  std::shared_ptr<MemoryLedger> slots_ledger_;  // slots within the capacity, until the device frees them
   uint64_t held_ = 0;  // bytes of the slots within the capacity
   uint64_t stamp_ = 0;
   std::vector<StagingSlot> slots_;

@@ -146,7 +146,10 @@ TEST_CASE("staging ring: a copy landing in a slot that is in use is detected") {
   auto dev = make_cpu_device(opt);
   StagingRing ring(*dev, nullptr, 2 * 256);
   make_slots(*dev, ring, 2, 256);
+  // Pinned where the device pins (the strict device copies pageable memory synchronously,
+  // as CUDA does, and then no copy could land late).
   at::Tensor x = at::ones({8});
+  if (at::Tensor p = dev->pin(x); p.defined()) x = p;
   ring.fill(0, 1, 1, {{x, 0}}, nullptr, nullptr);  // keeps the copy worker busy for 30 ms
   ring.fill(1, 2, 1, {{x, 0}}, nullptr, nullptr);  // queued behind it
   // A reader that starts on slot 1 without waiting for its copy: the worker sees the lease
