@@ -103,30 +103,30 @@ CLI::Validator size_validator(const std::string& flag, bool allow_percent, bool 
       std::string(allow_auto ? "auto|" : "") + (allow_percent ? "BYTES|N%" : "BYTES"), "size");
 }
 
-CLI::Validator prefetch_validator() {
+namespace {
+// A validator that accepts what `parse` accepts and reports its error message.
+template <class Parse>
+CLI::Validator parsing_validator(Parse parse, const std::string& desc, const std::string& name) {
   return CLI::Validator(
-      [](std::string& value) -> std::string {
+      [parse](std::string& value) -> std::string {
         try {
-          offload::parse_prefetch(value);
+          parse(value);
           return {};
         } catch (const std::exception& e) {
           return e.what();
         }
       },
-      "auto|N", "prefetch");
+      desc, name);
+}
+}  // namespace
+
+CLI::Validator prefetch_validator() {
+  return parsing_validator([](const std::string& v) { offload::parse_prefetch(v, ""); }, "auto|N", "prefetch");
 }
 
 CLI::Validator policy_validator() {
-  return CLI::Validator(
-      [](std::string& value) -> std::string {
-        try {
-          offload::parse_residency_policy(value);
-          return {};
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-      },
-      "balanced|spread|front_first", "policy");
+  return parsing_validator([](const std::string& v) { offload::parse_residency_policy(v, ""); },
+                           "balanced|spread|front_first", "policy");
 }
 
 void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,

@@ -23,7 +23,7 @@ uint32_t parse_prefetch(std::string_view text, const std::string& flag) {
     n = n * 10 + static_cast<uint64_t>(c - '0');
   }
   if (!ok || n > kMaxPrefetch) {
-    throw InvalidArgument(flag + ": expected 'auto' or a number of layers from 0 to " + std::to_string(kMaxPrefetch) +
+    throw InvalidArgument((flag.empty() ? std::string() : flag + ": ") + "expected 'auto' or a number of layers from 0 to " + std::to_string(kMaxPrefetch) +
                           ", got '" + std::string(text) + "'");
   }
   return static_cast<uint32_t>(n);

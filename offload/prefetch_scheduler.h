@@ -34,7 +34,8 @@
 namespace sluice::offload {
 
 // "--prefetch": "auto" (kPrefetchAuto: as far as the ring's bytes allow) or a number of
-// streamed layers, 0 (copies on demand only) to 65536. Throws InvalidArgument naming `flag`.
+// streamed layers, 0 (copies on demand only) to 65536. Throws InvalidArgument naming `flag`
+// (when not empty: CLI11 names the flag itself).
 uint32_t parse_prefetch(std::string_view text, const std::string& flag = "--prefetch");
 // "auto" or the number.
 std::string prefetch_name(uint32_t max_ahead);

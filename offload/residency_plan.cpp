@@ -19,7 +19,7 @@ ResidencyPolicy parse_residency_policy(std::string_view text, const std::string&
   if (text == "balanced") return ResidencyPolicy::balanced;
   if (text == "spread") return ResidencyPolicy::spread;
   if (text == "front_first" || text == "front-first") return ResidencyPolicy::front_first;
-  throw InvalidArgument(flag + ": unknown residency policy '" + std::string(text) + "' (use balanced, spread or front_first)");
+  throw InvalidArgument((flag.empty() ? std::string() : flag + ": ") + "unknown residency policy '" + std::string(text) + "' (use balanced, spread or front_first)");
 }
 
 const char* residency_policy_name(ResidencyPolicy policy) {

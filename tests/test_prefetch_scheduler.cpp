@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "offload/prefetch_scheduler.h"
+#include "runtime/error.h"
 
 using namespace sluice::offload;
 using Offer = PrefetchScheduler::Offer;
@@ -122,4 +123,21 @@ TEST_CASE("prefetch scheduler: depth 0 offers nothing; a changed order is record
   imp.top_up(imp.acquired(0), false, std::ref(r2));
   imp.top_up(imp.acquired(1), false, std::ref(r2));
   CHECK(r2.offers == std::vector<std::pair<int64_t, uint64_t>>{{1, 2}});
+}
+
+TEST_CASE("prefetch scheduler: --prefetch parses auto or a number of layers and names the flag") {
+  CHECK(parse_prefetch("auto") == kPrefetchAuto);
+  CHECK(parse_prefetch("0") == 0);
+  CHECK(parse_prefetch("65536") == 65536);
+  CHECK(prefetch_name(kPrefetchAuto) == "auto");
+  CHECK(prefetch_name(3) == "3");
+  for (const char* bad : {"", "-1", "65537", "2x", "1e3", "AUTO", "99999999999"}) {
+    INFO(bad);
+    try {
+      parse_prefetch(bad, "--prefetch");
+      FAIL("accepted");
+    } catch (const sluice::InvalidArgument& e) {
+      CHECK(std::string(e.what()).find("--prefetch") != std::string::npos);
+    }
+  }
 }
