@@ -176,10 +176,9 @@ TEST_CASE("api: bytes streamed equal the non-resident bytes and outputs match ac
       CHECK(s.streamed_bytes == s.streamed_dit_bytes + s.streamed_adapter_bytes);
       const at::Tensor ctx = m.encode_text(in.qwen, in.ids);
       REQUIRE(s.forward_records.size() == 2);
-      // Each forward streams its plan's non-resident bytes; the plan made from the first
-      // forward's measurements holds from the second on.
+      // Each forward streams the non-resident bytes of the plan it ran under (the plan is
+      // made again from the second forward's measurements, after it).
       for (const auto& r : s.forward_records) CHECK(r.bytes_streamed == r.planned_bytes);
-      CHECK(s.forward_records.back().bytes_streamed == s.streamed_dit_bytes);
       const nlohmann::json j = parse(model.stats_json());
       REQUIRE(j.at("forwards").size() == 3);
       for (const auto& f : j.at("forwards")) CHECK(f.at("bytes_streamed") == f.at("planned_bytes"));

@@ -363,10 +363,20 @@ TEST_CASE("residency plan: balanced grows the ring when long resident compute ca
   CHECK(balanced.streamed_count() == 12);
   CHECK(balanced.ring_bytes > 3 * MiB);
   // The smallest ring that hides every copy is six slots (five leave the sixth copy
-  // 0.6 ms late per block); the step is then the compute, 2 x (6 + 0.6) = 13.2 ms.
-  CHECK(balanced.ring_bytes == 6 * MiB);
+  // 0.6 ms late per block); the step is then the compute, 2 x (6 + 0.6) = 13.2 ms. The
+  // plan then adds headroom from the budget left over (30 - 20 - 6 = 4 MiB): 10 MiB.
+  CHECK(balanced.ring_bytes == 10 * MiB);
   CHECK(step_of(balanced, in) == Approx(13.2).margin(1e-9));
   CHECK(step_of(spread, in) > 13.2 + 1.0);
+  // With no budget to spare the ring is the six slots the prediction needs.
+  in.weight_budget = 20 * MiB + 6 * MiB;
+  const ResidencyPlan tight = plan_residency(in);
+  check_invariants(in, tight);
+  CHECK(tight.ring_bytes == 6 * MiB);
+  CHECK(step_of(tight, in) == Approx(13.2).margin(1e-9));
+  // And never more than the streamed layers' slots (12 MiB here), however roomy the budget.
+  in.weight_budget = 20 * MiB + 100 * MiB;
+  CHECK(plan_residency(in).ring_bytes == 12 * MiB);
 }
 
 TEST_CASE("residency plan: balanced without costs plans as spread") {

@@ -164,9 +164,8 @@ TEST_CASE("run: the stats JSON has the documented fields and each forward stream
 
     const auto& forwards = j.at("forwards");
     REQUIRE(forwards.size() == 2);  // one forward per step: cond and uncond as a batch of 2
-    // Each forward streams the non-resident bytes of the plan it ran under; the plan made
-    // from the first forward's measurements is the one the second ran under.
-    CHECK(forwards[1].at("bytes_streamed").get<uint64_t>() == total - resident);
+    // Each forward streams the non-resident bytes of the plan it ran under (the plan is
+    // made again from the second forward's measurements, after it).
     for (const auto& f : forwards) {
       CHECK(f.at("bytes_streamed") == f.at("planned_bytes"));
       for (const char* k : {"h2d_gbps", "stall_ms", "upcast_ms", "wall_ms"}) CHECK(f.at(k).get<double>() >= 0.0);
@@ -188,7 +187,7 @@ TEST_CASE("run: with the adapter each forward streams the non-resident DiT bytes
   // non-resident bytes by forward kind, and a forward streams exactly its kind's share.
   TempDir dir;
   const std::string stats = dir / "stats.json";
-  run_ok(small_run({"--max-resident", "0.25", "--stats-json", stats}));
+  run_ok(small_run({"--max-resident", "0.25", "--policy", "spread", "--stats-json", stats}));
   const nlohmann::json j = read_json(stats);
   const auto& m = j.at("model");
   const uint64_t non_resident = m.at("total_bytes").get<uint64_t>() - m.at("resident_bytes").get<uint64_t>();
@@ -201,8 +200,8 @@ TEST_CASE("run: with the adapter each forward streams the non-resident DiT bytes
   for (const auto& f : forwards) {
     CHECK(f.at("kind").get<std::string>() == "dit");
     CHECK(f.at("bytes_streamed") == f.at("planned_bytes"));
+    CHECK(f.at("bytes_streamed").get<uint64_t>() == dit);  // spread: the same residency before and after measuring
   }
-  CHECK(forwards[1].at("bytes_streamed").get<uint64_t>() == dit);
 }
 
 TEST_CASE("run: the trace is valid JSON with copy and upcast and compute tracks") {

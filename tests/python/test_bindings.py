@@ -69,7 +69,7 @@ def test_stats_and_dtypes(checkpoint):
     s = model.stats()
     assert s["model"]["total_bytes"] > s["model"]["resident_bytes"] > 0
     assert len(s["forwards"]) == 2
-    # The plan made from the first forward's measurements holds from the second one on.
+    # The plan is made again from the second forward's measurements, after it.
     assert s["plan"]["from_measurements"]
     assert s["plan"]["predicted_step_ms"] > 0
     for f in s["forwards"]:
@@ -77,7 +77,7 @@ def test_stats_and_dtypes(checkpoint):
         assert f["bytes_streamed"] == f["planned_bytes"] > 0
         for key in ("h2d_gbps", "stall_ms", "upcast_ms", "wall_ms"):
             assert key in f
-    assert s["forwards"][-1]["bytes_streamed"] == s["model"]["streamed_bytes_by_forward"]["dit"]
+    assert s["model"]["streamed_bytes_by_forward"]["dit"] > 0
     # One character per block: at half residency some blocks stream (S) or partly stream (P).
     blocks = s["model"]["residency"].split(";")[0]
     assert blocks.startswith("blocks: ")
