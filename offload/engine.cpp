@@ -29,25 +29,10 @@ at::Tensor typed_view(const at::Tensor& bytes, uint64_t offset, at::ScalarType d
   return bytes.narrow(0, static_cast<int64_t>(offset), n).view(dtype).view(sizes);
 }
 
-// "blocks.3.mlp" -> ("blocks", 3); "llm_adapter.blocks.0.x" -> ("llm_adapter.blocks", 0).
-std::pair<std::string, int64_t> parse_block(const std::string& name) {
-  static const std::regex re(R"(^((?:.*?\.)?blocks)\.(\d{1,9})(?:\.|$))");
-  std::smatch m;
-  if (std::regex_search(name, m, re)) return {m[1].str(), std::stoll(m[2].str())};
-  return {"", -1};
-}
-
 at::Tensor host_alias(const at::Tensor& t) {
   if (!t.defined()) return t;
   at::Tensor a = t.detach();
   return a.is_contiguous() ? a : a.contiguous();
-}
-
-at::Tensor pageable_copy(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  at::Tensor out = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
-  out.copy_(t);
-  return out;
 }
 
 }  // namespace
@@ -73,15 +58,18 @@ StreamingEngine::StreamingEngine(EngineOptions options) : options_(std::move(opt
   }
   sched_ = PrefetchScheduler(options_.prefetch_depth);
   max_resident_ = options_.max_resident;
-  want_pin_ = options_.pin == PinMode::on || (options_.pin == PinMode::auto_ && device_->pins_memory());
-  pin_cap_ = options_.pin_cap_bytes
-                 ? *options_.pin_cap_bytes
-                 : static_cast<uint64_t>(options_.pin_cap_fraction * static_cast<double>(physical_ram_bytes()));
+  ResidencyApplierOptions applier;
+  applier.pin = options_.pin == PinMode::on || (options_.pin == PinMode::auto_ && device_->pins_memory());
+  applier.pin_cap_bytes = options_.pin_cap_bytes
+                              ? *options_.pin_cap_bytes
+                              : static_cast<uint64_t>(options_.pin_cap_fraction * static_cast<double>(physical_ram_bytes()));
+  applier.ring_slots = options_.ring_slots;
+  applier_ = std::make_unique<ResidencyApplier>(*device_, applier);
 }
 
 StreamingEngine::~StreamingEngine() {
   if (!attached_) return;
-  for (auto& r : layers_) r.leases.clear();
+  for (auto& l : leases_) l.clear();
   depth_ = 0;
   restore_to_host();
   clear_state();
@@ -111,43 +99,17 @@ void StreamingEngine::collect(torch::nn::Module& model, const std::vector<std::r
   std::unordered_set<const c10::TensorImpl*> managed_impls;
   layers_.reserve(managed.size());
   for (const auto& [name, layer] : managed) {
-    LayerRec r;
-    r.layer = layer;
-    r.name = name;
-    r.host_w = host_alias(layer->stored_weight());
-    r.host_b = host_alias(layer->stored_bias());
-    r.host_s = host_alias(layer->weight_scale());
+    LayerRecord r = describe_layer(name, *layer);
     if (check_host && r.host_s.defined() && !r.host_s.device().is_cpu()) {
       throw InvalidArgument("attach: weight scale of layer '" + name + "' is not on the host");
     }
     managed_impls.insert(layer->stored_weight().unsafeGetTensorImpl());
     if (layer->has_bias()) managed_impls.insert(layer->stored_bias().unsafeGetTensorImpl());
-    r.stored_dtype = r.host_w.scalar_type();
-    r.compute = layer->compute_dtype();
-    r.upcast_w = r.stored_dtype != r.compute || r.host_s.defined();
-    r.upcast_b = r.host_b.defined() && r.host_b.scalar_type() != r.compute;
-    r.stored_bytes = static_cast<uint64_t>(layer->stored_bytes());
-    uint64_t end = r.host_w.nbytes();
-    if (r.host_b.defined()) {
-      r.off_b = align_up(end);
-      end = r.off_b + r.host_b.nbytes();
-    }
-    if (r.host_s.defined()) {
-      r.off_s = align_up(end);
-      end = r.off_s + r.host_s.nbytes();
-    }
-    r.slot_bytes = end;
-    const uint64_t csize = c10::elementSize(r.compute);
-    if (r.upcast_w) {
-      r.scratch_bytes = static_cast<uint64_t>(r.host_w.numel()) * csize;
-      r.scratch_off_b = align_up(r.scratch_bytes);
-    }
-    if (r.upcast_b) r.scratch_bytes = r.scratch_off_b + static_cast<uint64_t>(r.host_b.numel()) * csize;
     r.required = layer->kind() == LayerKind::embedding || (options_.require_unconverted && !r.upcast_w);
     for (const auto& re : required) r.required = r.required || std::regex_search(name, re);
-    std::tie(r.group, r.block) = parse_block(name);
     index_[layer] = static_cast<int64_t>(layers_.size());
     layers_.push_back(std::move(r));
+    leases_.emplace_back();
   }
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     if (managed_impls.count(item.value().unsafeGetTensorImpl())) continue;
@@ -180,6 +142,7 @@ WeightNeeds StreamingEngine::needs(torch::nn::Module& model, const EngineOptions
   const uint64_t unlimited = n.full + static_cast<uint64_t>(probe.options_.ring_slots) * largest_slot;
   n.wanted = plan_residency(probe.plan_input(unlimited, options.max_resident)).device_bytes();
   probe.layers_.clear();
+  probe.leases_.clear();
   probe.extras_.clear();
   probe.index_.clear();
   return n;
@@ -235,6 +198,7 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name, s
     }
     const ResidencyPlan plan = plan_residency(input);
     budget_ = std::make_shared<MemoryLedger>("device budget of model '" + model_name_ + "'", weight_budget_);
+    applier_->begin_model(model_name_, budget_);
 
     for (auto& e : extras_) {
       e.dev = device_->allocate(e.host.sizes(), e.host.scalar_type(), MemoryKind::params, "parameter", budget_);
@@ -292,7 +256,7 @@ void StreamingEngine::detach() {
 void StreamingEngine::restore_to_host() noexcept {
   for (auto& r : layers_) {
     try {
-      unpin_host(r);
+      applier_->unpin_host(r);
       r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
       r.layer->set_weight_scale(r.host_s);
       r.layer->set_provider(nullptr);  // ours while attached, even if a wrapper was installed
@@ -326,6 +290,7 @@ void StreamingEngine::clear_state() noexcept {
   retire_ring();
   scratch_.clear();
   layers_.clear();
+  leases_.clear();
   index_.clear();
   extras_.clear();
   extra_bytes_ = scratch_bytes_ = 0;
@@ -349,7 +314,7 @@ void StreamingEngine::clear_state() noexcept {
   } catch (const std::exception& e) {
     log::error("detach of model '" + model_name_ + "': a device copy had failed: " + e.what());
   }
-  pinned_ = Stat{};
+  applier_->end_model();
   depth_ = 0;
   implicit_ = false;
   attached_ = false;
@@ -382,85 +347,6 @@ PlanInput StreamingEngine::plan_input(uint64_t weight_budget, std::optional<doub
   return in;
 }
 
-void StreamingEngine::make_resident(LayerRec& r) {
-  at::Tensor w = device_->allocate(r.host_w.sizes(), r.host_w.scalar_type(), MemoryKind::resident, r.name, budget_);
-  at::Tensor b, s;
-  if (r.host_b.defined()) b = device_->allocate(r.host_b.sizes(), r.host_b.scalar_type(), MemoryKind::resident, r.name, budget_);
-  if (r.host_s.defined()) s = device_->allocate(r.host_s.sizes(), r.host_s.scalar_type(), MemoryKind::resident, r.name, budget_);
-  device_->copy_to_device(w, r.host_w);
-  if (b.defined()) device_->copy_to_device(b, r.host_b);
-  if (s.defined()) device_->copy_to_device(s, r.host_s);
-  for (const at::Tensor* t : {&w, &b, &s}) device_->record_use(*t, StreamKind::copy);  // FENCE(F4)
-  r.dev_w = w;
-  r.dev_b = b;
-  r.dev_s = s;
-  r.resident = true;
-  r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-  r.layer->set_weight_scale(s);
-  residency_h2d_.increase(static_cast<int64_t>(r.stored_bytes));
-}
-
-void StreamingEngine::make_streamed(LayerRec& r) {
-  r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
-  r.layer->set_weight_scale(r.host_s);
-  if (r.resident) residency_h2d_.decrease(static_cast<int64_t>(r.stored_bytes));
-  r.dev_w = r.dev_b = r.dev_s = at::Tensor();
-  r.resident = false;
-}
-
-void StreamingEngine::pin_host(LayerRec& r) {
-  if (!want_pin_ || r.pinned) return;
-  if (static_cast<uint64_t>(pinned_.current) + r.stored_bytes > pin_cap_) {
-    if (!pin_warned_) {
-      log::warn("pinned host memory cap of " + format_mib(pin_cap_) + " reached: further streamed layers of '" +
-                model_name_ + "' use pageable memory (slower copies)");
-      pin_warned_ = true;
-    }
-    return;
-  }
-  const bool injected = fault::triggered("host.pin");  // before pins_memory(): testable on the CPU device
-  if (injected || device_->pins_memory()) {
-    at::Tensor w, b, s;
-    if (!injected) {
-      w = device_->pin(r.host_w);
-      b = r.host_b.defined() ? device_->pin(r.host_b) : at::Tensor();
-      s = r.host_s.defined() ? device_->pin(r.host_s) : at::Tensor();
-    }
-    if (!w.defined() || (r.host_b.defined() && !b.defined()) || (r.host_s.defined() && !s.defined())) {
-      if (!pin_warned_) {
-        log::warn("pinning host memory failed for layer '" + r.name + "' of '" + model_name_ +
-                  "': streamed layers use pageable memory (slower copies)");
-        pin_warned_ = true;
-      }
-      want_pin_ = false;
-      return;
-    }
-    if (device_->pins_memory()) {
-      // The pinned copy replaces the pageable one, so host RAM is not doubled.
-      r.host_w = w;
-      r.host_b = b;
-      r.host_s = s;
-      if (!r.resident) {
-        r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-        r.layer->set_weight_scale(s);
-      }
-    }
-  }
-  r.pinned = true;
-  pinned_.increase(static_cast<int64_t>(r.stored_bytes));
-}
-
-void StreamingEngine::unpin_host(LayerRec& r) {
-  if (!r.pinned) return;
-  if (device_->pins_memory()) {
-    r.host_w = pageable_copy(r.host_w);
-    r.host_b = pageable_copy(r.host_b);
-    r.host_s = pageable_copy(r.host_s);
-  }
-  r.pinned = false;
-  pinned_.decrease(static_cast<int64_t>(r.stored_bytes));
-}
-
 void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
   TORCH_INTERNAL_ASSERT(plan.resident.size() == layers_.size(), "apply_plan: plan for another model");
   try {
@@ -472,56 +358,15 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
   retire_ring();
   acc_next_ = ForwardAcc{};  // prefetches for the next forward went with the ring
   while (scratch_.size() > 1) scratch_.pop_back();  // extra buffers from nested leases
-  std::vector<size_t> promoted;
-  std::string degraded;  // why fewer layers than planned became resident (Note [engine faults])
+  ResidencyApplier::Applied applied;
   try {
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      if (layers_[i].resident && !plan.resident[i]) make_streamed(layers_[i]);
-    }
-    for (size_t i = 0; i < layers_.size() && degraded.empty(); ++i) {
-      if (!layers_[i].resident && plan.resident[i]) {
-        try {
-          make_resident(layers_[i]);
-          promoted.push_back(i);
-        } catch (const ResourceError& e) {
-          degraded = e.what();
-        }
-      }
-    }
-    // FENCE(F7): resident copies are done before any compute reads them (and a failed one
-    // throws DeviceError: undo below).
-    device_->synchronize();  // FENCE(F7)
-    if (degraded.empty()) {
-      if (plan.ring_bytes) make_ring(plan.ring_bytes);
-      plan_ = plan;
-    } else {
-      // The layers that failed stream instead; the ring must hold the largest of them,
-      // which may not fit beside what did become resident: give back residency until it does.
-      for (;;) {
-        try {
-          const uint64_t slot = streamed_slot_bytes();
-          if (slot) make_ring(uint64_t{options_.ring_slots} * slot);
-          break;
-        } catch (const ResourceError&) {
-          if (promoted.empty()) throw;
-          make_streamed(layers_[promoted.back()]);
-          promoted.pop_back();
-        }
-      }
-      plan_ = plan;
-      plan_from_layers();
-    }
-    for (auto& r : layers_) {
-      if (!r.resident) pin_host(r);
-    }
+    // Note [residency applier]: the residency moves, their synchronize, the ring, pinning.
+    applied = applier_->apply(layers_, plan, [this](uint64_t capacity) { make_ring(capacity); });
+    plan_ = plan;
+    if (applied.is_degraded()) plan_from_layers();
   } catch (...) {
-    // Leave a consistent state: drop what this call made resident, and stream the rest
-    // through a ring sized for what is streamed now (if that still fits).
-    try {
-      device_->synchronize();
-    } catch (...) {
-    }
-    for (size_t i : promoted) make_streamed(layers_[i]);
+    // The applier dropped what this call made resident; stream the rest through a ring
+    // sized for what is streamed now (if that still fits).
     plan_ = plan;
     plan_from_layers();
     retire_ring();
@@ -534,9 +379,9 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
     refresh_streamed();
     throw;
   }
-  if (!degraded.empty()) {
+  if (applied.is_degraded()) {
     std::ostringstream msg;
-    msg << "model '" << model_name_ << "': " << degraded << "; continuing with a smaller residency: "
+    msg << "model '" << model_name_ << "': " << applied.degraded << "; continuing with a smaller residency: "
         << format_mib(plan_.resident_bytes) << " resident, " << format_mib(plan_.streamed_bytes) << " streamed ("
         << plan_.residency_map() << ")";
     log::warn(msg.str());
@@ -544,26 +389,8 @@ void StreamingEngine::apply_plan(const ResidencyPlan& plan) {
   refresh_streamed();
 }
 
-uint64_t StreamingEngine::streamed_slot_bytes() const {
-  uint64_t slot = 0;
-  for (const auto& r : layers_) {
-    if (!r.resident) slot = std::max(slot, r.slot_bytes);
-  }
-  return slot;
-}
-
 void StreamingEngine::plan_from_layers() {
-  uint64_t resident = extra_bytes_, streamed = 0;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    plan_.resident[i] = layers_[i].resident;
-    (layers_[i].resident ? resident : streamed) += layers_[i].stored_bytes;
-  }
-  plan_.resident_bytes = resident;
-  plan_.streamed_bytes = streamed;
-  plan_.slot_bytes = streamed_slot_bytes();
-  plan_.ring_slots = plan_.slot_bytes ? options_.ring_slots : 0;
-  plan_.ring_bytes = uint64_t{plan_.ring_slots} * plan_.slot_bytes;
-  plan_.predictions.clear();  // not the plan they were made for
+  offload::plan_from_layers(plan_, layers_, extra_bytes_, options_.ring_slots);
 }
 
 void StreamingEngine::ensure_ring() {
@@ -584,9 +411,9 @@ void StreamingEngine::make_ring(uint64_t capacity) {
 }
 
 void StreamingEngine::require_idle(const char* what) const {
-  for (const auto& r : layers_) {
-    if (!r.leases.empty()) {
-      throw InvalidArgument(std::string(what) + ": layer '" + r.name + "' of model '" + model_name_ +
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!leases_[i].empty()) {
+      throw InvalidArgument(std::string(what) + ": layer '" + layers_[i].name + "' of model '" + model_name_ +
                             "' is in use by a running forward");
     }
   }
@@ -788,11 +615,12 @@ void StreamingEngine::end_forward(bool aborted) {
   const bool explicit_forward = !implicit_;
   depth_ = 0;
   implicit_ = false;
-  for (auto& r : layers_) {
-    if (!r.leases.empty()) {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const LayerRecord& r = layers_[i];
+    if (!leases_[i].empty()) {
       log::warn("end of forward: layer '" + r.name + "' of '" + model_name_ + "' still had " +
-                std::to_string(r.leases.size()) + " open lease(s); releasing them");
-      while (!r.leases.empty()) release(*r.layer);
+                std::to_string(leases_[i].size()) + " open lease(s); releasing them");
+      while (!leases_[i].empty()) release(*r.layer);
     }
   }
   const PrefetchScheduler::Ended ended = sched_.end(aborted);
@@ -904,7 +732,7 @@ PrefetchScheduler::Offer StreamingEngine::offer(int64_t id, uint64_t epoch) {
 }
 
 int StreamingEngine::issue(int64_t id, uint64_t epoch, bool demand) {
-  const LayerRec& r = layers_[static_cast<size_t>(id)];
+  const LayerRecord& r = layers_[static_cast<size_t>(id)];
   int s = ring_->pick(r.slot_bytes, epoch_, /*keep_unconsumed=*/true);
   if (s < 0) {
     if (!demand) return -1;
@@ -989,7 +817,7 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
   TORCH_CHECK(attached_ && it != index_.end(), "acquire: layer '", layer.qualified_name(),
               "' is not attached to this engine");
   const int64_t id = it->second;
-  LayerRec& r = layers_[static_cast<size_t>(id)];
+  LayerRecord& r = layers_[static_cast<size_t>(id)];
   if (depth_ == 0) {
     open_forward(kind_name_, /*implicit=*/true);
   }
@@ -1075,7 +903,7 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
       if (a) add_span(acc_cur_, TraceTrack::upcast, 2, id, std::move(a), mark());
     }
     if (options_.trace) lease.start = mark();
-    r.leases.push_back(std::move(lease));
+    leases_[static_cast<size_t>(id)].push_back(std::move(lease));
     return out;
   } catch (...) {
     end_lease(lease);
@@ -1090,13 +918,14 @@ void StreamingEngine::release(ManagedLayerImpl& layer) noexcept {
     return;
   }
   const int64_t id = it->second;
-  LayerRec& r = layers_[static_cast<size_t>(id)];
-  if (r.leases.empty()) {
+  LayerRecord& r = layers_[static_cast<size_t>(id)];
+  std::vector<Lease>& leases = leases_[static_cast<size_t>(id)];
+  if (leases.empty()) {
     log::error("release: layer '" + r.name + "' has no open lease");
     return;
   }
-  Lease lease = std::move(r.leases.back());
-  r.leases.pop_back();
+  Lease lease = std::move(leases.back());
+  leases.pop_back();
   if (lease.start) {
     try {
       add_span(acc_cur_, TraceTrack::compute, 3, id, std::move(lease.start), mark());
@@ -1275,8 +1104,8 @@ EngineStats StreamingEngine::stats() {
     s.plan.kinds.push_back(std::move(k));
   }
   if (budget_) s.device_memory = budget_->stats();
-  s.pinned = pinned_;
-  s.residency_h2d = residency_h2d_;
+  s.pinned = applier_->pinned();
+  s.residency_h2d = applier_->residency_h2d();
   s.forwards = forwards_;
   s.slot_violations = ring_violations_ + (ring_ ? ring_->violations() : 0);
   if (bounce_) {

@@ -1,10 +1,13 @@
 #pragma once
 // StreamingEngine: the WeightProvider that runs a model under a device-memory budget.
 //
-// attach() plans which managed layers stay resident on the device (residency_plan.h),
-// copies those there (host->device only) and moves the other parameters and buffers
-// (norms, RoPE tables) to the device; streamed layers stay on the host, pinned when
-// allowed. During a forward each layer's WeightLease calls acquire()/release():
+// attach() plans which managed layers stay resident on the device (residency_plan.h) and
+// moves the other parameters and buffers (norms, RoPE tables) to the device. The plan is
+// applied, at attach and at every residency change, by the ResidencyApplier
+// (residency_applier.h, Note [residency applier]): it copies the resident layers there
+// (host->device only) and keeps streamed layers on the host, pinned when allowed; the
+// engine keeps the per-layer records (layer_record.h), makes the staging ring for what
+// streams and logs the result. During a forward each layer's WeightLease calls acquire()/release():
 //  - resident layer: upcast its stored tensors on the device into a scratch buffer;
 //  - streamed layer: its stored bytes are copied into a staging slot on the copy stream
 //    (prefetched ahead of use, see Note [prefetch order]); compute waits on the copy's
@@ -61,7 +64,9 @@
 #include "offload/calibration.h"
 #include "offload/device.h"
 #include "offload/layer.h"
+#include "offload/layer_record.h"
 #include "offload/prefetch_scheduler.h"
+#include "offload/residency_applier.h"
 #include "offload/residency_plan.h"
 #include "offload/staging_ring.h"
 #include "offload/stats.h"
@@ -185,24 +190,6 @@ class StreamingEngine final : public WeightProvider {
     std::array<at::Tensor, 3> reads;     // device tensors the lease reads (slot, or resident w/b/s)
     at::Tensor written;                  // scratch buffer the upcast writes
   };
-  struct LayerRec {
-    ManagedLayerImpl* layer = nullptr;
-    std::string name;
-    at::Tensor host_w, host_b, host_s;  // host copies, kept while attached
-    at::Tensor dev_w, dev_b, dev_s;     // device copies while resident
-    bool resident = false;
-    bool required = false;
-    bool pinned = false;                // host copies are pinned (and counted)
-    at::ScalarType stored_dtype = at::kFloat;
-    at::ScalarType compute = at::kFloat;
-    bool upcast_w = false, upcast_b = false;
-    uint64_t stored_bytes = 0;
-    uint64_t slot_bytes = 0, off_b = 0, off_s = 0;  // packed layout in a staging slot
-    uint64_t scratch_bytes = 0, scratch_off_b = 0;  // upcast outputs
-    std::string group;
-    int64_t block = -1;
-    std::vector<Lease> leases;
-  };
   struct ExtraRec {
     at::Tensor handle;  // the module's tensor (same impl), re-pointed with set_data
     at::Tensor host;
@@ -253,15 +240,10 @@ class StreamingEngine final : public WeightProvider {
   void restore_to_host() noexcept;
   PlanInput plan_input(uint64_t weight_budget, std::optional<double> max_resident) const;
   uint64_t weight_budget_of(uint64_t budget) const;
-  void apply_plan(const ResidencyPlan& plan);
-  uint64_t streamed_slot_bytes() const;  // largest slot of the layers streamed now
+  void apply_plan(const ResidencyPlan& plan);  // through applier_, then the ring and the scheduler
   void plan_from_layers();               // plan_'s residency and sizes from the layers as they are
   void ensure_ring();                    // a ring for plan_ if there is none (ResourceError if it does not fit)
   void make_ring(uint64_t capacity);     // a new ring with its first slots made (ResourceError if it does not fit)
-  void make_resident(LayerRec& r);
-  void make_streamed(LayerRec& r);
-  void pin_host(LayerRec& r);
-  void unpin_host(LayerRec& r);
   int64_t replan(uint64_t weight_budget, std::optional<double> max_resident);
   void planned();              // tells the calibrator what plan_ predicts (Note [calibration])
   void replan_if_measured();   // between forwards: a plan from new measurements, when due
@@ -292,7 +274,8 @@ class StreamingEngine final : public WeightProvider {
   std::shared_ptr<MemoryLedger> budget_;  // what this engine holds on the device, limited
   bool attached_ = false;
   std::string model_name_;
-  std::vector<LayerRec> layers_;
+  std::vector<LayerRecord> layers_;
+  std::vector<std::vector<Lease>> leases_;  // open leases of each layer, indexed like layers_
   std::unordered_map<const ManagedLayerImpl*, int64_t> index_;
   std::vector<ExtraRec> extras_;
   uint64_t extra_bytes_ = 0;
@@ -309,12 +292,9 @@ class StreamingEngine final : public WeightProvider {
   uint64_t mismatched_forwards_ = 0;  // forwards whose streamed bytes were not the streamed layers' bytes
   bool waste_warned_ = false;
 
-  // Pinning.
-  bool want_pin_ = false;
-  uint64_t pin_cap_ = 0;
-  bool pin_warned_ = false;
-  Stat pinned_;
-  Stat residency_h2d_;
+  // Residency moves and pinning (lives as long as the engine: its counters and warnings
+  // span attaches).
+  std::unique_ptr<ResidencyApplier> applier_;
 
   // Forwards.
   int depth_ = 0;                // nesting of begin_forward()
