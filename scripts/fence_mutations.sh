@@ -17,7 +17,7 @@ declare -A catcher=(
   [F4]="streams: detach right after a forward with prefetches in flight"
   [F5]="streams: a forward on a host-provided stream then detach on the default stream"
   [F6]="streams: forwards alternate between two host streams"
-  [F7]="streams: streamed forwards through a wrapping ring match the model"
+  [F7]="streams: a forward right after attach reads resident layers after their copies"
   [F8]="streams: pageable layers stream through the bounce ring"
 )
 bin=$build/tests/sluice_test_streams

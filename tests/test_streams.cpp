@@ -52,7 +52,7 @@ at::Tensor run(StreamingEngine& e, ToyModel& m, const at::Tensor& x) {
 }  // namespace
 
 // F1 (compute waits for a slot's copy), F2 (a copy waits for the slot's last reader), F3
-// (each release records that reader), F7 (resident copies done before compute reads them).
+// (each release records that reader).
 TEST_CASE("streams: streamed forwards through a wrapping ring match the model") {
   ToyModel model;
   const at::Tensor x = input();
@@ -63,6 +63,22 @@ TEST_CASE("streams: streamed forwards through a wrapping ring match the model") 
   REQUIRE(engine.plan().streamed_count() > 3 * engine.plan().ring_slots);
   for (int f = 0; f < 3; ++f) CHECK(at::equal(run(engine, model, x), ref));
   CHECK(engine.stats().slot_violations == 0);
+  CHECK(hazard_tracker(*o.device)->hazards() == 0);
+}
+
+// F7: resident copies are done before compute reads them. Half resident, the first layer
+// (x_embedder) among them: the forward right after attach reads it at once.
+TEST_CASE("streams: a forward right after attach reads resident layers after their copies") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  EngineOptions o = options(0.5);
+  o.required_patterns = {"^x_embedder$", "^final_layer(\\.|$)"};
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  REQUIRE(engine.is_resident("x_embedder"));
+  REQUIRE(engine.plan().streamed_count() > 0);
+  CHECK(at::equal(run(engine, model, x), ref));
   CHECK(hazard_tracker(*o.device)->hazards() == 0);
 }
 
