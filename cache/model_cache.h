@@ -7,8 +7,9 @@
 // ~~~~~~~~~~~~~~~~~~
 // RAM tier: a model is read (or generated) once and kept on the host. When the RAM limit
 // would be passed, unlocked models are evicted least-recently-used first; a model whose
-// handle is locked again afterwards is read again (a miss). Locked models are never
-// evicted: when only they are left, the limit is exceeded with one warning.
+// handle is locked again afterwards is read again (a miss). A model being read counts with
+// its estimated bytes from before the read starts. Locked models are never evicted: when
+// only they (and models being read) are left, the limit is exceeded with one warning.
 // Device tier: each model in RAM that is attached to the device owns a StreamingEngine
 // whose budget is the model's *share*. The cache keeps
 //     sum of shares <= vram budget - working memory
