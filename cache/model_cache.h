@@ -35,16 +35,19 @@
 //    nothing runs it) or it is not attached (a running model is attached);
 //  - residency changes of a model (partial_load ... set_max_resident, load()'s device step)
 //    pin it, then wait for its running forward on a condition variable, which releases the
-//    cache mutex; set_vram_budget waits so for every running forward. A waiting operation
-//    holds back new forwards of the models it waits for, so a stream of forwards cannot
-//    starve it; lock() and forwards of other models go on meanwhile.
+//    cache mutex, and hold back its new forwards meanwhile (a stream of forwards cannot
+//    starve them); lock() and forwards of other models go on.
+//  - set_vram_budget waits so for every running forward, holding back new forwards of all
+//    models until it has resized them.
 // A forward takes the cache mutex only to mark its entry running and idle again: it may
-// wait briefly for another model's attach, never for another model's forward.
+// wait briefly for another model's attach or a budget change, never for another model's
+// forward.
 // Queries (stats, model stats, entry state, trace) read the cache-side fields under the
 // cache mutex and the engine-side ones from the entry's published snapshot, under the
 // entry's own small mutex that is held only to copy it. Whoever uses the engine publishes
-// it: the forward at its end, the cache after each attach, detach and residency change.
-// So queries never wait for a forward; during one they see the state from before it.
+// it: the forward at its end (engine stats() resolves its timings, which may wait for the
+// device, without the cache mutex), the cache after each attach, detach and residency
+// change. So queries never wait for a forward; during one they see the state from before.
 // Reading a model from disk happens outside the cache mutex, its estimated bytes reserved
 // in the RAM accounting first, so that concurrent misses evict for each other (or exceed
 // the limit with the one warning) instead of each passing it unseen. Other threads asking
@@ -245,13 +248,14 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
 
   CacheStats stats() const;
   std::string stats_json(int indent = 2) const;
-  // The engine's stats of `entry` (a default record naming the model when it never ran).
+  // The engine's stats of `entry` as last published (Note [cache locking]); a default
+  // record naming the model when it never ran.
   offload::EngineStats engine_stats(const std::shared_ptr<Entry>& entry) const;
   // EngineStats::to_json of the entry, with budget.{budget_bytes,working_memory_bytes}
   // set to the cache's, budget.share_bytes, and a "cache" object (CacheStats).
   std::string model_stats_json(const std::shared_ptr<Entry>& entry, int indent = 2) const;
   void write_trace(const std::shared_ptr<Entry>& entry, const std::string& path) const;
-  // Snapshot of an entry's cache-side state.
+  // Snapshot of an entry's state; the engine-side fields as last published.
   struct EntryState {
     bool in_ram = false, attached = false, dropped = false;
     int locks = 0;
