@@ -2,8 +2,9 @@
 // the CPU as the device: RAM tier (LRU eviction, locks, drop while locked, reload on a
 // settings change), device tier (shares of one budget, partial unloads before whole drops,
 // exact accounting against budget - working memory, the minimum-budget error), output
-// identity across budgets/max_resident/prefetch, storage dtypes after every forward, and
-// concurrent users.
+// identity across budgets/max_resident/prefetch, storage dtypes after every forward,
+// concurrent users, queries and other models' locks during a forward that is held open,
+// and concurrent misses under a RAM limit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -16,6 +17,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <regex>
