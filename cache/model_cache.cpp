@@ -8,6 +8,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <unordered_set>
@@ -116,6 +117,7 @@ nlohmann::json cache_json(const CacheStats& s) {
           {"locked", s.locked},
           {"ram_limit_bytes", s.ram_limit},
           {"ram", stat_json(s.ram)},
+          {"ram_reserved_bytes", s.ram_reserved},
           {"vram_budget_bytes", s.vram_budget},
           {"working_memory_bytes", s.working_memory},
           {"vram_limit_bytes", s.vram_limit},
@@ -316,16 +318,17 @@ std::string ModelCache::budget_error(const Entry& e) const {
 }
 
 // ---------------------------------------------------------------------------------------
-// device tier (cache mutex held)
+// device tier (cache mutex held, the entry not running: Note [cache locking])
 
 void ModelCache::attach(Entry& e, uint64_t share) {
-  std::lock_guard<std::mutex> run(e.run);
+  TORCH_INTERNAL_ASSERT(!e.running, "attach of '", e.name, "' during its forward");
   const auto t0 = std::chrono::steady_clock::now();
   if (!e.engine) e.engine = std::make_unique<offload::StreamingEngine>(engine_options(e));
   e.engine->set_max_resident(e.max_resident);
   e.engine->attach(*e.model, e.name, share);
   e.attached = true;
   e.share = share;
+  publish(e);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const offload::ResidencyPlan& plan = e.engine->plan();
   std::ostringstream line;
@@ -355,25 +358,64 @@ void ModelCache::attach(Entry& e, uint64_t share) {
 
 void ModelCache::detach(Entry& e) {
   if (!e.attached) return;
-  std::lock_guard<std::mutex> run(e.run);
+  TORCH_INTERNAL_ASSERT(!e.running, "detach of '", e.name, "' during its forward");
   e.engine->detach();
   e.attached = false;
   e.share = 0;
+  publish(e);
 }
 
 void ModelCache::resize(Entry& e, uint64_t share) {
   TORCH_INTERNAL_ASSERT(e.attached, "resize of a detached model");
   if (share == e.share) return;
-  std::lock_guard<std::mutex> run(e.run);
+  TORCH_INTERNAL_ASSERT(!e.running, "resize of '", e.name, "' during its forward");
   e.engine->set_budget(share);
   e.share = share;
+  publish(e);
   log::debug("Residency of '" + e.name + "': " + e.engine->plan().residency_map() + ", share " + format_mib(share));
 }
 
 uint64_t ModelCache::device_bytes_of(Entry& e) {
   if (!e.attached) return 0;
-  std::lock_guard<std::mutex> run(e.run);
+  TORCH_INTERNAL_ASSERT(!e.running, "device bytes of '", e.name, "' read during its forward");
   return e.engine->device_bytes();
+}
+
+void ModelCache::wait_idle(Entry& e, Guard& g) {
+  if (!e.running) return;
+  e.run_waiters += 1;
+  idle_.wait(g, [&] { return !e.running; });
+  e.run_waiters -= 1;
+  if (e.run_waiters == 0) idle_.notify_all();  // forwards held back for us may start once we unlock
+}
+
+void ModelCache::publish(Entry& e) {
+  Entry::Published p;
+  try {
+    if (e.engine) {
+      p.stats = e.engine->stats();
+      if (options_.trace) p.trace_json = e.engine->trace().to_json();
+    }
+  } catch (const std::exception& ex) {
+    // Resolving timings surfaced a device error; the engine raises it again at its next use.
+    log::warn("stats of model '" + e.name + "' not updated: " + ex.what());
+    std::lock_guard<std::mutex> g(e.published_mutex);
+    p.stats = e.published.stats;
+    p.trace_json = e.published.trace_json;
+  }
+  if (e.attached) {
+    p.device_bytes = e.engine->device_bytes();
+    p.device_allocated = e.engine->device_allocated_bytes();
+    const offload::ResidencyPlan& plan = e.engine->plan();
+    p.residency = plan.residency_map();
+    for (size_t i = 0; i < plan.layers.size(); ++i) {
+      if (plan.resident[i]) continue;
+      (plan.layers[i].name.rfind("llm_adapter.", 0) == 0 ? p.streamed_adapter : p.streamed_dit) +=
+          plan.layers[i].stored_bytes;
+    }
+  }
+  std::lock_guard<std::mutex> g(e.published_mutex);
+  e.published = std::move(p);
 }
 
 void ModelCache::make_device_room(uint64_t bytes, const Entry* exclude) {
@@ -439,10 +481,7 @@ void ModelCache::evict(Entry& e) {
   TORCH_INTERNAL_ASSERT(e.locks == 0 && !e.loading, "evicting a model in use");
   if (e.model) {
     detach(e);
-    {
-      std::lock_guard<std::mutex> run(e.run);
-      e.model = anima::AnimaModel(nullptr);
-    }
+    e.model = anima::AnimaModel(nullptr);
     ram_.decrease(static_cast<int64_t>(e.ram_bytes));
     e.ram_bytes = 0;
     e.announced = false;
@@ -456,7 +495,8 @@ void ModelCache::evict(Entry& e) {
 
 void ModelCache::make_ram_room(uint64_t bytes, const Entry* exclude) {
   if (ram_limit_ == 0) return;
-  while (static_cast<uint64_t>(ram_.current) + bytes > ram_limit_) {
+  // Reservations of models being read count as taken (Note [cache locking]).
+  while (static_cast<uint64_t>(ram_.current) + ram_reserved_ + bytes > ram_limit_) {
     Entry* victim = nullptr;
     for (auto& p : entries_) {
       if (p.get() == exclude || !p->model || p->locks > 0 || p->loading) continue;
@@ -465,7 +505,8 @@ void ModelCache::make_ram_room(uint64_t bytes, const Entry* exclude) {
     if (!victim) {
       if (!ram_warned_) {
         log::warn("RAM limit " + format_mib(ram_limit_) + " exceeded: models in use hold " +
-                  format_mib(static_cast<uint64_t>(ram_.current)) + " and " + format_mib(bytes) + " more are needed");
+                  format_mib(static_cast<uint64_t>(ram_.current)) + ", models being read " +
+                  format_mib(ram_reserved_) + ", and " + format_mib(bytes) + " more are needed");
         ram_warned_ = true;
       }
       return;
@@ -485,21 +526,24 @@ void ModelCache::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool 
   ++misses_;
   e.loading = true;
   make_ram_room(e.estimate, &e);
+  ram_reserved_ += e.estimate;  // until the read ends: other misses make room for it too
   g.unlock();
   anima::AnimaModel model(nullptr);
-  offload::WeightNeeds needs;
   double secs = 0;
   try {
     const auto t0 = std::chrono::steady_clock::now();
+    if (options_.before_read) options_.before_read(e.name);
     model = read_model(e.spec, e.dtypes, e.name);
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   } catch (...) {
     g.lock();
+    ram_reserved_ -= e.estimate;
     e.loading = false;
     loaded_.notify_all();
     throw;
   }
   g.lock();
+  ram_reserved_ -= e.estimate;
   e.model = model;
   e.config = model->config();
   e.loading = false;
@@ -618,6 +662,7 @@ int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit
   Entry& e = *ep;
   e.locks += 1;
   touch(e);
+  wait_idle(e, g);  // pinned: it stays in RAM meanwhile
   const uint64_t before = device_bytes_of(e);
   try {
     op(e, g);
@@ -700,8 +745,8 @@ int64_t ModelCache::full_load(const std::shared_ptr<Entry>& ep) {
     if (e.max_resident) {
       e.max_resident.reset();
       if (e.attached) {
-        std::lock_guard<std::mutex> run(e.run);
         e.engine->set_max_resident(std::nullopt);
+        publish(e);
       }
       refresh_needs(e);
     }
@@ -749,8 +794,8 @@ void ModelCache::apply_max_resident(Entry& e, std::optional<double> fraction) {
       resize(e, n.minimum);
     }
     if (e.attached) {
-      std::lock_guard<std::mutex> run(e.run);
       e.engine->set_max_resident(fraction);
+      publish(e);
     } else if (e.engine) {
       e.engine->set_max_resident(fraction);  // kept for the next attach
     }
@@ -770,6 +815,13 @@ void ModelCache::apply_max_resident(Entry& e, std::optional<double> fraction) {
 
 void ModelCache::set_vram_budget(uint64_t budget_request) {
   Guard g(mutex_);
+  // Any attached model may be resized below: wait for every running forward first.
+  budget_waiters_ += 1;
+  idle_.wait(g, [&] {
+    return std::none_of(entries_.begin(), entries_.end(), [](const std::shared_ptr<Entry>& e) { return e->running; });
+  });
+  budget_waiters_ -= 1;
+  if (budget_waiters_ == 0) idle_.notify_all();
   const uint64_t budget = budget_request ? budget_request : device_->total_memory();
   if (budget == 0) {
     throw InvalidArgument("the memory of device " + device_->name() + " is unknown: give the vram budget in bytes");
@@ -808,7 +860,7 @@ void ModelCache::set_vram_budget(uint64_t budget_request) {
         if (res <= new_limit) break;
         const uint64_t take = std::min(res - new_limit, e->share - std::min(e->share, e->needs.minimum));
         if (take == 0) continue;
-        resize(*e, e->share - take);  // waits for a running forward of this model
+        resize(*e, e->share - take);  // not running: waited for above
         res -= take;
       }
     } catch (...) {
@@ -841,10 +893,32 @@ void ModelCache::set_vram_budget(uint64_t budget_request) {
 void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn) {
   TORCH_CHECK(lock, "run: the lock is empty");
   Entry& e = lock.entry();
-  std::lock_guard<std::mutex> run(e.run);
-  // Locked entries are in RAM and attached (Note [cache tiers]); no cache mutex needed.
-  TORCH_INTERNAL_ASSERT(e.model && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
-  fn(*e.model, *e.engine);
+  {
+    Guard g(mutex_);
+    idle_.wait(g, [&] { return !e.running && e.run_waiters == 0 && budget_waiters_ == 0; });
+    // Locked entries are in RAM and attached (Note [cache tiers]).
+    TORCH_INTERNAL_ASSERT(e.model && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
+    e.running = true;
+  }
+  // The engine is ours until `running` is cleared, however fn ends (Note [cache locking]).
+  struct Idle {
+    ModelCache& cache;
+    Entry& e;
+    ~Idle() {
+      {
+        Guard g(cache.mutex_);
+        e.running = false;
+      }
+      cache.idle_.notify_all();
+    }
+  } idle{*this, e};
+  try {
+    fn(*e.model, *e.engine);
+  } catch (...) {
+    publish(e);  // an aborted forward is counted too
+    throw;
+  }
+  publish(e);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -866,6 +940,7 @@ CacheStats ModelCache::stats_locked() const {
   }
   s.ram_limit = ram_limit_;
   s.ram = ram_;
+  s.ram_reserved = ram_reserved_;
   s.vram_budget = budget_;
   s.working_memory = working_memory_;
   s.vram_limit = limit();
@@ -883,9 +958,11 @@ std::string ModelCache::stats_json(int indent) const { return cache_json(stats()
 
 offload::EngineStats ModelCache::engine_stats(const std::shared_ptr<Entry>& e) const {
   std::lock_guard<std::mutex> g(mutex_);
-  std::lock_guard<std::mutex> run(e->run);
   offload::EngineStats s;
-  if (e->engine) s = e->engine->stats();
+  {
+    std::lock_guard<std::mutex> p(e->published_mutex);
+    if (e->published.stats) s = *e->published.stats;
+  }
   s.model_name = e->name;
   s.device = device_->name();
   offload::set_allocator_stats(s, *device_);
@@ -913,13 +990,20 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
 }
 
 void ModelCache::write_trace(const std::shared_ptr<Entry>& e, const std::string& path) const {
-  std::lock_guard<std::mutex> g(mutex_);
-  std::lock_guard<std::mutex> run(e->run);
-  if (!e->engine) {
+  std::string json;
+  {
+    std::lock_guard<std::mutex> p(e->published_mutex);
+    json = e->published.trace_json;
+  }
+  if (json.empty()) {  // no engine yet, or tracing is off
     offload::TraceWriter().write(path);
     return;
   }
-  e->engine->trace().write(path);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw FileError("cannot open trace file '" + path + "' for writing");
+  out << json;
+  out.close();
+  if (!out) throw FileError("cannot write trace file '" + path + "'");
 }
 
 anima::AnimaConfig ModelCache::entry_config(const std::shared_ptr<Entry>& e) const {
@@ -933,7 +1017,6 @@ ModelCache::EntryState ModelCache::entry_state(const std::shared_ptr<Entry>& e) 
 }
 
 ModelCache::EntryState ModelCache::entry_state_locked(const std::shared_ptr<Entry>& e) const {
-  std::lock_guard<std::mutex> run(e->run);
   EntryState s;
   s.in_ram = static_cast<bool>(e->model);
   s.attached = e->attached;
@@ -941,21 +1024,18 @@ ModelCache::EntryState ModelCache::entry_state_locked(const std::shared_ptr<Entr
   s.locks = e->locks;
   s.ram_bytes = e->ram_bytes;
   s.share = e->attached ? e->share : 0;
-  s.device_bytes = e->attached ? e->engine->device_bytes() : 0;
-  s.device_allocated = e->attached ? e->engine->device_allocated_bytes() : 0;
   if (e->model) {
     s.minimum = e->needs.minimum;
     s.wanted = e->needs.wanted;
     s.full = e->needs.full;
   }
   if (e->attached) {
-    const offload::ResidencyPlan& plan = e->engine->plan();
-    s.residency = plan.residency_map();
-    for (size_t i = 0; i < plan.layers.size(); ++i) {
-      if (plan.resident[i]) continue;
-      (plan.layers[i].name.rfind("llm_adapter.", 0) == 0 ? s.streamed_adapter : s.streamed_dit) +=
-          plan.layers[i].stored_bytes;
-    }
+    std::lock_guard<std::mutex> p(e->published_mutex);
+    s.device_bytes = e->published.device_bytes;
+    s.device_allocated = e->published.device_allocated;
+    s.residency = e->published.residency;
+    s.streamed_dit = e->published.streamed_dit;
+    s.streamed_adapter = e->published.streamed_adapter;
   }
   return s;
 }

@@ -7,8 +7,9 @@
 // ~~~~~~~~~~~~~~~~~~
 // RAM tier: a model is read (or generated) once and kept on the host. When the RAM limit
 // would be passed, unlocked models are evicted least-recently-used first; a model whose
-// handle is locked again afterwards is read again (a miss). Locked models are never
-// evicted: when only they are left, the limit is exceeded with one warning.
+// handle is locked again afterwards is read again (a miss). A model being read counts with
+// its estimated bytes from before the read starts. Locked models are never evicted: when
+// only they (and models being read) are left, the limit is exceeded with one warning.
 // Device tier: each model in RAM that is attached to the device owns a StreamingEngine
 // whose budget is the model's *share*. The cache keeps
 //     sum of shares <= vram budget - working memory
@@ -24,14 +25,33 @@
 //
 // Note [cache locking]
 // ~~~~~~~~~~~~~~~~~~~~
-// One cache mutex guards the entries, shares, lock counts and counters; each entry has a
-// run mutex that serializes the use of its engine and model (forwards, residency changes,
-// LoRA patches), because the engine is single-threaded. Order: cache mutex, then run
-// mutex; forwards take only the run mutex. The cache touches another entry's engine only
-// when that entry has no locks, and nobody holds a run mutex of an entry without a lock
-// unless they also hold the cache mutex, so these acquisitions never wait.
-// Reading a model from disk happens outside the cache mutex; other threads asking for the
-// same model wait for it on a condition variable.
+// One cache mutex guards the entries, shares, lock counts and counters. An entry's engine
+// and model are single-threaded: either a forward uses them (ModelCache::run marks the
+// entry `running` under the cache mutex, then works without it) or a holder of the cache
+// mutex does while the entry is not running. The cache mutex is never held while waiting
+// for a forward:
+//  - the cache changes unlocked models freely: nothing runs without a lock;
+//  - lock() changes only the model it locks, and only when no other lock holds it (then
+//    nothing runs it) or it is not attached (a running model is attached);
+//  - residency changes of a model (partial_load ... set_max_resident, load()'s device step)
+//    pin it, then wait for its running forward on a condition variable, which releases the
+//    cache mutex, and hold back its new forwards meanwhile (a stream of forwards cannot
+//    starve them); lock() and forwards of other models go on.
+//  - set_vram_budget waits so for every running forward, holding back new forwards of all
+//    models until it has resized them.
+// A forward takes the cache mutex only to mark its entry running and idle again: it may
+// wait briefly for another model's attach or a budget change, never for another model's
+// forward.
+// Queries (stats, model stats, entry state, trace) read the cache-side fields under the
+// cache mutex and the engine-side ones from the entry's published snapshot, under the
+// entry's own small mutex that is held only to copy it. Whoever uses the engine publishes
+// it: the forward at its end (engine stats() resolves its timings, which may wait for the
+// device, without the cache mutex), the cache after each attach, detach and residency
+// change. So queries never wait for a forward; during one they see the state from before.
+// Reading a model from disk happens outside the cache mutex, its estimated bytes reserved
+// in the RAM accounting first, so that concurrent misses evict for each other (or exceed
+// the limit with the one warning) instead of each passing it unseen. Other threads asking
+// for the same model wait for it on a condition variable.
 #include <ATen/ATen.h>
 
 #include <condition_variable>
@@ -70,6 +90,9 @@ struct CacheOptions {
   offload::ResidencyPolicy policy = offload::ResidencyPolicy::balanced;  // residency plan policy
   bool timing = true;                              // per-forward device timings
   bool trace = false;                              // per-layer trace spans
+  // Called outside the cache mutex as a model's read (or generation) starts, with its name;
+  // an exception from it fails the read. Tests use it to hold reads so that misses overlap.
+  std::function<void(const std::string&)> before_read;
 };
 
 // Note [working memory default]
@@ -111,6 +134,7 @@ struct CacheStats {
   uint64_t locked = 0;          // in RAM and locked
   uint64_t ram_limit = 0;       // 0: unlimited
   offload::Stat ram;            // host bytes of models in RAM
+  uint64_t ram_reserved = 0;    // estimated bytes of models being read, counted against the RAM limit
   uint64_t vram_budget = 0;
   uint64_t working_memory = 0;
   uint64_t vram_limit = 0;      // budget - working memory
@@ -146,7 +170,18 @@ struct Entry {
   uint64_t share = 0;         // engine budget while attached
   uint64_t last_used = 0;     // LRU tick
 
-  std::mutex run;             // serializes engine/model use (see Note [cache locking])
+  bool running = false;       // a forward uses the engine and model (Note [cache locking])
+  int run_waiters = 0;        // cache operations waiting for that forward; new forwards wait for them
+
+  // Engine-side state for queries (Note [cache locking]), guarded by `published_mutex`.
+  struct Published {
+    std::optional<offload::EngineStats> stats;  // none before the engine exists
+    uint64_t device_bytes = 0, device_allocated = 0, streamed_dit = 0, streamed_adapter = 0;
+    std::string residency;
+    std::string trace_json;  // with CacheOptions::trace
+  };
+  std::mutex published_mutex;
+  Published published;
 };
 
 class ModelCache;
@@ -211,18 +246,20 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   offload::ResolvedVramBudget parse_budget(const std::string& text, const std::string& headroom,
                                            const std::string& flag, const std::string& headroom_flag) const;
 
-  // Runs fn(model, engine) with the entry's run mutex held; `lock` must lock the entry.
+  // Runs fn(model, engine) as the only user of the entry's engine (waiting for another
+  // forward of the same model), then publishes the entry's stats; `lock` must lock the entry.
   void run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn);
 
   CacheStats stats() const;
   std::string stats_json(int indent = 2) const;
-  // The engine's stats of `entry` (a default record naming the model when it never ran).
+  // The engine's stats of `entry` as last published (Note [cache locking]); a default
+  // record naming the model when it never ran.
   offload::EngineStats engine_stats(const std::shared_ptr<Entry>& entry) const;
   // EngineStats::to_json of the entry, with budget.{budget_bytes,working_memory_bytes}
   // set to the cache's, budget.share_bytes, and a "cache" object (CacheStats).
   std::string model_stats_json(const std::shared_ptr<Entry>& entry, int indent = 2) const;
   void write_trace(const std::shared_ptr<Entry>& entry, const std::string& path) const;
-  // Snapshot of an entry's cache-side state.
+  // Snapshot of an entry's state; the engine-side fields as last published.
   struct EntryState {
     bool in_ram = false, attached = false, dropped = false;
     int locks = 0;
@@ -257,6 +294,11 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   void detach(Entry& e);
   void resize(Entry& e, uint64_t share);
   uint64_t device_bytes_of(Entry& e);
+  // Waits, releasing the cache mutex, until no forward uses the engine of `e` (pinned or
+  // locked by the caller); the caller reads the cache state again afterwards.
+  void wait_idle(Entry& e, Guard& g);
+  // Copies the engine-side state of `e` into its snapshot; the caller uses the engine.
+  void publish(Entry& e);
   uint64_t reserved() const;
   uint64_t limit() const { return budget_ - working_memory_; }
   uint64_t wanted_share(const Entry& e) const;
@@ -275,6 +317,8 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   std::shared_ptr<offload::DeviceBackend> device_;
   mutable std::mutex mutex_;
   std::condition_variable loaded_;
+  std::condition_variable idle_;  // a forward ended, or an operation stopped waiting for one
+  int budget_waiters_ = 0;        // set_vram_budget calls waiting for forwards; new forwards wait for them
   std::list<std::shared_ptr<Entry>> entries_;
   uint64_t budget_ = 0;
   uint64_t working_memory_ = 0;
@@ -282,6 +326,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   uint64_t tick_ = 0;
   bool ram_warned_ = false;
   offload::Stat ram_;
+  uint64_t ram_reserved_ = 0;  // see CacheStats::ram_reserved
   uint64_t hits_ = 0, misses_ = 0, loads_ = 0, evictions_ = 0, device_unloads_ = 0, device_drops_ = 0;
 };
 

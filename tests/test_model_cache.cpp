@@ -2,15 +2,24 @@
 // the CPU as the device: RAM tier (LRU eviction, locks, drop while locked, reload on a
 // settings change), device tier (shares of one budget, partial unloads before whole drops,
 // exact accounting against budget - working memory, the minimum-budget error), output
-// identity across budgets/max_resident/prefetch, storage dtypes after every forward, and
-// concurrent users.
+// identity across budgets/max_resident/prefetch, storage dtypes after every forward,
+// concurrent users, queries and other models' locks during a forward that is held open,
+// and concurrent misses under a RAM limit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
+#include <mutex>
 #include <regex>
 #include <string>
 #include <thread>
@@ -118,6 +127,39 @@ void check_accounting(ModelCache& cache, const std::vector<std::shared_ptr<Entry
 uint64_t model_bytes(const std::string& preset = "anima-tiny") {
   return estimate_model_bytes(spec(preset), at::kCPU);
 }
+
+// A gate that opens once. Waits give up after `limit`, so that a cache that makes a call
+// wait for what the test holds open fails its checks instead of hanging.
+struct Gate {
+  std::mutex m;
+  std::condition_variable cv;
+  bool open = false;
+  void release() {
+    {
+      std::lock_guard<std::mutex> g(m);
+      open = true;
+    }
+    cv.notify_all();
+  }
+  bool wait(std::chrono::seconds limit) {
+    std::unique_lock<std::mutex> g(m);
+    return cv.wait_for(g, limit, [&] { return open; });
+  }
+};
+
+// A fresh file name under $TMPDIR (or /tmp), removed with the object.
+struct TempFile {
+  std::string path;
+  TempFile() {
+    const char* t = std::getenv("TMPDIR");
+    std::string tmpl = std::string(t && *t ? t : "/tmp") + "/sluice_cache_XXXXXX";
+    const int fd = ::mkstemp(tmpl.data());
+    REQUIRE(fd >= 0);
+    ::close(fd);
+    path = tmpl;
+  }
+  ~TempFile() { ::unlink(path.c_str()); }
+};
 
 // Needs of a preset under default engine options, learned from a roomy cache.
 ModelCache::EntryState needs_of(const std::string& preset, std::optional<double> max_resident = std::nullopt) {
@@ -565,6 +607,174 @@ TEST_CASE("model_cache: residency changes of one model move only its share") {
   CHECK(cache->entry_state(a).in_ram);
   CHECK(cache->stats().vram.current == 0);
   CHECK_THROWS_AS(cache->lock(a), ResourceError);
+}
+
+TEST_CASE("model_cache: queries and other models' locks never wait for a running forward") {
+  const auto n = needs_of("anima-tiny");
+  const uint64_t W = 1 * MiB;
+  CacheOptions o = options(2 * n.full + W, W);
+  o.trace = true;
+  auto cache = ModelCache::create(o);
+  const Inputs in = inputs(anima::preset("anima-tiny"));
+  auto a = cache->load(spec("anima-tiny", 1));
+  auto b = cache->load(spec("anima-tiny", 2));
+  forward(*cache, a, in);
+  const uint64_t forwards = cache->engine_stats(a).forwards;
+  REQUIRE(forwards == 1);
+
+  // A forward of a that lasts until the test releases it (at most 5 s): a real forward,
+  // then a hold inside the same run().
+  Lock la = cache->lock(a);
+  Gate started, release;
+  std::atomic<bool> ended{false};
+  std::thread runner([&] {
+    cache->run(la, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+      {
+        c10::InferenceMode guard;
+        offload::ForwardScope scope(engine, "dit");
+        m.forward(in.x, in.t, in.ctx);
+      }
+      started.release();
+      release.wait(std::chrono::seconds(5));
+      ended = true;
+    });
+  });
+  REQUIRE(started.wait(std::chrono::seconds(120)));
+
+  // A residency change of a waits for a's forward, without holding up anyone else.
+  std::atomic<bool> unload_after_end{false};
+  std::thread unloader([&] {
+    cache->full_unload(a);
+    unload_after_end = ended.load();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // lets it reach its wait; not a bound
+
+  // Each call returns while a's forward is still running; the snapshot predates it.
+  const offload::EngineStats st = cache->engine_stats(a);
+  CHECK_FALSE(ended);
+  CHECK(st.forwards == forwards);
+  CHECK(cache->model_stats_json(a).find("\"forwards\"") != std::string::npos);
+  CHECK_FALSE(ended);
+  const ModelCache::EntryState es = cache->entry_state(a);
+  CHECK_FALSE(ended);
+  CHECK(es.locks >= 1);
+  CHECK(es.device_bytes > 0);
+  TempFile trace;
+  cache->write_trace(a, trace.path);
+  CHECK_FALSE(ended);
+  std::ifstream written(trace.path);
+  const std::string json((std::istreambuf_iterator<char>(written)), std::istreambuf_iterator<char>());
+  CHECK(json.find("traceEvents") != std::string::npos);
+  CHECK(cache->stats_json().find("\"hits\"") != std::string::npos);
+  CHECK_FALSE(ended);
+  {
+    Lock lb = cache->lock(b);
+    CHECK_FALSE(ended);
+    forward(*cache, lb, in);
+    CHECK_FALSE(ended);
+  }
+  CHECK(cache->engine_stats(b).forwards == 1);
+  CHECK_FALSE(ended);
+
+  release.release();
+  runner.join();
+  unloader.join();
+  CHECK(unload_after_end);
+  la.unlock();
+  // The forward published its stats as it ended.
+  CHECK(cache->engine_stats(a).forwards == forwards + 1);
+  CHECK(cache->entry_state(a).share == n.minimum);  // the unload ran after it
+  check_accounting(*cache, {a, b});
+}
+
+TEST_CASE("model_cache: the published state follows forwards and residency changes") {
+  const auto n = needs_of("anima-small");
+  REQUIRE(n.minimum < n.full);
+  const uint64_t W = 1 * MiB;
+  auto cache = ModelCache::create(options(n.full + W, W));
+  const Inputs in = inputs(anima::preset("anima-small"));
+  auto a = cache->load(spec("anima-small", 1));
+  CHECK(cache->engine_stats(a).forwards == 0);
+  const ModelCache::EntryState full = cache->entry_state(a);
+  CHECK(full.streamed_dit == 0);
+  for (uint64_t i = 1; i <= 2; ++i) {
+    forward(*cache, a, in);
+    CHECK(cache->engine_stats(a).forwards == i);
+  }
+  cache->full_unload(a);
+  const ModelCache::EntryState low = cache->entry_state(a);
+  CHECK(low.device_bytes <= n.minimum);
+  CHECK(low.device_bytes < full.device_bytes);
+  CHECK(low.streamed_dit > 0);
+  CHECK(low.residency != full.residency);
+  const offload::EngineStats st = cache->engine_stats(a);
+  CHECK(st.residency == low.residency);
+  CHECK(st.model_resident_bytes < st.model_total_bytes);
+  // Taken off the device (a budget that holds nothing), the state says so.
+  cache->set_vram_budget(W + 1000);
+  CHECK(cache->entry_state(a).device_bytes == 0);
+  CHECK(cache->entry_state(a).residency.empty());
+}
+
+TEST_CASE("model_cache: concurrent misses reserve their RAM before reading") {
+  const uint64_t size = model_bytes();
+  CacheOptions o = options();
+  o.ram_limit = size * 5 / 2;  // two models fit, three do not
+  // Holds the reads of a and b until both have started, so that the two misses overlap.
+  std::mutex m;
+  std::condition_variable cv;
+  int reading = 0;
+  bool go = false;
+  o.before_read = [&](const std::string& name) {
+    if (name == "f") throw FileError("cannot read model 'f' (test)");
+    if (name != "a" && name != "b") return;
+    std::unique_lock<std::mutex> g(m);
+    ++reading;
+    cv.notify_all();
+    cv.wait_for(g, std::chrono::seconds(10), [&] { return go; });
+  };
+  auto cache = ModelCache::create(o);
+  auto c = cache->load(spec("anima-tiny", 3));
+  auto named = [](uint64_t seed, const std::string& name) {
+    LoadSpec s = spec("anima-tiny", seed);
+    s.name = name;
+    return s;
+  };
+  std::shared_ptr<Entry> a, b;
+  std::thread ta([&] { a = cache->load(named(1, "a")); });
+  std::thread tb([&] { b = cache->load(named(2, "b")); });
+  {
+    std::unique_lock<std::mutex> g(m);
+    REQUIRE(cv.wait_for(g, std::chrono::seconds(120), [&] { return reading == 2; }));
+  }
+  // Both are being read: their bytes are reserved, and the second miss made room for both
+  // by evicting c before it started.
+  CacheStats s = cache->stats();
+  CHECK(s.ram_reserved == 2 * size);
+  CHECK(s.evictions == 1);
+  CHECK(static_cast<uint64_t>(s.ram.current) + s.ram_reserved <= *o.ram_limit);
+  {
+    std::lock_guard<std::mutex> g(m);
+    go = true;
+  }
+  cv.notify_all();
+  ta.join();
+  tb.join();
+  REQUIRE(a);
+  REQUIRE(b);
+  s = cache->stats();
+  CHECK(s.ram_reserved == 0);
+  CHECK(static_cast<uint64_t>(s.ram.peak) <= *o.ram_limit);
+  CHECK(static_cast<uint64_t>(s.ram.current) == 2 * size);
+  CHECK(cache->entry_state(a).in_ram);
+  CHECK(cache->entry_state(b).in_ram);
+  CHECK_FALSE(cache->entry_state(c).in_ram);
+
+  // A read that fails gives its reservation back.
+  CHECK_THROWS_WITH(cache->load(named(4, "f")), Catch::Contains("cannot read model 'f'"));
+  s = cache->stats();
+  CHECK(s.ram_reserved == 0);
+  CHECK(static_cast<uint64_t>(s.ram.current) <= *o.ram_limit);
 }
 
 // --- On the device SLUICE_TEST_DEVICE names (tests/device_env.h) ---------------------

@@ -20,7 +20,9 @@
 // the file, flag, tensor or model at fault.
 //
 // Thread-safety: every class here may be used from several threads. Different models run
-// concurrently; forwards (and encode_text) on one model serialize on that model.
+// concurrently; forwards (and encode_text) on one model serialize on that model. Stats,
+// residency_map() and write_trace() never wait for a running forward: during one they
+// report the state from before it.
 //
 // Stability: fields may be added to the option and stats structs (always defaulted); the
 // existing ones keep their meaning.
