@@ -389,12 +389,17 @@ void ModelCache::wait_idle(Entry& e, Guard& g) {
   if (e.run_waiters == 0) idle_.notify_all();  // forwards held back for us may start once we unlock
 }
 
-void ModelCache::publish(Entry& e) {
+void ModelCache::publish(Entry& e, bool settle) {
   Entry::Published p;
   try {
     if (e.engine) {
-      p.stats = e.engine->stats();
-      if (options_.trace) p.trace_json = e.engine->trace().to_json();
+      p.stats = e.engine->stats(/*wait=*/settle);
+      if (options_.trace && settle) {
+        p.trace_json = e.engine->trace().to_json();
+      } else {
+        std::lock_guard<std::mutex> g(e.published_mutex);
+        p.trace_json = e.published.trace_json;
+      }
     }
   } catch (const std::exception& ex) {
     // Resolving timings surfaced a device error; the engine raises it again at its next use.
@@ -915,10 +920,16 @@ void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaMode
   try {
     fn(*e.model, *e.engine);
   } catch (...) {
-    publish(e);  // an aborted forward is counted too
+    publish(e, /*settle=*/false);  // an aborted forward is counted too
     throw;
   }
-  publish(e);
+  publish(e, /*settle=*/false);
+}
+
+void ModelCache::refresh_published(Entry& e) const {
+  // Not running and the cache mutex held: nobody else uses the engine now. Settling waits
+  // for the device to finish the last forward (device time, not a running forward).
+  if (!e.running && e.engine) const_cast<ModelCache*>(this)->publish(e, /*settle=*/true);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -958,6 +969,7 @@ std::string ModelCache::stats_json(int indent) const { return cache_json(stats()
 
 offload::EngineStats ModelCache::engine_stats(const std::shared_ptr<Entry>& e) const {
   std::lock_guard<std::mutex> g(mutex_);
+  refresh_published(*e);
   offload::EngineStats s;
   {
     std::lock_guard<std::mutex> p(e->published_mutex);
@@ -991,6 +1003,10 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
 
 void ModelCache::write_trace(const std::shared_ptr<Entry>& e, const std::string& path) const {
   std::string json;
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    refresh_published(*e);
+  }
   {
     std::lock_guard<std::mutex> p(e->published_mutex);
     json = e->published.trace_json;

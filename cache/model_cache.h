@@ -298,7 +298,13 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // locked by the caller); the caller reads the cache state again afterwards.
   void wait_idle(Entry& e, Guard& g);
   // Copies the engine-side state of `e` into its snapshot; the caller uses the engine.
-  void publish(Entry& e);
+  // `settle`: wait for the device to finish the last forward so that its timings are in,
+  // and render the trace. A forward's own publish does not settle: on a GPU that would be
+  // a host wait per forward, and the trace would be rendered again at every forward.
+  // Queries settle the snapshot themselves when no forward is running.
+  void publish(Entry& e, bool settle = true);
+  // A query's refresh (cache mutex held): settles the snapshot of an idle entry.
+  void refresh_published(Entry& e) const;
   uint64_t reserved() const;
   uint64_t limit() const { return budget_ - working_memory_; }
   uint64_t wanted_share(const Entry& e) const;

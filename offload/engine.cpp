@@ -1159,8 +1159,8 @@ void set_allocator_stats(EngineStats& stats, const DeviceBackend& device) {
   stats.allocator_reserved_bytes = a.reserved_bytes;
 }
 
-EngineStats StreamingEngine::stats() {
-  resolve(true);
+EngineStats StreamingEngine::stats(bool wait) {
+  resolve(wait);
   EngineStats s;
   s.model_name = model_name_;
   s.device = device_->name();

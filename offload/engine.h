@@ -202,8 +202,10 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   uint64_t device_bytes() const;
   // Of which allocated on the device now: the ring's slots made so far instead of its capacity.
   uint64_t device_allocated_bytes() const;
-  // Resolves outstanding timings (may wait for the device) and returns a snapshot.
-  EngineStats stats();
+  // A snapshot. `wait`: resolve every outstanding timing first (waits for the device to
+  // finish the last forward); otherwise only forwards the device has finished are in
+  // forward_records (`forwards` counts them all).
+  EngineStats stats(bool wait = true);
   // Spans recorded with options.trace (resolved like stats()).
   TraceWriter& trace();
   DeviceBackend& device() { return *device_; }
