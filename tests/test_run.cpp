@@ -57,6 +57,7 @@ TEST_CASE("run: the same seed gives a bit-identical latent for every budget and 
       {"--max-resident", "0.25", "--prefetch", "1"},
       {"--max-resident", "0", "--prefetch", "4", "--pin-memory", "on"},
       {"--max-resident", "0", "--prefetch", "0", "--pin-memory", "off"},
+      {"--max-resident", "0", "--pin-memory", "on", "--pin-memory-limit", "1MiB"},  // the rest pageable
       {"--vram-budget", "12MiB", "--working-memory", "1MiB"},
       {"--max-resident", "0.75", "--trace", dir / "t.json"},
   };
@@ -286,6 +287,7 @@ TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
   expect_error(small_run({"--resolution", "100"}), 2, {"--resolution", "100"});
   expect_error(small_run({"--storage", "int8"}), 2, {"int8"});
   expect_error(small_run({"--pin-memory", "sometimes"}), 2, {"sometimes"});
+  expect_error(small_run({"--pin-memory-limit", "lots"}), 2, {"--pin-memory-limit", "lots"});
   expect_error(small_run({"--vram-budget", "lots"}), 2, {"lots"});
   expect_error(small_run({"--working-memory", "50%"}), 2, {"50%"});
   expect_error(small_run({"--prefetch", "-1"}), 2, {"--prefetch"});
