@@ -78,15 +78,21 @@ bool reset_peak_rss() {
   return f.good();
 }
 
-// Peak RSS growth while `op` runs, as a fraction of the RSS before it.
+// Peak RSS while `op` runs, beyond the RSS before it (VmHWM after resetting it).
+struct RssGrowth {
+  uint64_t before = 0, bytes = 0;
+  double fraction() const { return static_cast<double>(bytes) / static_cast<double>(before); }
+};
 template <class Op>
-double peak_rss_growth(Op op) {
+RssGrowth peak_rss_growth(Op op) {
   REQUIRE(reset_peak_rss());
-  const uint64_t before = proc_status_bytes("VmRSS");
-  REQUIRE(before > 0);
+  RssGrowth g;
+  g.before = proc_status_bytes("VmRSS");
+  REQUIRE(g.before > 0);
   op();
   const uint64_t peak = proc_status_bytes("VmHWM");
-  return static_cast<double>(peak > before ? peak - before : 0) / static_cast<double>(before);
+  g.bytes = peak > g.before ? peak - g.before : 0;
+  return g;
 }
 
 at::Tensor run(StreamingEngine& e, ToyModel& m, const at::Tensor& x) {
@@ -309,9 +315,10 @@ TEST_CASE("pinned arena: detach makes no host copy and re-attach pins nothing ag
 
   // The pinned copies could be noticed in the peak RSS if detach copied them.
   REQUIRE(static_cast<double>(pinned.current) > 0.1 * static_cast<double>(proc_status_bytes("VmRSS")));
-  const double growth = peak_rss_growth([&] { engine.detach(); });
-  INFO("peak RSS growth during detach: " << growth * 100 << "%");
-  CHECK(growth <= 0.05);
+  const RssGrowth growth = peak_rss_growth([&] { engine.detach(); });
+  INFO("peak RSS growth during detach: " << growth.bytes << " bytes, " << growth.fraction() * 100 << "%");
+  CHECK(growth.fraction() <= 0.05);
+  CHECK(growth.bytes < static_cast<uint64_t>(pinned.current) / 4);  // a host copy would be all of it
   // The model keeps its pinned host weights.
   for (const auto& [name, l] : managed_layers(*model)) {
     if (where.count(name)) CHECK(l->stored_weight().data_ptr() == where.at(name));
@@ -473,11 +480,13 @@ TEST_CASE("pinned arena: a model taken off the device keeps its pinned weights, 
 
   // Locking a takes b off the device and puts a back on it: no host copy of either.
   cache::Lock hold_a;
-  const double growth = peak_rss_growth([&] { hold_a = cache->lock(a); });
-  INFO("peak RSS growth while b leaves the device and a comes back: " << growth * 100 << "%");
+  const RssGrowth growth = peak_rss_growth([&] { hold_a = cache->lock(a); });
+  INFO("peak RSS growth while b leaves the device and a comes back: " << growth.bytes << " bytes, "
+       << growth.fraction() * 100 << "%");
   REQUIRE(cache->stats().device_drops == 2);
   REQUIRE_FALSE(cache->entry_state(b).attached);
-  CHECK(growth <= 0.05);
+  CHECK(growth.fraction() <= 0.05);
+  CHECK(growth.bytes < pinned_b / 4);  // a host copy of b's weights would be all of them
   const Stat after = cache->stats().pinned;
   CHECK(after.current == arena.current);      // both models' weights stay pinned
   CHECK(after.allocated == arena.allocated);  // and nothing was pinned again

@@ -447,8 +447,17 @@ TEST_CASE("residency applier: promotion, demotion and a new model's records copy
     REQUIRE(r.pinned);
     where.push_back(r.host_w.data_ptr());
   }
-  rig.apply(rig.plan(some, 10));  // promotion: the host copies stay pinned and counted
-  rig.check_placement(some);
+  // Promotion: the host copies stay pinned and counted. (check_placement() would compare
+  // with the original host pointers, which were freed when the layers were pinned.)
+  rig.apply(rig.plan(some, 10));
+  for (size_t i = 0; i < n; ++i) {
+    const LayerRecord& r = rig.layers[i];
+    CHECK(r.resident == some[i]);
+    CHECK(r.pinned);
+    CHECK(r.host_w.data_ptr() == where[i]);
+    CHECK(r.layer->stored_weight().data_ptr() == (some[i] ? r.dev_w.data_ptr() : where[i]));
+  }
+  CHECK(arena->pinned().allocated == pinned.allocated);
   rig.apply(rig.plan(none, 10));  // demotion: back to the same pinned copies
   rig.check_placement(none);
   // A re-attach: new records of the same model find their layers in the arena.
