@@ -133,7 +133,7 @@ PinnedArena::Placed PinnedArena::place(DeviceBackend& device, std::vector<Group>
       const bool here = std::all_of(groups[n].begin(), groups[n].end(),
                                     [&](const at::Tensor& t) { return !t.defined() || holds(t); });
       need[n] = here ? 0 : group_footprint(groups[n]);
-      if (static_cast<uint64_t>(counters_->pinned.current) + reserved + need[n] > counters_->limit) {
+      if (need[n] > 0 && static_cast<uint64_t>(counters_->pinned.current) + reserved + need[n] > counters_->limit) {
         out.limited = true;
         break;
       }

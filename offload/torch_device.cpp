@@ -53,8 +53,10 @@ void* find_symbol(const char* symbol) {
 const HostAllocApi& host_alloc_api() {
   static const HostAllocApi api = [] {
     HostAllocApi a;
-    const char* names[2][4] = {{"cudaHostAlloc", "cudaFreeHost", "cudaGetLastError", "cudaHostAlloc"},
-                               {"hipHostMalloc", "hipHostFree", "hipGetLastError", "hipHostMalloc"}};
+    // hipHostAlloc: the name newer ROCm releases keep once hipHostMalloc is retired.
+    const char* names[3][3] = {{"cudaHostAlloc", "cudaFreeHost", "cudaGetLastError"},
+                               {"hipHostMalloc", "hipHostFree", "hipGetLastError"},
+                               {"hipHostAlloc", "hipHostFree", "hipGetLastError"}};
     for (const auto& n : names) {
       void* alloc = find_symbol(n[0]);
       void* free = find_symbol(n[1]);
@@ -62,7 +64,7 @@ const HostAllocApi& host_alloc_api() {
       a.alloc = reinterpret_cast<int (*)(void**, size_t, unsigned)>(alloc);
       a.free = reinterpret_cast<int (*)(void*)>(free);
       a.clear_error = reinterpret_cast<int (*)()>(find_symbol(n[2]));
-      a.alloc_name = n[3];
+      a.alloc_name = n[0];
       break;
     }
     return a;
