@@ -312,6 +312,8 @@ int run(const RunArgs& args) {
   std::cout << "device: peak " << mb(st.device_peak_bytes) << " (model), " << mb(static_cast<uint64_t>(cs.vram.peak))
             << " (cache) of limit " << mb(cs.vram_limit_bytes) << "; cache hits " << cs.hits << ", misses "
             << cs.misses << ", evictions " << cs.evictions << "\n";
+  std::cout << "pinned host memory: " << mb(static_cast<uint64_t>(cs.pinned.current)) << " page-locked for "
+            << mb(cs.pinned_used_bytes) << " of weights (limit " << mb(cs.pin_limit_bytes) << ")\n";
 
   if (!a.output.empty()) {
     safetensors::save(a.output, {{"latent", latent.contiguous()}},
