@@ -411,9 +411,11 @@ LoraHandle LockedModel::apply_lora(const std::string& path, double scale) {
   st->lock = t->model->cache->lock(t->model->entry);
   t->model->cache->run(st->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
     const LoraAdapter adapter = load_lora(path, m);
-    st->scope = std::make_unique<LoraScope>(m, adapter, scale, engine.device().device());
+    // The engine places the sidecars under the model's budget (Note [device extras]).
+    st->scope = std::make_unique<LoraScope>(m, adapter, scale, engine.device().device(), &engine);
     st->patched = st->scope->patched_layers();
   });
+  t->model->cache->add_sidecar_bytes(t->model->entry, static_cast<int64_t>(st->scope->device_bytes()));
   return LoraHandle(std::move(st));
 }
 
@@ -449,7 +451,9 @@ void LoraHandle::remove() {
   if (!state_) return;
   std::shared_ptr<detail::LoraState> st = std::move(state_);
   // Serialized with forwards of the model (lora.h: patching during a forward is unsafe).
+  const int64_t bytes = static_cast<int64_t>(st->scope->device_bytes());
   st->model->cache->run(st->lock, [&](anima::AnimaModelImpl&, offload::StreamingEngine&) { st->scope.reset(); });
+  st->model->cache->add_sidecar_bytes(st->model->entry, -bytes);
   st->lock.unlock();
 }
 

@@ -260,6 +260,22 @@ offload::EngineOptions ModelCache::engine_options(const Entry& e) const {
 
 void ModelCache::refresh_needs(Entry& e) {
   e.needs = offload::StreamingEngine::needs(*e.model, engine_options(e));
+  e.needs.minimum += e.sidecar_bytes;
+  e.needs.full += e.sidecar_bytes;
+  e.needs.wanted += e.sidecar_bytes;
+}
+
+void ModelCache::add_sidecar_bytes(const std::shared_ptr<Entry>& ep, int64_t delta) {
+  Guard g(mutex_);
+  Entry& e = *ep;
+  const int64_t now = static_cast<int64_t>(e.sidecar_bytes) + delta;
+  TORCH_INTERNAL_ASSERT(now >= 0, "sidecar bytes of '", e.name, "' below zero");
+  e.sidecar_bytes = static_cast<uint64_t>(now);
+  if (!e.model) return;
+  const auto shift = [delta](uint64_t v) { return static_cast<uint64_t>(std::max<int64_t>(static_cast<int64_t>(v) + delta, 0)); };
+  e.needs.minimum = shift(e.needs.minimum);
+  e.needs.full = shift(e.needs.full);
+  e.needs.wanted = shift(e.needs.wanted);
 }
 
 uint64_t ModelCache::reserved() const {
@@ -820,6 +836,7 @@ void ModelCache::set_vram_budget(uint64_t budget_request) {
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
   device_->set_memory_limit(new_limit);
   device_->reset_memory_peak();  // peaks count under the current budget
+  device_->reset_allocator_peak();
   log::info("vram budget " + format_mib(budget) + " on " + device_->name() + " (working memory " + format_mib(wm) +
             ")");
   // More room: attached models grow towards what they want, most recently used first.

@@ -136,7 +136,8 @@ struct Entry {
 
   anima::AnimaModel model{nullptr};                  // null while not in RAM
   std::unique_ptr<offload::StreamingEngine> engine;  // created at first attach, kept for its stats
-  offload::WeightNeeds needs;                        // valid while in RAM
+  offload::WeightNeeds needs;                        // valid while in RAM; sidecars included
+  uint64_t sidecar_bytes = 0;                        // LoRA sidecars its engine placed (device bytes)
   std::optional<double> max_resident;                // current cap
   std::optional<uint64_t> target;                    // share the user asked for; none: needs.wanted
   bool attached = false;
@@ -202,6 +203,9 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   int64_t full_load(const std::shared_ptr<Entry>& entry);
   int64_t full_unload(const std::shared_ptr<Entry>& entry);
   void set_max_resident(const std::shared_ptr<Entry>& entry, std::optional<double> fraction);
+  // Device bytes of sidecars (LoRA) the entry's engine placed changed by `delta`: the
+  // entry's minimum, full and wanted shares follow (Note [device extras] in offload/engine.h).
+  void add_sidecar_bytes(const std::shared_ptr<Entry>& entry, int64_t delta);
 
   // New budget in bytes (0: all device memory). See ModelCache::set_vram_budget in the
   // public header for the rules.

@@ -176,7 +176,7 @@ std::atomic<int64_t> next_lora_id{1};
 }
 
 LoraScope::LoraScope(torch::nn::Module& model, const LoraAdapter& adapter, double strength,
-                     std::optional<at::Device> device)
+                     std::optional<at::Device> device, offload::SidecarPlacer* placer)
     : id_(next_lora_id.fetch_add(1)) {
   if (!std::isfinite(strength)) {
     throw InvalidArgument(c10::str("LoRA '", adapter.source, "': strength ", strength, " is not finite"));
@@ -202,10 +202,12 @@ LoraScope::LoraScope(torch::nn::Module& model, const LoraAdapter& adapter, doubl
       throw ResourceError("LoRA '" + adapter.source + "': cannot place the sidecar of '" + t.module +
                           "' on the device (injected fault)");
     }
-    const at::Device dev = device.value_or(layer->stored_weight().device());
     offload::LoraSidecar s;
-    s.down = t.down.to(dev, layer->compute_dtype());
-    s.up = t.up.to(dev, layer->compute_dtype());
+    if (!placer) {
+      const at::Device dev = device.value_or(layer->stored_weight().device());
+      s.down = t.down.to(dev, layer->compute_dtype());
+      s.up = t.up.to(dev, layer->compute_dtype());
+    }
     s.scale = t.alpha_scale * strength;
     s.id = id_;
     staged.emplace_back(layer, std::move(s));
@@ -218,6 +220,25 @@ LoraScope::LoraScope(torch::nn::Module& model, const LoraAdapter& adapter, doubl
     }
     throw CheckpointError(msg);
   }
+  if (placer) {
+    // All at once, so that the placer makes room for the whole adapter (or refuses it).
+    std::vector<at::Tensor> host;
+    std::vector<at::ScalarType> dtypes;
+    for (size_t i = 0; i < staged.size(); ++i) {
+      const auto& t = adapter.targets[i];
+      const at::ScalarType dt = staged[i].first->compute_dtype();
+      host.push_back(t.down);
+      host.push_back(t.up);
+      dtypes.insert(dtypes.end(), {dt, dt});
+    }
+    std::vector<at::Tensor> placed = placer->place_sidecars(host, dtypes, "LoRA '" + adapter.source + "'");
+    for (size_t i = 0; i < staged.size(); ++i) {
+      staged[i].second.down = std::move(placed[2 * i]);
+      staged[i].second.up = std::move(placed[2 * i + 1]);
+    }
+    placer_ = placer;
+  }
+  for (const auto& [layer, s] : staged) bytes_ += s.down.nbytes() + s.up.nbytes();
   layers_.reserve(staged.size());
   for (auto& [layer, s] : staged) {
     layer->loras().push_back(std::move(s));
@@ -230,6 +251,7 @@ LoraScope::~LoraScope() {
     auto& v = layer->loras();
     v.erase(std::remove_if(v.begin(), v.end(), [&](const offload::LoraSidecar& s) { return s.id == id_; }), v.end());
   }
+  if (placer_) placer_->sidecars_released(bytes_);  // after the sidecars are gone
 }
 
 }  // namespace sluice

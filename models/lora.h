@@ -25,6 +25,7 @@
 
 namespace sluice::offload {
 class ManagedLayerImpl;
+class SidecarPlacer;
 }
 
 namespace sluice {
@@ -58,8 +59,11 @@ LoraAdapter lora_from_tensors(const std::vector<std::pair<std::string, at::Tenso
 LoraAdapter load_lora(const std::string& path, torch::nn::Module& model);
 
 // Patches `model` with `adapter` at `strength` while alive (Note [LoRA sidecars]).
-// Sidecars are converted to each layer's compute dtype and placed on `device` (default:
-// the device of the layer's stored weight). The model's layers are kept alive by the scope.
+// Sidecars are converted to each layer's compute dtype and placed by `placer` when given
+// (the streaming engine running the model: it charges them to its budget and streams more
+// layers to make room, Note [device extras] in offload/engine.h; the placer must outlive
+// the scope), else on `device` (default: the device of the layer's stored weight) with a
+// plain .to(). The model's layers are kept alive by the scope.
 // Throws CheckpointError (before patching anything) when a target module is missing from
 // `model` or its shape differs; InvalidArgument for a non-finite strength; whatever placing
 // a sidecar on its device throws (out of memory; fault point "lora.patch"), also before
@@ -67,16 +71,20 @@ LoraAdapter load_lora(const std::string& path, torch::nn::Module& model);
 class LoraScope {
  public:
   LoraScope(torch::nn::Module& model, const LoraAdapter& adapter, double strength = 1.0,
-            std::optional<at::Device> device = std::nullopt);
+            std::optional<at::Device> device = std::nullopt, offload::SidecarPlacer* placer = nullptr);
   ~LoraScope();
   LoraScope(const LoraScope&) = delete;
   LoraScope& operator=(const LoraScope&) = delete;
 
   int64_t id() const { return id_; }              // the owner token on this scope's sidecars
   int64_t patched_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // Bytes of the sidecars in their compute dtype (what they take on the device).
+  uint64_t device_bytes() const { return bytes_; }
 
  private:
   int64_t id_;
+  offload::SidecarPlacer* placer_ = nullptr;
+  uint64_t bytes_ = 0;
   std::vector<std::shared_ptr<offload::ManagedLayerImpl>> layers_;
 };
 

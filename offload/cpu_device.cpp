@@ -88,6 +88,22 @@ struct StrictPool {
     return p;
   }
 
+  // Hands cached blocks back to the OS (release_cached_memory), except those still
+  // waiting for the copy stream.
+  void trim() {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto it = free.begin(); it != free.end();) {
+      if (it->second.second > jobs_done.load()) {
+        ++it;
+        continue;
+      }
+      std::free(it->second.first);
+      reserved -= static_cast<int64_t>(it->first);
+      cached -= it->first;
+      it = free.erase(it);
+    }
+  }
+
   void give(void* p, size_t n, uint64_t fence) {
     if (!fence) std::memset(p, 0xFF, n);
     std::lock_guard<std::mutex> lock(mutex);
@@ -101,6 +117,30 @@ struct StrictPool {
     cached += n;
   }
 };
+
+// The plain device's allocation counter: bytes alive (handed out and not yet freed) and
+// their peak, counted at the allocator, independently of the ledgers that charge them.
+struct AliveCounter {
+  std::mutex mutex;
+  int64_t current = 0, peak = 0;
+  void add(int64_t n) {
+    std::lock_guard<std::mutex> lock(mutex);
+    current += n;
+    peak = std::max(peak, current);
+  }
+};
+
+struct PlainBlock {
+  std::shared_ptr<AliveCounter> counter;
+  c10::DataPtr inner;
+  int64_t n;
+};
+
+void plain_free(void* ctx) {
+  auto* b = static_cast<PlainBlock*>(ctx);
+  b->counter->add(-b->n);
+  delete b;  // frees `inner`
+}
 
 struct StrictBlock {
   std::shared_ptr<StrictPool> pool;
@@ -232,17 +272,36 @@ class CpuDevice final : public DeviceBackend {
     const auto total = static_cast<int64_t>(options_.total_memory ? options_.total_memory : physical_ram_bytes());
     return {std::max<int64_t>(total - memory_stats().total.current, 0), total};
   }
-  // Plain device: tensors come straight from the CPU allocator, which keeps no
-  // statistics. Strict device: its caching allocator's own.
+  // Counted where the memory is handed out, not by the ledgers: on the plain device every
+  // block alive (nothing is cached, so reserved = current), on the strict one its caching
+  // allocator's own.
   AllocatorStats allocator_stats() const override {
     AllocatorStats a;
-    if (!strict()) return a;
+    if (!strict()) {
+      std::lock_guard<std::mutex> lock(alive_->mutex);
+      a.available = true;
+      a.current_bytes = a.reserved_bytes = alive_->current;
+      a.peak_bytes = alive_->peak;
+      return a;
+    }
     std::lock_guard<std::mutex> lock(pool_->mutex);
     a.available = true;
     a.current_bytes = pool_->current;
     a.peak_bytes = pool_->peak;
     a.reserved_bytes = pool_->reserved;
     return a;
+  }
+  void reset_allocator_peak() override {
+    if (!strict()) {
+      std::lock_guard<std::mutex> lock(alive_->mutex);
+      alive_->peak = alive_->current;
+      return;
+    }
+    std::lock_guard<std::mutex> lock(pool_->mutex);
+    pool_->peak = pool_->current;
+  }
+  void release_cached_memory() override {
+    if (strict()) pool_->trim();
   }
   bool pins_memory() const override { return strict(); }
   bool is_pinned(const at::Tensor& src) const override {
@@ -445,7 +504,12 @@ class CpuDevice final : public DeviceBackend {
 
  protected:
   c10::DataPtr raw_allocate(size_t nbytes, const std::string& what) override {
-    if (!strict()) return c10::GetCPUAllocator()->allocate(nbytes);
+    if (!strict()) {
+      auto* b = new PlainBlock{alive_, c10::GetCPUAllocator()->allocate(nbytes), static_cast<int64_t>(nbytes)};
+      alive_->add(b->n);
+      void* p = b->inner.get();
+      return c10::DataPtr(p, b, &plain_free, c10::Device(c10::kCPU));
+    }
     void* p = pool_->take(nbytes);
     tracker_->add_block(p, nbytes, what, compute_queue());
     return c10::DataPtr(p, new StrictBlock{pool_, tracker_, p, nbytes}, &strict_free, c10::Device(c10::kCPU));
@@ -513,6 +577,7 @@ class CpuDevice final : public DeviceBackend {
   std::mt19937 rng_;                                       // strict copy latencies (under mutex_)
   std::shared_ptr<HazardTracker> tracker_;                 // strict device only
   std::shared_ptr<StrictPool> pool_;                       // strict device only
+  std::shared_ptr<AliveCounter> alive_ = std::make_shared<AliveCounter>();  // plain device
   std::thread worker_;
 };
 

@@ -3,7 +3,8 @@
 // the residency plan, the staging ring, prefetch and event ordering are enforced exactly
 // as on a GPU and can be tested anywhere.
 //  - Device tensors are real copies in separately allocated CPU memory, with their own
-//    accounting.
+//    accounting, and the allocator counts the bytes alive (allocator_stats()): a count
+//    independent of the ledgers, which tests hold against the budget.
 //  - The copy stream is a worker thread running a FIFO of jobs (copies, event records,
 //    waits). Copies can be slowed down (latency per copy, bytes per second) to model a bus.
 //  - The compute stream is the calling thread: recording on it completes at once, and

@@ -76,6 +76,7 @@ const char* allocation_fault_point(MemoryKind kind) {
     case MemoryKind::params: return "device.alloc.params";
     case MemoryKind::ring: return "device.alloc.ring";
     case MemoryKind::scratch: return "device.alloc.scratch";
+    case MemoryKind::lora: return "device.alloc.lora";
   }
   return "device.alloc";
 }

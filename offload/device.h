@@ -98,7 +98,11 @@ class DeviceBackend {
     int64_t current_bytes = 0, peak_bytes = 0, reserved_bytes = 0;
   };
   virtual AllocatorStats allocator_stats() const { return {}; }
-  // Hands memory the allocator caches but nothing uses back to the driver (emptyCache).
+  // Resets allocator_stats().peak_bytes to the current bytes (where available).
+  virtual void reset_allocator_peak() {}
+  // Hands memory the allocator caches but nothing uses back to the driver (emptyCache), so
+  // that other processes can use it; allocator_stats().reserved_bytes falls. The engine
+  // calls it after every residency change that freed memory and after detach.
   virtual void release_cached_memory() {}
   // Whether allocate_pinned() really page-locks memory (false: the plain CPU device, whose
   // copies are asynchronous from any host memory; pin() then returns its input).
@@ -107,7 +111,7 @@ class DeviceBackend {
   // Uninitialized contiguous tensor on the device, accounted as `kind` in this backend's
   // ledger and in `budget` when given. Throws ResourceError (naming `what`) when a limit
   // would be passed, the device is out of memory, the fault hook fires or the fault point
-  // device.alloc.<resident|params|ring|scratch> fires (runtime/fault_injection.h).
+  // device.alloc.<resident|params|ring|scratch|lora> fires (runtime/fault_injection.h).
   // See Note [device accounting].
   at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, MemoryKind kind, const std::string& what,
                       const std::shared_ptr<MemoryLedger>& budget = nullptr);

@@ -133,7 +133,7 @@ WeightNeeds StreamingEngine::needs(torch::nn::Module& model, const EngineOptions
     n.model_bytes += r.stored_bytes;
     largest_slot = std::max(largest_slot, r.slot_bytes);
   }
-  n.full = n.model_bytes + probe.scratch_bytes_;
+  n.full = n.model_bytes + probe.reserved_bytes();
   n.minimum = minimum_weight_budget(probe.plan_input(0, options.max_resident));
   // With no budget limit the plan is bounded by max_resident alone.
   const uint64_t unlimited = n.full + static_cast<uint64_t>(probe.options_.ring_slots) * largest_slot;
@@ -290,6 +290,8 @@ void StreamingEngine::clear_state() noexcept {
   index_.clear();
   extras_.clear();
   extra_bytes_ = scratch_bytes_ = 0;
+  lora_bytes_ = nested_reserve_ = nested_seen_ = 0;
+  nested_flag_ = false;
   sched_.clear();
   acc_cur_ = ForwardAcc{};
   acc_next_ = ForwardAcc{};
@@ -310,6 +312,7 @@ void StreamingEngine::clear_state() noexcept {
   } catch (const std::exception& e) {
     log::error("detach of model '" + model_name_ + "': a device copy had failed: " + e.what());
   }
+  device_->release_cached_memory();  // the model's device memory goes back to the driver
   applier_->end_model();
   depth_ = 0;
   implicit_ = false;
@@ -333,7 +336,7 @@ PlanInput StreamingEngine::plan_input(uint64_t weight_budget, std::optional<doub
     in.layers.push_back(std::move(l));
   }
   in.extra_required_bytes = extra_bytes_;
-  in.scratch_bytes = scratch_bytes_;
+  in.scratch_bytes = reserved_bytes();  // Note [device extras]: scratch, nested-lease reserve, sidecars
   in.weight_budget = weight_budget;
   in.max_resident = max_resident;
   in.policy = options_.policy;
@@ -438,7 +441,9 @@ int64_t StreamingEngine::replan(uint64_t weight_budget, std::optional<double> ma
   planned();
   budget_->reset_peak();  // the budget may have shrunk: peaks count from the new plan on
   check_invariants("residency change");
-  return static_cast<int64_t>(budget_->current()) - before;
+  const int64_t change = static_cast<int64_t>(budget_->current()) - before;
+  if (change < 0) device_->release_cached_memory();  // freed memory goes back to the driver, for other processes
+  return change;
 }
 
 void StreamingEngine::planned() {
@@ -507,7 +512,7 @@ int64_t StreamingEngine::partial_unload(uint64_t bytes) {
 int64_t StreamingEngine::full_load() {
   TORCH_CHECK(attached_, "full_load: no model attached");
   const uint64_t full = weight_budget_of(budget_bytes_);
-  uint64_t all = extra_bytes_ + scratch_bytes_;
+  uint64_t all = extra_bytes_ + reserved_bytes();
   for (const auto& r : layers_) all += r.stored_bytes;
   if (all > full) {
     throw ResourceError("full_load: model '" + model_name_ + "' needs " + format_mib(all + options_.working_memory_bytes) +
@@ -589,6 +594,7 @@ void StreamingEngine::open_forward(std::string_view kind, bool implicit) {
     acc_cur_ = ForwardAcc{};
   }
   sched_.begin(kind_name_, epoch_, implicit_);
+  nested_seen_ = 0;
   acc_cur_.detail = timing() && options_.plan_from_measurements && !implicit_ && calib_.begin(kind_name_);
   // A forward on another compute stream than the last one (a host running forwards on
   // streams of its own) reuses its scratch and reads what it left: it starts after it.
@@ -677,6 +683,8 @@ void StreamingEngine::end_forward(bool aborted) {
   // A forward measured in detail is waited for (twice per attach, Note [calibration]), so
   // the plan from it is made before the next forward on every device.
   resolve(measured);
+  if (nested_seen_ > nested_reserve_ && !aborted) reserve_nesting();
+  nested_seen_ = 0;
   if (!aborted && explicit_forward) {
     replan_if_measured();  // between forwards, before the next one's prefetches
     top_up(0, /*at_end=*/true);
@@ -733,7 +741,10 @@ int StreamingEngine::issue(int64_t id, uint64_t epoch, bool demand) {
   if (s < 0) {
     if (!demand) return -1;
     s = ring_->pick(r.slot_bytes, epoch_, /*keep_unconsumed=*/false);
-    if (s < 0) s = ring_->overflow(r.slot_bytes);  // more leases open at once than the ring holds: budget permitting
+    if (s < 0) {
+      s = ring_->overflow(r.slot_bytes);  // more leases open at once than the ring holds: budget permitting
+      nested_flag_ = true;
+    }
   }
   std::vector<SlotPart> parts;
   parts.push_back({r.host_w, 0});
@@ -760,7 +771,9 @@ int StreamingEngine::take_scratch(uint64_t bytes) {
       return static_cast<int>(i);
     }
   }
-  // More leases open at once than planned for (one): another buffer, budget permitting.
+  // More leases open at once than planned for (one): another buffer, budget permitting;
+  // later plans reserve it (Note [device extras]).
+  nested_flag_ = true;
   scratch_.push_back({device_->allocate({static_cast<int64_t>(scratch_bytes_)}, at::kByte, MemoryKind::scratch,
                                         "upcast scratch for a nested lease", budget_),
                       true});
@@ -900,11 +913,94 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     }
     if (options_.trace) lease.start = mark();
     leases_[static_cast<size_t>(id)].push_back(std::move(lease));
+    if (nested_flag_) note_nesting();
     return out;
   } catch (...) {
     end_lease(lease);
     throw;
   }
+}
+
+void StreamingEngine::reserve_nesting() {
+  const uint64_t before = nested_reserve_;
+  nested_reserve_ = nested_seen_;
+  std::string outcome;
+  try {
+    replan(weight_budget_, max_resident_);
+    outcome = "every plan reserves that room from now on (" + plan_.residency_map() + ")";
+  } catch (const ResourceError& e) {
+    nested_reserve_ = before;  // the plan did not change
+    outcome = std::string("the budget has no room to reserve it (") + e.what() +
+              "): such forwards allocate it while the budget has room, and fail when it has none";
+  }
+  if (!nested_warned_) {
+    nested_warned_ = true;
+    log::warn("model '" + model_name_ + "': a forward held " + format_mib(nested_seen_) +
+              " of upcast scratch and staging slots beyond its plan (leases open at once); " + outcome);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// device extras (Note [device extras])
+
+std::vector<at::Tensor> StreamingEngine::place_sidecars(const std::vector<at::Tensor>& host,
+                                                        const std::vector<at::ScalarType>& dtypes,
+                                                        const std::string& what) {
+  if (!attached_) throw InvalidArgument(what + ": no model is attached to place sidecars for");
+  TORCH_CHECK(host.size() == dtypes.size(), "place_sidecars: ", host.size(), " tensors, ", dtypes.size(), " dtypes");
+  require_idle("placing sidecars");
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < host.size(); ++i) bytes += static_cast<uint64_t>(host[i].numel()) * c10::elementSize(dtypes[i]);
+  const uint64_t minimum = minimum_weight_budget(plan_input(0, max_resident_));
+  const uint64_t room = weight_budget_ - std::min(weight_budget_, minimum);
+  if (bytes > room) {
+    std::ostringstream msg;
+    msg << what << " needs " << format_mib(bytes) << " of device memory (" << bytes << " bytes) for its sidecars, but "
+        << "model '" << model_name_ << "' has " << format_mib(room) << " beside its minimum of "
+        << format_mib(minimum + options_.working_memory_bytes) << " under its budget of " << format_mib(budget_bytes_)
+        << " even with every streamable layer streamed: " << format_mib(bytes - room) << " missing";
+    throw ResourceError(msg.str());
+  }
+  lora_bytes_ += bytes;
+  std::vector<at::Tensor> out;
+  try {
+    replan(weight_budget_, max_resident_);  // streams more layers if the sidecars need their room
+    out.reserve(host.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+      at::Tensor d = device_->allocate(host[i].sizes(), dtypes[i], MemoryKind::lora, what, budget_);
+      device_->copy_to_device(d, host[i].to(at::kCPU, dtypes[i]).contiguous());
+      device_->record_use(d, StreamKind::copy);  // freed later without waiting for anything else
+      out.push_back(std::move(d));
+    }
+    device_->synchronize();  // the copies are done before a forward reads them (and a failed one throws here)
+  } catch (...) {
+    out.clear();
+    lora_bytes_ -= bytes;
+    try {
+      replan(weight_budget_, max_resident_);
+    } catch (const std::exception& e) {
+      log::warn("model '" + model_name_ + "': growing residency back after failed sidecars: " + e.what());
+    }
+    throw;
+  }
+  return out;
+}
+
+void StreamingEngine::sidecars_released(uint64_t bytes) noexcept {
+  lora_bytes_ -= std::min(lora_bytes_, bytes);
+  if (!attached_) return;
+  try {
+    replan(weight_budget_, max_resident_);  // the room goes back to resident layers
+  } catch (const std::exception& e) {
+    log::warn("model '" + model_name_ + "': residency stays as it is after sidecars were dropped: " + e.what());
+  }
+}
+
+void StreamingEngine::note_nesting() {
+  nested_flag_ = false;
+  uint64_t beyond = ring_ ? ring_->overflow_bytes() : 0;
+  for (size_t i = 1; i < scratch_.size(); ++i) beyond += scratch_[i].buffer.nbytes();
+  nested_seen_ = std::max(nested_seen_, beyond);
 }
 
 void StreamingEngine::release(ManagedLayerImpl& layer) noexcept {

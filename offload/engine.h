@@ -51,6 +51,24 @@
 // Stored weights are never written by any of these paths, and the device accounting
 // returns to what the engine holds (tests compare the ledgers before and after).
 //
+// Note [device extras]
+// ~~~~~~~~~~~~~~~~~~~~
+// Every device byte the engine's model uses is charged to its budget before it is
+// allocated (Note [device accounting] in device.h), and the plan leaves room for it, so
+// that the minimum budget and every residency change account for it:
+//  - LoRA sidecars are placed through place_sidecars() (the SidecarPlacer a LoraScope is
+//    given): the plan first streams more layers until the sidecars fit beside the resident
+//    ones, then they are allocated as MemoryKind::lora. Sidecars that cannot fit even with
+//    every streamable layer streamed give one ResourceError naming them and the bytes
+//    missing. When they are dropped (sidecars_released) the plan grows back.
+//  - Upcasts write into the planned scratch buffer; the ATen fallback converts in place
+//    (runtime/fp8.h aten_upcast_into), without a temporary of the layer's size.
+//  - Leases nested beyond the plan (a module holding two layers' weights at once) need a
+//    second scratch buffer or an overflow staging slot. Those are charged when made, and
+//    the most a forward held at once is then reserved in every later plan (one warning),
+//    so the minimum budget includes them from then on.
+// The stats JSON device section reports the bytes by use (weight, ring, scratch, lora).
+//
 // Not thread-safe: one forward at a time, from one thread.
 #include <torch/nn/module.h>
 
@@ -123,7 +141,7 @@ struct WeightNeeds {
   uint64_t wanted = 0;       // what the plan takes with no budget limit: `full`, or less under max_resident
 };
 
-class StreamingEngine final : public WeightProvider {
+class StreamingEngine final : public WeightProvider, public SidecarPlacer {
  public:
   explicit StreamingEngine(EngineOptions options = {});
   ~StreamingEngine() override;
@@ -144,6 +162,15 @@ class StreamingEngine final : public WeightProvider {
   // a staging slot or of a scratch buffer that the next layer reuses.
   LayerWeights acquire(ManagedLayerImpl& layer) override;
   void release(ManagedLayerImpl& layer) noexcept override;
+
+  // SidecarPlacer (Note [device extras]). Between forwards only (InvalidArgument during one);
+  // ResourceError naming `what` and the bytes missing when the sidecars cannot fit.
+  std::vector<at::Tensor> place_sidecars(const std::vector<at::Tensor>& host, const std::vector<at::ScalarType>& dtypes,
+                                         const std::string& what) override;
+  void sidecars_released(uint64_t bytes) noexcept override;
+  // Device bytes of the sidecars placed now, and reserved for nested leases.
+  uint64_t sidecar_bytes() const { return lora_bytes_; }
+  uint64_t nested_reserve_bytes() const { return nested_reserve_; }
 
   // Delimit one forward (for per-forward stats, the recorded order and wrap-around
   // prefetch). `kind` names the forward's type ("dit", "adapter"): each kind has its own
@@ -252,6 +279,11 @@ class StreamingEngine final : public WeightProvider {
   void restore_to_host() noexcept;
   PlanInput plan_input(uint64_t weight_budget, std::optional<double> max_resident) const;
   uint64_t weight_budget_of(uint64_t budget) const;
+  // Device bytes beside the weights and the ring that every plan leaves room for: the
+  // upcast scratch, the nested-lease reserve and the LoRA sidecars (Note [device extras]).
+  uint64_t reserved_bytes() const { return scratch_bytes_ + nested_reserve_ + lora_bytes_; }
+  void note_nesting();     // the most this lease holds beyond the plan
+  void reserve_nesting();  // after a forward that held more than nested_reserve_: replan with it
   void apply_plan(const ResidencyPlan& plan);  // through applier_, then the ring and the scheduler
   void plan_from_layers();               // plan_'s residency and sizes from the layers as they are
   void ensure_ring();                    // a ring for plan_ if there is none (ResourceError if it does not fit)
@@ -292,6 +324,11 @@ class StreamingEngine final : public WeightProvider {
   std::vector<ExtraRec> extras_;
   uint64_t extra_bytes_ = 0;
   uint64_t scratch_bytes_ = 0;
+  uint64_t lora_bytes_ = 0;        // sidecars placed through place_sidecars()
+  uint64_t nested_reserve_ = 0;    // room every plan leaves for nested leases (Note [device extras])
+  uint64_t nested_seen_ = 0;       // the most leases beyond the plan held at once in this forward
+  bool nested_warned_ = false;
+  bool nested_flag_ = false;       // this acquire made a buffer beyond the plan
   uint64_t budget_bytes_ = 0;
   uint64_t weight_budget_ = 0;  // current limit: budget - working memory, or less after partial_unload
   std::optional<double> max_resident_;

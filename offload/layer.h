@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -49,6 +50,20 @@ struct LoraSidecar {
   at::Tensor up;    // B: [out, rank]
   double scale = 1.0;
   int64_t id = 0;   // owner token, so one adapter's sidecars can be removed together
+};
+
+// Places a model's device-side extras (LoRA sidecars) so that they count where the model's
+// device memory is counted. The streaming engine implements it (Note [device extras] in
+// engine.h); without one, a LoraScope places sidecars with a plain .to(device).
+class SidecarPlacer {
+ public:
+  virtual ~SidecarPlacer() = default;
+  // Device copies of host[i] in dtypes[i], all or none; throws ResourceError naming `what`
+  // when they do not fit.
+  virtual std::vector<at::Tensor> place_sidecars(const std::vector<at::Tensor>& host,
+                                                 const std::vector<at::ScalarType>& dtypes, const std::string& what) = 0;
+  // Sidecars of `bytes` that place_sidecars() returned are no longer used (dropped).
+  virtual void sidecars_released(uint64_t bytes) noexcept = 0;
 };
 
 enum class LayerKind { linear, embedding };

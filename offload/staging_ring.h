@@ -90,6 +90,7 @@ class StagingRing {
   size_t size() const { return slots_.size(); }
   size_t live_slots() const;
   uint64_t bytes() const;  // device bytes of the slots held now, overflow included
+  uint64_t overflow_bytes() const { return bytes() - held_; }  // of which beyond the capacity
   StagingSlot& slot(size_t i) { return slots_.at(i); }
   const StagingSlot& slot(size_t i) const { return slots_.at(i); }
 

@@ -10,6 +10,7 @@ const char* memory_kind_name(MemoryKind kind) {
     case MemoryKind::params: return "params";
     case MemoryKind::ring: return "ring";
     case MemoryKind::scratch: return "scratch";
+    case MemoryKind::lora: return "lora";
   }
   return "?";
 }
@@ -67,7 +68,13 @@ std::string EngineStats::to_json(int indent) const {
                  {"ring_slots", ring_slots},
                  {"slot_bytes", slot_bytes},
                  {"ring_capacity_bytes", ring_capacity_bytes},
-                 {"ring_slot_bytes", ring_slot_bytes}};
+                 {"ring_slot_bytes", ring_slot_bytes},
+                 // What the budget holds now, by use: weights (resident layers and the
+                 // other parameters), the ring's reservation, upcast scratch, LoRA sidecars.
+                 {"weight_bytes", device_memory.kind(MemoryKind::resident).current + device_memory.kind(MemoryKind::params).current},
+                 {"ring_bytes", device_memory.kind(MemoryKind::ring).current},
+                 {"scratch_bytes", device_memory.kind(MemoryKind::scratch).current},
+                 {"lora_bytes", device_memory.kind(MemoryKind::lora).current}};
   // The prediction of the step kind (null until measured costs exist), and every kind's.
   const PlanKindStats* step = plan.step();
   nlohmann::json plan_kinds = nlohmann::json::array();

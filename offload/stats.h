@@ -38,8 +38,9 @@ enum class MemoryKind : uint8_t {
   params,    // parameters and buffers outside managed layers (norms, RoPE tables)
   ring,      // staging slots for streamed layers
   scratch,   // upcast outputs (compute-dtype weights of the layer being run)
+  lora,      // LoRA sidecars placed through StreamingEngine::place_sidecars
 };
-constexpr size_t kMemoryKinds = 4;
+constexpr size_t kMemoryKinds = 5;
 const char* memory_kind_name(MemoryKind kind);
 
 // Device bytes, in total and by kind.
@@ -137,6 +138,7 @@ struct EngineStats {
   // JSON text with the fields the CLI's --stats prints: model.{name,total_bytes,
   // resident_bytes,residency}, budget.{budget_bytes,working_memory_bytes},
   // device.{name,ledger_peak_bytes (peak_bytes: the same, older name),current_bytes,by_kind,
+  // weight_bytes,ring_bytes,scratch_bytes,lora_bytes (current, by use),
   // allocator_stats ("available"|"unavailable"),allocator_{current,peak,reserved}_bytes
   // (null when unavailable)}, plan.{policy,predicted_step_ms,floor_ms,measured_step_ms,...},
   // prefetch.{wasted_copies,wasted_bytes,mismatched_forwards}, pinned, pinned_bytes,

@@ -147,6 +147,15 @@ class TorchDevice final : public DeviceBackend {
     }
   }
 
+  void reset_allocator_peak() override {
+    if (!is_accelerator()) return;
+    try {
+      at::accelerator::resetPeakStats(device_.index());
+    } catch (const c10::Error& e) {
+      warn_once(stats_warned_, "allocator statistics", e);
+    }
+  }
+
   void release_cached_memory() override {
     if (!is_accelerator()) return;
     try {

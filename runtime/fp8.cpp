@@ -305,7 +305,29 @@ void upcast_into(const at::Tensor& stored, const at::Tensor& scale, const at::Te
       if (fn(src, s, out)) return;
     }
   }
-  out.view(stored.sizes()).copy_(aten_upcast(stored, out.scalar_type(), scale));
+  aten_upcast_into(stored, scale, out);
+}
+
+void aten_upcast_into(const at::Tensor& stored, const at::Tensor& scale, const at::Tensor& out) {
+  // Without a full-size temporary (on a device that would be memory outside the budget):
+  // convert into `out`, then scale it there. The product is taken in fp32 and rounded once,
+  // as aten_upcast does, because the first step is exact: every fp8 value is a bf16, fp16
+  // and fp32 value, and an unscaled conversion is rounded once either way. (On a GPU the
+  // kernels cast on the fly; ATen's CPU kernels may still make temporaries, but the CPU
+  // takes the table path above.)
+  at::NoGradGuard no_grad;
+  const at::Tensor o = out.view(stored.sizes());
+  if (scale.defined() && !is_fp8(stored.scalar_type()) && stored.scalar_type() != out.scalar_type()) {
+    o.copy_(aten_upcast(stored, out.scalar_type(), scale));  // a scaled non-fp8 tensor: no caller makes one
+    return;
+  }
+  o.copy_(stored);
+  if (scale.defined()) {
+    // At least one dim: a 0-dim scale would count as a scalar of o's dtype (bf16 product).
+    std::vector<int64_t> shape(static_cast<size_t>(std::max<int64_t>(stored.dim(), 1)), 1);
+    if (scale.numel() != 1) shape[0] = stored.size(0);
+    o.mul_(scale.to(stored.device(), at::kFloat).reshape(shape));
+  }
 }
 
 }  // namespace sluice

@@ -65,6 +65,11 @@ at::Tensor upcast(const at::Tensor& stored, at::ScalarType compute, const at::Te
 // `out` must be contiguous, on stored's device, with stored's number of elements, in a
 // compute dtype (bfloat16, float16, float32). Throws InvalidArgument otherwise.
 void upcast_into(const at::Tensor& stored, const at::Tensor& scale, const at::Tensor& out);
+// upcast_into()'s path on a device without a kernel (and for non-fp8 storage), callable
+// directly so that tests can run it on the CPU: ATen's copy_ into `out`, then the scale
+// multiplied in place, bit-identical to upcast() and allocating nothing of out's size
+// where ATen casts on the fly (GPUs). Arguments as upcast_into(), unchecked.
+void aten_upcast_into(const at::Tensor& stored, const at::Tensor& scale, const at::Tensor& out);
 
 // Exact conversion tables of one fp8 dtype, indexed by the fp8 byte. Built once.
 struct Fp8Tables {

@@ -84,6 +84,14 @@ at::Tensor run(StreamingEngine& e, ToyModel& m, const at::Tensor& x, std::string
 
 uint64_t streamed_bytes(const StreamingEngine& e) { return e.plan().streamed_bytes; }
 
+// The most device memory alive at once since the device was made (or its peak reset), as
+// the CPU device's allocator counts it: independent of the ledgers that enforce budgets.
+uint64_t alive_peak(const DeviceBackend& dev) {
+  const DeviceBackend::AllocatorStats a = dev.allocator_stats();
+  REQUIRE(a.available);
+  return static_cast<uint64_t>(a.peak_bytes);
+}
+
 // The "(N bytes" of a budget error.
 uint64_t minimum_from(const std::string& msg) {
   std::smatch m;
@@ -128,7 +136,7 @@ TEST_CASE("engine: outputs are bit-identical to the plain model for every depth 
         }
         if (depth == 0) CHECK(s.forward_records[2].demand_copies == engine.plan().streamed_count());
         CHECK(s.slot_violations == 0);
-        CHECK(static_cast<uint64_t>(s.device_memory.total.peak) <= o.budget_bytes - o.working_memory_bytes);
+        CHECK(alive_peak(engine.device()) <= o.budget_bytes - o.working_memory_bytes);
         engine.detach();
         CHECK(at::equal(model->forward(x), ref));
       }
@@ -196,9 +204,8 @@ TEST_CASE("engine: device use stays within budget minus working memory at tight 
     for (int f = 0; f < 3; ++f) CHECK(at::equal(run(engine, model, x), ref));
     const uint64_t limit = o.budget_bytes - o.working_memory_bytes;
     const EngineStats s = engine.stats();
-    CHECK(static_cast<uint64_t>(s.device_memory.total.peak) <= limit);
-    // The backend's own accounting sees the same allocations.
-    CHECK(static_cast<uint64_t>(dev->memory_stats().total.peak) <= limit);
+    // Counted by the allocator, not by the ledger that refuses allocations past the limit.
+    CHECK(alive_peak(*dev) <= limit);
     CHECK(s.device_memory.kind(MemoryKind::scratch).current > 0);
     CHECK(s.device_memory.kind(MemoryKind::params).current == 2 * 64 * 4);  // norm_weight + shift
     CHECK(static_cast<uint64_t>(s.device_memory.total.current) == engine.device_bytes());
@@ -590,7 +597,16 @@ TEST_CASE("engine: stats JSON carries the documented fields") {
   CHECK(j["budget"]["working_memory_bytes"].get<uint64_t>() == o.working_memory_bytes);
   CHECK(j["device"]["peak_bytes"].get<int64_t>() == s.device_memory.total.peak);
   CHECK(j["device"]["ledger_peak_bytes"].get<int64_t>() == s.device_memory.total.peak);
-  CHECK(j["device"]["allocator_stats"] == "unavailable");
+  // The CPU device counts the bytes alive itself: at most what the ledger charged (the
+  // ring is charged at its capacity, allocated as its slots are made).
+  CHECK(j["device"]["allocator_stats"] == "available");
+  CHECK(j["device"]["allocator_current_bytes"].get<int64_t>() > 0);
+  CHECK(j["device"]["allocator_current_bytes"].get<int64_t>() <= s.device_memory.total.current);
+  CHECK(j["device"]["weight_bytes"].get<int64_t>() ==
+        s.device_memory.kind(MemoryKind::resident).current + s.device_memory.kind(MemoryKind::params).current);
+  CHECK(j["device"]["scratch_bytes"].get<int64_t>() == s.device_memory.kind(MemoryKind::scratch).current);
+  CHECK(j["device"]["ring_bytes"].get<uint64_t>() == engine.plan().ring_bytes);
+  CHECK(j["device"]["lora_bytes"].get<int64_t>() == 0);
   REQUIRE(j["forwards"].size() == 2);
   for (const auto& f : j["forwards"]) {
     CHECK(f["bytes_streamed"].get<uint64_t>() == streamed_bytes(engine));
@@ -659,6 +675,67 @@ TEST_CASE("engine: nested leases get their own slot and scratch") {
     CHECK(la.weight().data_ptr() != lb.weight().data_ptr());
   }
   engine.end_forward();
+  CHECK(engine.stats().slot_violations == 0);
+}
+
+TEST_CASE("engine: unloading and detaching give freed device memory back to the allocator's driver") {
+  // The strict CPU device caches freed blocks like a GPU's caching allocator; its reserved
+  // bytes fall only when the engine asks for the cache to be emptied.
+  CpuDeviceOptions co;
+  co.strict = true;
+  auto dev = std::shared_ptr<DeviceBackend>(make_cpu_device(co));
+  ToyModel model;
+  const at::Tensor x = input();
+  StreamingEngine engine(options(dev));
+  engine.attach(*model, "toy");
+  REQUIRE(engine.plan().streamed_count() == 0);
+  run(engine, model, x);
+  const auto reserved = [&] { return dev->allocator_stats().reserved_bytes; };
+  const int64_t full = reserved();
+  CHECK(full >= static_cast<int64_t>(engine.device_bytes()) - static_cast<int64_t>(engine.plan().ring_bytes));
+  const int64_t freed = -engine.full_unload();
+  REQUIRE(freed > 0);
+  // Everything the unload freed left the cache: `freed` is the demoted layers' bytes minus
+  // the ring's reservation, and the ring's slots are at most that reservation.
+  CHECK(reserved() <= full - freed);
+  run(engine, model, x);
+  engine.detach();
+  CHECK(reserved() == 0);
+  CHECK(dev->allocator_stats().current_bytes == 0);
+}
+
+TEST_CASE("engine: what nested leases held beyond the plan is reserved in later plans and the minimum") {
+  // Note [device extras]: a second scratch buffer and an overflow slot are charged when
+  // made; after the forward every plan leaves room for them, so a budget cut to the new
+  // minimum still runs the nested forward. Before, the minimum ignored them and that
+  // forward failed for want of budget.
+  ToyModel model;
+  auto dev = slowed_cpu();
+  EngineOptions o = options(dev);
+  o.max_resident = 0.0;
+  o.prefetch_depth = 0;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  auto& a = *model->block_list[0]->mid;
+  auto& b = *model->block_list[1]->mid;
+  const auto nested = [&] {
+    ForwardScope scope(engine);
+    WeightLease la(a);
+    WeightLease lb(b);
+    CHECK(at::equal(la.weight(), a.upcast_stored().weight));
+    CHECK(at::equal(lb.weight(), b.upcast_stored().weight));
+  };
+  const uint64_t minimum_before = engine.minimum_budget();
+  CHECK(engine.nested_reserve_bytes() == 0);
+  nested();
+  const uint64_t reserve = engine.nested_reserve_bytes();
+  CHECK(reserve >= a.upcast_stored().weight.nbytes());  // a second scratch buffer at least
+  CHECK(engine.minimum_budget() == minimum_before + reserve);
+  engine.set_budget(engine.minimum_budget());
+  dev->reset_allocator_peak();
+  for (int f = 0; f < 3; ++f) REQUIRE_NOTHROW(nested());
+  CHECK(alive_peak(*dev) <= engine.minimum_budget() - o.working_memory_bytes);
+  CHECK(engine.nested_reserve_bytes() == reserve);
   CHECK(engine.stats().slot_violations == 0);
 }
 
@@ -751,6 +828,29 @@ TEST_CASE("env device: every residency gives the fully resident output bit for b
   }
 }
 
+TEST_CASE("env device: detach empties the allocator's cache, so reserved memory falls", "[env-device]") {
+  // Note [device extras]: freed device memory goes back to the driver for other processes.
+  // On a GPU the caching allocator would otherwise keep every block the model used.
+  SLUICE_TEST_DEVICE_OR_SKIP(dev);
+  ToyOptions big;
+  big.dim = 512;
+  big.hidden = 2048;  // ~6 MiB of fp8 per block: well above the allocator's block rounding
+  ToyModel m(big);
+  const at::Tensor x = input(big.dim).to(dev->device());
+  StreamingEngine e(options(dev, 256 * MiB));
+  e.attach(*m, "toy");
+  run(e, m, x);
+  dev->synchronize();
+  const auto before = dev->allocator_stats();
+  REQUIRE(before.available);
+  const int64_t held = static_cast<int64_t>(e.device_allocated_bytes());
+  REQUIRE(before.reserved_bytes >= held);
+  e.detach();
+  const auto after = dev->allocator_stats();
+  INFO("reserved " << before.reserved_bytes << " -> " << after.reserved_bytes << ", engine held " << held);
+  CHECK(after.reserved_bytes <= before.reserved_bytes - held);
+}
+
 TEST_CASE("engine: the balanced plan is made from measurements and reports its prediction") {
   ToyModel model;
   const at::Tensor x = input();
@@ -789,7 +889,7 @@ TEST_CASE("engine: the balanced plan is made from measurements and reports its p
   CHECK(first.copy_ms > 0);
   CHECK(s.plan.ring_bytes == engine.plan().ring_bytes);
   CHECK(engine.plan().ring_bytes >= engine.plan().ring_slots * engine.plan().slot_bytes);
-  CHECK(static_cast<uint64_t>(s.device_memory.total.peak) <= o.budget_bytes - o.working_memory_bytes);
+  CHECK(alive_peak(engine.device()) <= o.budget_bytes - o.working_memory_bytes);
 
   // Under the plan: outputs unchanged, every forward streams its plan's bytes, at most one
   // more plan (the check forward), and the measured steps beside the prediction.

@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -171,6 +175,63 @@ TEST_CASE("upcast_into fills a preallocated buffer and checks it") {
   CHECK_THROWS_AS(sluice::upcast_into(x, at::Tensor(), at::empty({64 * 48}, at::kInt)), sluice::InvalidArgument);
   CHECK_THROWS_AS(sluice::upcast_into(x, at::Tensor(), at::empty({48, 64}, at::kHalf).t()), sluice::InvalidArgument);
   CHECK_THROWS_AS(sluice::upcast_into(x, at::Tensor(), at::Tensor()), sluice::InvalidArgument);
+}
+
+namespace {
+
+// Counts what ATen's CPU allocator hands out while it is installed (the largest block),
+// delegating to the allocator it replaced.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  CountingCpuAllocator() : inner_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this, /*priority=*/255); }
+  ~CountingCpuAllocator() override { c10::SetCPUAllocator(inner_, /*priority=*/255); }
+  c10::DataPtr allocate(size_t n) override {
+    largest = std::max(largest, n);
+    return inner_->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+  size_t largest = 0;
+
+ private:
+  c10::Allocator* inner_;
+};
+
+}  // namespace
+
+TEST_CASE("the ATen upcast path writes into the buffer without a temporary of its size") {
+  // On a device without a kernel, a temporary the size of the layer would be device memory
+  // outside the budget. copy_ converts on the fly, so nothing that large is allocated.
+  const at::Tensor stored = at::randn({512, 256});  // fp32 storage, bf16 compute: the ATen path
+  at::Tensor out = at::empty({512 * 256}, at::kBFloat16);
+  size_t largest = 0;
+  {
+    CountingCpuAllocator counting;
+    sluice::upcast_into(stored, at::Tensor(), out);
+    largest = counting.largest;
+  }
+  CHECK(largest < out.nbytes() / 4);
+  CHECK(at::equal(out.view({512, 256}), stored.to(at::kBFloat16)));
+}
+
+TEST_CASE("the ATen upcast path is bit-identical to (stored.to(float) * scale).to(compute)") {
+  // The path devices without a kernel take (copy_, then the scale in place), run on the CPU.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
+  for (at::ScalarType t : kFp8) {
+    for (at::ScalarType c : kCompute) {
+      INFO(dtype_case(t, c));
+      const at::Tensor x = random_fp8({300, 41}, t, 3);
+      const at::Tensor per_row = at::rand({300}, gen) * 3 + 1e-3;
+      const at::Tensor per_tensor = at::full({}, 0.0173f);
+      at::Tensor out = at::empty({300, 41}, c);
+      sluice::aten_upcast_into(x, per_row, out);
+      CHECK(same_values(out, (x.to(at::kFloat) * per_row.view({-1, 1})).to(c)));
+      sluice::aten_upcast_into(x, per_tensor, out);
+      CHECK(same_values(out, (x.to(at::kFloat) * per_tensor).to(c)));
+      sluice::aten_upcast_into(x, at::Tensor(), out);
+      CHECK(same_values(out, x.to(c)));
+    }
+  }
 }
 
 TEST_CASE("fp8 -> bf16/fp16 -> fp8 round-trips every non-NaN byte bitwise") {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -15,6 +16,8 @@
 #include "models/anima/anima.h"
 #include "models/anima/generator.h"
 #include "models/lora.h"
+#include "offload/cpu_device.h"
+#include "offload/engine.h"
 #include "offload/layer.h"
 #include "offload/storage.h"
 #include "runtime/error.h"
@@ -27,8 +30,8 @@ using Tensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 namespace {
 
-AnimaModel fp8_tiny(uint64_t seed = 3) {
-  const AnimaConfig c = preset("anima-tiny");
+AnimaModel fp8_model(const std::string& name, uint64_t seed = 3) {
+  const AnimaConfig c = preset(name);
   AnimaModel model(c, BuildOptions{at::kBFloat16, at::kCPU});
   auto params = model->named_parameters();
   for (const auto& [name, t] : random_weights(c, seed, at::kBFloat16)) params[name].set_data(t);
@@ -38,6 +41,8 @@ AnimaModel fp8_tiny(uint64_t seed = 3) {
   offload::apply_storage(*model, c.name, o, declared_fp8_skips());
   return model;
 }
+
+AnimaModel fp8_tiny(uint64_t seed = 3) { return fp8_model("anima-tiny", seed); }
 
 offload::ManagedLayerImpl& layer(torch::nn::Module& m, const std::string& name) {
   for (const auto& [n, l] : offload::managed_layers(m)) {
@@ -353,4 +358,132 @@ TEST_CASE("bad LoRA files are CheckpointErrors naming what is wrong") {
 
   // A missing file is a FileError.
   CHECK_THROWS_AS(load_lora("/nonexistent/x.safetensors", *m), FileError);
+}
+
+namespace {
+
+// A rank-`rank` pair for every Linear of `m` (embeddings cannot be targeted).
+Tensors every_linear(torch::nn::Module& m, int64_t rank) {
+  Tensors t;
+  uint64_t seed = 100;
+  for (const auto& [name, l] : offload::managed_layers(m)) {
+    if (l->kind() != offload::LayerKind::linear) continue;
+    add_pair(t, m, name, rank, seed++, name + ".lora_A.weight", name + ".lora_B.weight", 0.05);
+  }
+  return t;
+}
+
+offload::EngineOptions engine_options(std::shared_ptr<offload::DeviceBackend> dev) {
+  offload::EngineOptions o;
+  o.device = std::move(dev);
+  o.working_memory_bytes = 0;
+  o.plan_from_measurements = false;
+  o.log_attach = false;
+  return o;
+}
+
+uint64_t alive_peak(const offload::DeviceBackend& dev) {
+  const auto a = dev.allocator_stats();
+  REQUIRE(a.available);
+  return static_cast<uint64_t>(a.peak_bytes);
+}
+
+uint64_t lora_bytes_in_stats(offload::StreamingEngine& e) {
+  return nlohmann::json::parse(e.stats().to_json())["device"]["lora_bytes"].get<uint64_t>();
+}
+
+}  // namespace
+
+TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the model exactly streams more layers") {
+  // Note [device extras] (offload/engine.h): the engine places the sidecars under the
+  // model's budget; the plan streams layers to make room, and the allocator's own count of
+  // device bytes alive never passes the budget.
+  AnimaModel m = fp8_model("anima-medium");  // 512 wide: a rank-64 bf16 pair is a quarter to a half of an fp8 weight
+  auto dev = std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  const offload::EngineOptions o = engine_options(dev);
+  const offload::WeightNeeds n = offload::StreamingEngine::needs(*m, o);
+  offload::StreamingEngine engine(o);
+  engine.attach(*m, "medium", n.full);
+  REQUIRE(engine.plan().streamed_count() == 0);
+  const uint64_t resident = engine.plan().resident_bytes;
+  const LoraAdapter adapter = lora_from_tensors(every_linear(*m, 64), *m, "every-linear-r64");
+  {
+    LoraScope scope(*m, adapter, 1.0, std::nullopt, &engine);
+    CHECK(scope.patched_layers() == static_cast<int64_t>(adapter.targets.size()));
+    CHECK(scope.device_bytes() > 0);
+    CHECK(engine.sidecar_bytes() == scope.device_bytes());
+    CHECK(lora_bytes_in_stats(engine) == scope.device_bytes());
+    CHECK(engine.plan().resident_bytes < resident);  // replanned: fewer resident bytes
+    CHECK(engine.plan().streamed_count() > 0);
+    CHECK(engine.device_bytes() <= n.full);
+    CHECK(alive_peak(*dev) <= n.full);
+    CHECK(engine.minimum_budget() > n.minimum);  // the minimum includes the sidecars
+  }
+  // Dropped: the room goes back to resident layers.
+  CHECK(engine.sidecar_bytes() == 0);
+  CHECK(lora_bytes_in_stats(engine) == 0);
+  CHECK(engine.plan().streamed_count() == 0);
+  CHECK(engine.plan().resident_bytes == resident);
+  CHECK(alive_peak(*dev) <= n.full);
+  engine.detach();
+}
+
+TEST_CASE("lora: sidecars placed by the engine give the outputs of the patched model, and removal restores them") {
+  AnimaModel m = fp8_tiny();
+  const Inputs in = inputs();
+  const at::Tensor plain = step(*m, in);
+  const LoraAdapter adapter = lora_from_tensors(every_linear(*m, 4), *m, "every-linear-r4");
+  at::Tensor patched;
+  {
+    LoraScope reference(*m, adapter, 0.7);  // no engine: plain .to()
+    patched = step(*m, in);
+  }
+  CHECK_FALSE(at::equal(patched, plain));
+  auto dev = std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  const offload::EngineOptions o = engine_options(dev);
+  const offload::WeightNeeds n = offload::StreamingEngine::needs(*m, o);
+  offload::StreamingEngine engine(o);
+  engine.attach(*m, "tiny", n.full);
+  const auto forward = [&] {
+    offload::ForwardScope scope(engine);
+    return step(*m, in);
+  };
+  {
+    LoraScope scope(*m, adapter, 0.7, std::nullopt, &engine);
+    CHECK(engine.plan().streamed_count() > 0);
+    for (int f = 0; f < 2; ++f) CHECK(at::equal(forward(), patched));
+    CHECK(alive_peak(*dev) <= n.full);
+  }
+  CHECK(at::equal(forward(), plain));
+  CHECK(engine.plan().streamed_count() == 0);
+}
+
+TEST_CASE("lora: sidecars that cannot fit even with every layer streamed give one error naming the LoRA") {
+  AnimaModel m = fp8_tiny();
+  const Inputs in = inputs();
+  const at::Tensor plain = step(*m, in);
+  auto dev = std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  const offload::EngineOptions o = engine_options(dev);
+  const offload::WeightNeeds n = offload::StreamingEngine::needs(*m, o);
+  offload::StreamingEngine engine(o);
+  engine.attach(*m, "tiny", n.full);
+  const std::string map = engine.plan().residency_map();
+  // anima-tiny's layers are 64 wide: a rank-64 bf16 pair is four times an fp8 weight.
+  const LoraAdapter adapter = lora_from_tensors(every_linear(*m, 64), *m, "big.safetensors");
+  std::string error;
+  try {
+    LoraScope scope(*m, adapter, 1.0, std::nullopt, &engine);
+  } catch (const ResourceError& e) {
+    error = e.what();
+  }
+  INFO(error);
+  CHECK(error.find("LoRA 'big.safetensors'") != std::string::npos);
+  CHECK(error.find("missing") != std::string::npos);
+  CHECK(error.find('\n') == std::string::npos);
+  for (const auto& [name, l] : offload::managed_layers(*m)) CHECK(l->loras().empty());  // nothing patched
+  CHECK(engine.sidecar_bytes() == 0);
+  CHECK(engine.plan().residency_map() == map);
+  CHECK(alive_peak(*dev) <= n.full);
+  offload::ForwardScope scope(engine);
+  CHECK(at::equal(step(*m, in), plain));
 }

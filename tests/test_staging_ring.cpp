@@ -168,23 +168,35 @@ TEST_CASE("staging ring: a copy landing in a slot that is in use is detected") {
 }
 
 TEST_CASE("staging ring: overwriting waits for the slot's last reader") {
-  // On the CPU device the reader is the calling thread, so its compute_done is complete
-  // when recorded; the ring must still have the copy stream wait on it, which this checks
-  // through the event's sequence: a fill after end_use must not finish before it.
+  // FENCE(F2) in staging_ring.cpp. On the plain CPU device the reader is the calling thread
+  // and its compute_done is complete when recorded, so a missing wait would go unseen. The
+  // strict device's hazard tracker decides by happens-before instead: a fill of a slot whose
+  // reader the copy stream did not wait for is an overwrite while compute may still read it.
   CpuDeviceOptions opt;
-  opt.copy_latency_us = 10000;
+  opt.strict = true;
+  opt.hazard_policy = HazardTracker::Policy::count;
   auto dev = make_cpu_device(opt);
+  HazardTracker* tracker = hazard_tracker(*dev);
+  REQUIRE(tracker);
   StagingRing ring(*dev, nullptr, 256);
   REQUIRE(ring.pick(256, 1, true) == 0);
-  at::Tensor a = at::full({8}, 1.0f), b = at::full({8}, 2.0f);
+  at::Tensor a = dev->pin(at::full({8}, 1.0f)), b = dev->pin(at::full({8}, 2.0f));
   ring.fill(0, 1, 1, {{a, 0}}, nullptr, nullptr);
   dev->wait(StreamKind::compute, *ring.slot(0).copy_done);
   ring.begin_use(0);
+  const at::Tensor& slot = ring.slot(0).buffer;
+  dev->begin_access(slot, StreamKind::compute, Access::read, "reader of slot 0");
   at::Tensor seen = ring.view(0, 0, at::kFloat, {8}).clone();
+  dev->end_access(slot, StreamKind::compute);
   ring.end_use(0);
   ring.fill(0, 2, 1, {{b, 0}}, nullptr, nullptr);
-  CHECK(at::equal(seen, a));
   dev->wait(StreamKind::compute, *ring.slot(0).copy_done);
+  dev->begin_access(slot, StreamKind::compute, Access::read, "reader of slot 0");
   CHECK(at::equal(ring.view(0, 0, at::kFloat, {8}), b));
+  dev->end_access(slot, StreamKind::compute);
+  dev->synchronize();
+  CHECK(at::equal(seen, a));
+  INFO((tracker->reports().empty() ? std::string() : tracker->reports().front()));
+  CHECK(tracker->hazards() == 0);
   CHECK(ring.violations() == 0);
 }

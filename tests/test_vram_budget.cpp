@@ -132,8 +132,9 @@ TEST_CASE("cpu device: memory_info comes from the memory source when one is give
   CHECK(r.bytes == static_cast<uint64_t>(GiB + 64 * MiB - 256 * MiB));
   CHECK(r.how.find("64.0MiB sluice holds") != std::string::npos);
   CHECK(r.how.find("on cpu") != std::string::npos);
-  // The CPU device keeps no allocator statistics.
-  CHECK_FALSE(dev->allocator_stats().available);
+  // The CPU device counts what it hands out (here: `held`).
+  CHECK(dev->allocator_stats().available);
+  CHECK(dev->allocator_stats().current_bytes == 64 * MiB);
 }
 
 TEST_CASE("cpu device: without a memory source, free memory is the total minus what its ledger holds") {
