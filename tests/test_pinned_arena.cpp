@@ -394,7 +394,7 @@ at::Tensor forward(cache::ModelCache& cache, const std::shared_ptr<cache::Entry>
 
 }  // namespace
 
-TEST_CASE("pinned arena: one limit for the models of a cache; the rest streams pageable with one warning") {
+TEST_CASE("pinned arena: one limit for the models of a cache, the rest streams pageable with one warning") {
   const Inputs in = inputs(anima::preset("anima-small"));
   // References with pinning off, and each model's streamed bytes.
   auto plain = cache::ModelCache::create(cache_options(PinMode::off, std::nullopt));
