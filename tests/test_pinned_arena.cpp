@@ -302,7 +302,13 @@ TEST_CASE("pinned arena: detach makes no host copy and re-attach pins nothing ag
   EngineOptions o = streaming(cpu(strict_device_requested()));
   o.pin_arena = arena;
   StreamingEngine engine(o);
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> originals;
+  for (const auto& [name, l] : managed_layers(*model)) originals.push_back(l->stored_weight().storage().getWeakStorageImpl());
   engine.attach(*model, "toy");
+  // The pinned copies replaced the pageable weights: those are freed, not kept beside them.
+  size_t freed = 0;
+  for (const auto& w : originals) freed += w.expired() ? 1 : 0;
+  CHECK(freed + 1 == originals.size());  // all but final_layer (required resident: never pinned)
   const Stat pinned = arena->pinned();
   const uint64_t chunks = arena->chunks();
   REQUIRE(pinned.current > 0);
