@@ -154,7 +154,11 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
   }
   c.prefetch = offload::parse_prefetch(o.prefetch, "prefetch");
   c.pin = offload::parse_pin_mode(o.pin_memory, "pin_memory");
-  c.pin_cap_fraction = o.pin_cap_fraction;
+  if (!o.pin_memory_limit.empty()) {
+    const uint64_t ram = offload::physical_ram_bytes();
+    c.pin_memory_limit = parse_size(o.pin_memory_limit, ram ? std::optional<uint64_t>(ram) : std::nullopt,
+                                    "pin_memory_limit");
+  }
   c.policy = offload::parse_residency_policy(o.policy, "policy");
   c.timing = o.timing;
   c.trace = o.trace;
@@ -215,6 +219,9 @@ CacheStats ModelCache::stats() const {
   o.locked = s.locked;
   o.ram_limit_bytes = s.ram_limit;
   o.ram = counter(s.ram);
+  o.pin_limit_bytes = s.pin_limit;
+  o.pinned = counter(s.pinned);
+  o.pinned_used_bytes = s.pinned_used;
   o.vram_budget_bytes = s.vram_budget;
   o.vram_budget_source = impl_->budget_source_now();
   o.working_memory_bytes = s.working_memory;

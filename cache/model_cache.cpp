@@ -118,6 +118,10 @@ nlohmann::json cache_json(const CacheStats& s) {
           {"ram_limit_bytes", s.ram_limit},
           {"ram", stat_json(s.ram)},
           {"ram_reserved_bytes", s.ram_reserved},
+          {"pin_limit_bytes", s.pin_limit},
+          {"pinned", stat_json(s.pinned)},
+          {"pinned_bytes", s.pinned.current},
+          {"pinned_used_bytes", s.pinned_used},
           {"vram_budget_bytes", s.vram_budget},
           {"working_memory_bytes", s.working_memory},
           {"vram_limit_bytes", s.vram_limit},
@@ -208,13 +212,12 @@ std::shared_ptr<ModelCache> ModelCache::create(CacheOptions options) {
 ModelCache::ModelCache(CacheOptions options) : options_(std::move(options)) {
   device_ = options_.device ? options_.device : std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
   offload::parse_prefetch(offload::prefetch_name(options_.prefetch), "prefetch");  // in range
-  if (!(options_.pin_cap_fraction >= 0.0 && options_.pin_cap_fraction <= 1.0)) {
-    throw InvalidArgument("pin cap fraction must be between 0 and 1, got " + std::to_string(options_.pin_cap_fraction));
-  }
   if (options_.resolution <= 0) {
     throw InvalidArgument("resolution must be positive, got " + std::to_string(options_.resolution));
   }
   ram_limit_ = options_.ram_limit ? *options_.ram_limit : default_ram_limit();
+  pin_arena_ = std::make_shared<offload::PinnedArena>(options_.pin_memory_limit ? *options_.pin_memory_limit
+                                                                                : offload::default_pin_memory_limit());
   set_vram_budget(options_.vram_budget);
 }
 
@@ -250,7 +253,7 @@ offload::EngineOptions ModelCache::engine_options(const Entry& e) const {
   o.prefetch_depth = options_.prefetch;
   o.policy = options_.policy;
   o.pin = options_.pin;
-  o.pin_cap_fraction = options_.pin_cap_fraction;
+  o.pin_arena = pin_arena_;
   o.timing = options_.timing;
   o.trace = options_.trace;
   o.log_attach = false;
@@ -328,6 +331,7 @@ void ModelCache::attach(Entry& e, uint64_t share) {
   e.engine->attach(*e.model, e.name, share);
   e.attached = true;
   e.share = share;
+  count_pinned_ram(e);
   publish(e);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const offload::ResidencyPlan& plan = e.engine->plan();
@@ -371,8 +375,19 @@ void ModelCache::resize(Entry& e, uint64_t share) {
   TORCH_INTERNAL_ASSERT(!e.running, "resize of '", e.name, "' during its forward");
   e.engine->set_budget(share);
   e.share = share;
+  count_pinned_ram(e);
   publish(e);
   log::debug("Residency of '" + e.name + "': " + e.engine->plan().residency_map() + ", share " + format_mib(share));
+}
+
+// Pinned host copies replace the pageable ones (Note [pinned arena]): the model then takes
+// its bytes plus the arena's alignment padding of its pinned layers. A detach changes
+// nothing (the pinned copies stay with the model until it leaves RAM). Run lock held.
+void ModelCache::count_pinned_ram(Entry& e) {
+  const uint64_t host = e.needs.model_bytes + e.engine->pinned_padding_bytes();
+  if (host > e.ram_bytes) ram_.increase(static_cast<int64_t>(host - e.ram_bytes));
+  if (host < e.ram_bytes) ram_.decrease(static_cast<int64_t>(e.ram_bytes - host));
+  e.ram_bytes = host;
 }
 
 uint64_t ModelCache::device_bytes_of(Entry& e) {
@@ -800,6 +815,7 @@ void ModelCache::apply_max_resident(Entry& e, std::optional<double> fraction) {
     }
     if (e.attached) {
       e.engine->set_max_resident(fraction);
+      count_pinned_ram(e);
       publish(e);
     } else if (e.engine) {
       e.engine->set_max_resident(fraction);  // kept for the next attach
@@ -952,6 +968,9 @@ CacheStats ModelCache::stats_locked() const {
   s.ram_limit = ram_limit_;
   s.ram = ram_;
   s.ram_reserved = ram_reserved_;
+  s.pin_limit = pin_arena_->limit();
+  s.pinned = pin_arena_->pinned();
+  s.pinned_used = pin_arena_->used_bytes();
   s.vram_budget = budget_;
   s.working_memory = working_memory_;
   s.vram_limit = limit();

@@ -86,7 +86,8 @@ struct CacheOptions {
   std::optional<uint64_t> ram_limit;               // host bytes for models; 0: unlimited; none: default_ram_limit()
   uint32_t prefetch = offload::kPrefetchAuto;      // most streamed layers copied ahead (auto: the ring's bytes decide)
   offload::PinMode pin = offload::PinMode::auto_;  // pinned host copies of streamed layers
-  double pin_cap_fraction = 0.5;                   // pinned bytes cap per model, fraction of RAM
+  std::optional<uint64_t> pin_memory_limit;        // page-locked host bytes of all models together;
+                                                   // none: offload::default_pin_memory_limit() (Note [pinned arena])
   offload::ResidencyPolicy policy = offload::ResidencyPolicy::balanced;  // residency plan policy
   bool timing = true;                              // per-forward device timings
   bool trace = false;                              // per-layer trace spans
@@ -133,8 +134,11 @@ struct CacheStats {
   uint64_t models = 0;          // in RAM
   uint64_t locked = 0;          // in RAM and locked
   uint64_t ram_limit = 0;       // 0: unlimited
-  offload::Stat ram;            // host bytes of models in RAM
+  offload::Stat ram;            // host bytes of models in RAM (pinned host copies included)
   uint64_t ram_reserved = 0;    // estimated bytes of models being read, counted against the RAM limit
+  uint64_t pin_limit = 0;       // the pinned arena's limit (all models)
+  offload::Stat pinned;         // page-locked bytes of the pinned arena (its chunks)
+  uint64_t pinned_used = 0;     // of which host weights (the rest is alignment padding)
   uint64_t vram_budget = 0;
   uint64_t working_memory = 0;
   uint64_t vram_limit = 0;      // budget - working memory
@@ -293,6 +297,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   void attach(Entry& e, uint64_t share);
   void detach(Entry& e);
   void resize(Entry& e, uint64_t share);
+  void count_pinned_ram(Entry& e);  // e.ram_bytes (and ram_) after pinning changed its host copies
   uint64_t device_bytes_of(Entry& e);
   // Waits, releasing the cache mutex, until no forward uses the engine of `e` (pinned or
   // locked by the caller); the caller reads the cache state again afterwards.
@@ -321,6 +326,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
 
   CacheOptions options_;
   std::shared_ptr<offload::DeviceBackend> device_;
+  std::shared_ptr<offload::PinnedArena> pin_arena_;  // every engine's pinned host copies, under one limit
   mutable std::mutex mutex_;
   std::condition_variable loaded_;
   std::condition_variable idle_;  // a forward ended, or an operation stopped waiting for one

@@ -60,6 +60,7 @@ struct RunArgs {
   std::optional<int64_t> resolution;      // image side in pixels (latent = px / 8)
   std::string prefetch = "auto";          // most streamed layers copied ahead: auto | N
   std::string pin_memory = "auto";        // page-locked host copies of streamed layers
+  std::string pin_memory_limit;           // page-locked bytes of all models (size or % of RAM); empty: the default
   std::string policy = "balanced";        // residency plan policy
   uint64_t seed = 0;                      // noise and random-context seed
   std::string context;                    // safetensors with `context` [B,S,D] (+ optional `negative_context`)
@@ -195,6 +196,7 @@ int run(const RunArgs& args) {
   ro.resolution = px;
   ro.prefetch = a.prefetch;
   ro.pin_memory = a.pin_memory;
+  ro.pin_memory_limit = a.pin_memory_limit;
   ro.policy = a.policy;
   ro.trace = !a.trace.empty();
   ModelCache cache(ro);
@@ -310,6 +312,8 @@ int run(const RunArgs& args) {
   std::cout << "device: peak " << mb(st.device_peak_bytes) << " (model), " << mb(static_cast<uint64_t>(cs.vram.peak))
             << " (cache) of limit " << mb(cs.vram_limit_bytes) << "; cache hits " << cs.hits << ", misses "
             << cs.misses << ", evictions " << cs.evictions << "\n";
+  std::cout << "pinned host memory: " << mb(static_cast<uint64_t>(cs.pinned.current)) << " page-locked for "
+            << mb(cs.pinned_used_bytes) << " of weights (limit " << mb(cs.pin_limit_bytes) << ")\n";
 
   if (!a.output.empty()) {
     safetensors::save(a.output, {{"latent", latent.contiguous()}},
@@ -379,6 +383,10 @@ Subcommand add_run(CLI::App& root) {
   sub->add_option("--pin-memory", a->pin_memory, "Page-locked host memory for streamed layers (off on ROCm if it stalls)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
+  sub->add_option("--pin-memory-limit", a->pin_memory_limit,
+                  "Page-locked host bytes for all models (size or percent of RAM); streamed layers past it stay "
+                  "pageable (default: min(50% of RAM, RAM - 4GiB))")
+      ->check(size_validator("--pin-memory-limit", true));
   sub->add_option("--seed", a->seed, "Seed of the initial noise and of the random context")->capture_default_str();
   sub->add_option("--context", a->context, "safetensors file with 'context' [B,S,D] (+ 'negative_context'); default random");
   sub->add_option("--output", a->output, "Write the final latent here (.safetensors, tensor 'latent')");

@@ -28,7 +28,7 @@ Subcommand add_make_checkpoint(CLI::App& root);
 Subcommand add_fp8_report(CLI::App& root);
 // sluice run [--checkpoint F | --synthetic PRESET] [--device] [--vram-budget] [--vram-headroom]
 //            [--max-resident] [--working-memory] [--storage] [--steps] [--cfg] [--resolution] [--prefetch]
-//            [--pin-memory] [--seed] [--context F] [--output F] [--stats-json F] [--trace F]
+//            [--pin-memory] [--pin-memory-limit] [--seed] [--context F] [--output F] [--stats-json F] [--trace F]
 Subcommand add_run(CLI::App& root);
 
 }  // namespace sluice::cli

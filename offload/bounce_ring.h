@@ -8,7 +8,8 @@
 // copy stream got to them; the copy stream waits on compute before it overwrites a staging
 // slot, so the host ends up waiting for compute at every streamed layer and nothing
 // overlaps. That is the case whenever streamed layers are not pinned: --pin-memory off
-// (the ROCm advice), the pinned cap reached, or pinning failed.
+// (the ROCm advice), the layers past the pinned arena's limit (--pin-memory-limit,
+// pinned_arena.h), or pinning failed.
 // The bounce ring keeps the copy stream asynchronous anyway: a few page-locked slots
 // (host memory, never the device budget). A copy is cut into slot-sized pieces; for each
 // piece the host waits until the slot's previous copy has read it (its event), memcpys the

@@ -25,6 +25,21 @@ namespace sluice::offload {
 
 namespace {
 
+void free_host(void* p) { std::free(p); }
+
+// The strict device's pinned host block: known to its hazard tracker until freed.
+struct PinnedBlock {
+  void* p;
+  std::shared_ptr<HazardTracker> tracker;
+};
+
+void free_pinned_block(void* ctx) {
+  auto* b = static_cast<PinnedBlock*>(ctx);
+  b->tracker->remove_block(b->p);
+  std::free(b->p);
+  delete b;
+}
+
 using Clock = std::chrono::steady_clock;
 using Queue = HazardTracker::Queue;
 
@@ -475,22 +490,16 @@ class CpuDevice final : public DeviceBackend {
     }
   }
 
-  at::Tensor pin(const at::Tensor& src) override {
-    if (!strict()) return src;
-    const size_t n = src.nbytes();
-    void* p = std::aligned_alloc(64, (std::max<size_t>(n, 1) + 63) / 64 * 64);
-    if (!p) return at::Tensor();
-    tracker_->add_block(p, n, "pinned host memory", HazardTracker::kHost);
-    auto tracker = tracker_;
-    at::Tensor pinned = at::from_blob(
-        p, src.sizes(),
-        [tracker](void* q) {
-          tracker->remove_block(q);
-          std::free(q);
-        },
-        at::TensorOptions().dtype(src.scalar_type()));
-    if (n) std::memcpy(p, src.contiguous().data_ptr(), n);
-    return pinned;
+  // Plain: aligned host memory (the arena's accounting runs as on a GPU). Strict: a block
+  // the hazard tracker knows as pinned host memory, so that is_pinned() tells it apart
+  // from pageable memory as a GPU's driver would.
+  c10::DataPtr allocate_pinned(size_t bytes) override {
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
+    if (!p) return {};
+    if (!strict()) return c10::DataPtr(p, p, &free_host, c10::Device(c10::kCPU));
+    tracker_->add_block(p, bytes, "pinned host memory", HazardTracker::kHost);
+    auto* ctx = new PinnedBlock{p, tracker_};
+    return c10::DataPtr(p, ctx, &free_pinned_block, c10::Device(c10::kCPU));
   }
 
  protected:

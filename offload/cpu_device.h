@@ -11,7 +11,9 @@
 //    making it wait on an event blocks the caller until the copy is done.
 //  - Events are completion counters with the wall-clock time they completed; elapsed
 //    times between them are wall-clock.
-//  - pin() is a no-op (the engine's pinned-bytes cap accounting still runs).
+//  - pins_memory() is false: allocate_pinned() hands out ordinary aligned host memory (the
+//    pinned arena's packing, limit and accounting run as on a GPU) and pin() is a no-op.
+//    The strict device's pinned memory is tracked as such (below).
 //  - A copy that fails on the copy stream (fault points copy.h2d, copy.h2d.timeout) is
 //    reported like a CUDA error: as DeviceError from a compute-stream wait() on the next
 //    event recorded on the copy stream after it, else from the next synchronize().
@@ -24,8 +26,8 @@
 //  - an event recorded on a compute stream reads as not done until the host waits for
 //    it (a GPU's host runs ahead of its kernels): nothing may rely on compute finishing
 //    by itself;
-//  - a copy from host memory pin() did not make blocks the host until it is done, as a
-//    pageable cudaMemcpyAsync does;
+//  - a copy from host memory allocate_pinned() did not make blocks the host until it is
+//    done, as a pageable cudaMemcpyAsync does;
 //  - device memory comes from a caching allocator that hands a freed block to the next
 //    allocation of that size at once, filled with 0xFF, unless its use by the copy stream
 //    was recorded (DeviceBackend::record_use), in which case it waits for the copy

@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "offload/cpu_device.h"
 #include "offload/torch_device.h"
 #include "runtime/error.h"
@@ -148,6 +150,18 @@ void DeviceBackend::record_use(const at::Tensor& t, StreamKind stream) {
   const c10::DataPtr& data = t.storage().data_ptr();
   if (data.get_deleter() != &free_allocation) return;  // not from allocate()
   record_stream(static_cast<const AllocationContext*>(data.get_context())->raw, stream);
+}
+
+at::Tensor DeviceBackend::pin(const at::Tensor& src) {
+  if (!pins_memory()) return src;
+  const size_t n = src.nbytes();
+  c10::DataPtr memory = allocate_pinned(std::max<size_t>(n, 1));
+  if (!memory) return at::Tensor();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), n, std::move(memory), /*allocator=*/nullptr,
+                       /*resizable=*/false);
+  at::Tensor pinned = at::empty({0}, at::TensorOptions().dtype(src.scalar_type())).set_(storage, 0, src.sizes());
+  pinned.copy_(src);
+  return pinned;
 }
 
 uint64_t physical_ram_bytes() {

@@ -104,7 +104,8 @@ class DeviceBackend {
   // that other processes can use it; allocator_stats().reserved_bytes falls. The engine
   // calls it after every residency change that freed memory and after detach.
   virtual void release_cached_memory() {}
-  // Whether pin() really page-locks memory (false: it is a no-op returning the input).
+  // Whether allocate_pinned() really page-locks memory (false: the plain CPU device, whose
+  // copies are asynchronous from any host memory; pin() then returns its input).
   virtual bool pins_memory() const = 0;
 
   // Uninitialized contiguous tensor on the device, accounted as `kind` in this backend's
@@ -145,9 +146,16 @@ class DeviceBackend {
   // DeviceError for a copy that failed asynchronously and that no wait() reported yet.
   virtual void synchronize() = 0;
 
-  // A page-locked copy of host tensor `src`, or an undefined tensor when pinning fails.
-  // On backends that do not pin (pins_memory() false) returns `src` itself.
-  virtual at::Tensor pin(const at::Tensor& src) = 0;
+  // Exactly `bytes` of page-locked host memory (at least 64-byte aligned; a GPU's driver
+  // gives whole pages), freed by the DataPtr's deleter on any thread; a null DataPtr when
+  // it cannot be had. Never through ATen's caching pinned allocator, which rounds up to a
+  // power of two and keeps freed blocks locked (Note [pinned arena], pinned_arena.h). On the
+  // plain CPU device: ordinary aligned host memory (pins_memory() false); on the strict one,
+  // memory its hazard tracker knows as pinned host memory.
+  virtual c10::DataPtr allocate_pinned(size_t bytes) = 0;
+  // A page-locked copy of host tensor `src` in memory from allocate_pinned(), or an
+  // undefined tensor when pinning fails. Where pins_memory() is false returns `src` itself.
+  at::Tensor pin(const at::Tensor& src);
   // Whether a copy from host tensor `src` runs asynchronously: page-locked memory on a GPU.
   // A copy from pageable memory blocks the host until the copy stream drains (the engine
   // then copies through a pinned bounce ring, bounce_ring.h). Always true on the plain CPU

@@ -50,9 +50,6 @@ StreamingEngine::StreamingEngine(EngineOptions options) : options_(std::move(opt
   if (options_.max_resident && !(*options_.max_resident >= 0.0 && *options_.max_resident <= 1.0)) {
     throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*options_.max_resident));
   }
-  if (!(options_.pin_cap_fraction >= 0.0 && options_.pin_cap_fraction <= 1.0)) {
-    throw InvalidArgument("pin cap fraction must be between 0 and 1, got " + std::to_string(options_.pin_cap_fraction));
-  }
   if (options_.ring_slots == 0) {
     options_.ring_slots = options_.prefetch_depth == kPrefetchAuto ? 3 : options_.prefetch_depth + 1;
   }
@@ -60,9 +57,9 @@ StreamingEngine::StreamingEngine(EngineOptions options) : options_(std::move(opt
   max_resident_ = options_.max_resident;
   ResidencyApplierOptions applier;
   applier.pin = options_.pin == PinMode::on || (options_.pin == PinMode::auto_ && device_->pins_memory());
-  applier.pin_cap_bytes = options_.pin_cap_bytes
-                              ? *options_.pin_cap_bytes
-                              : static_cast<uint64_t>(options_.pin_cap_fraction * static_cast<double>(physical_ram_bytes()));
+  applier.arena = options_.pin_arena ? options_.pin_arena
+                                     : std::make_shared<PinnedArena>(options_.pin_memory_limit ? *options_.pin_memory_limit
+                                                                                              : default_pin_memory_limit());
   applier.ring_slots = options_.ring_slots;
   applier_ = std::make_unique<ResidencyApplier>(*device_, applier);
 }
@@ -256,7 +253,6 @@ void StreamingEngine::detach() {
 void StreamingEngine::restore_to_host() noexcept {
   for (auto& r : layers_) {
     try {
-      applier_->unpin_host(r);
       r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
       r.layer->set_weight_scale(r.host_s);
       r.layer->set_provider(nullptr);  // ours while attached, even if a wrapper was installed
@@ -1201,6 +1197,8 @@ EngineStats StreamingEngine::stats(bool wait) {
   }
   if (budget_) s.device_memory = budget_->stats();
   s.pinned = applier_->pinned();
+  s.pinned_bytes = applier_->pinned_bytes();
+  s.pin_limit_bytes = applier_->arena().limit();
   s.residency_h2d = applier_->residency_h2d();
   s.forwards = forwards_;
   s.slot_violations = ring_violations_ + (ring_ ? ring_->violations() : 0);

@@ -5,7 +5,8 @@
 // moves the other parameters and buffers (norms, RoPE tables) to the device. The plan is
 // applied, at attach and at every residency change, by the ResidencyApplier
 // (residency_applier.h, Note [residency applier]): it copies the resident layers there
-// (host->device only) and keeps streamed layers on the host, pinned when allowed; the
+// (host->device only) and keeps streamed layers on the host, pinned when allowed (in the
+// pinned arena, Note [pinned arena] in pinned_arena.h); the
 // engine keeps the per-layer records (layer_record.h), makes the staging ring for what
 // streams and logs the result. During a forward each layer's WeightLease calls acquire()/release():
 //  - resident layer: upcast its stored tensors on the device into a scratch buffer;
@@ -15,7 +16,9 @@
 //    overwritten (Note [staging ring sizing]).
 // Registered parameters always hold the stored dtype. Weights never go device->host: the
 // host copy of every layer is kept in RAM for as long as the model is attached, so
-// unloading only drops device copies.
+// unloading only drops device copies. Pinned host copies stay pinned after a detach (they
+// are the model's host weights until it leaves RAM): neither a detach nor a re-attach
+// copies anything on the host.
 //
 // Prefetching follows the recorded acquire order of each forward kind (Note [prefetch
 // order] in prefetch_scheduler.h) and runs ahead as far as the staging ring's bytes allow
@@ -37,7 +40,9 @@
 //    ResourceError, and the model is given back as it was. For the ring in a residency
 //    change: a ResourceError, the previous residency minus what this call promoted, and
 //    the ring is made again by the next forward that streams.
-//  - Pinning fails: streamed layers use pageable memory, with one warning.
+//  - Pinning fails: streamed layers use pageable memory, with one warning. Pinning would
+//    pass the pinned arena's limit: the layers past it stay pageable (copied through the
+//    bounce ring), with one warning.
 //  - A host->device copy fails or times out (DeviceError from the device): while making
 //    layers resident, the change is undone (attach: the model is given back) and the
 //    error raised; for a streamed layer, the acquire throws a DeviceError naming the layer
@@ -83,6 +88,7 @@
 #include "offload/device.h"
 #include "offload/layer.h"
 #include "offload/layer_record.h"
+#include "offload/pinned_arena.h"
 #include "offload/prefetch_scheduler.h"
 #include "offload/residency_applier.h"
 #include "offload/residency_plan.h"
@@ -111,8 +117,9 @@ struct EngineOptions {
                                                // 0: prefetch_depth + 1, or 3 with auto (Note [staging ring])
   ResidencyPolicy policy = ResidencyPolicy::balanced;  // see Note [residency policy] and Note [balanced plan]
   PinMode pin = PinMode::auto_;                // page-locked host copies of streamed layers
-  double pin_cap_fraction = 0.5;               // most pinned bytes, as a fraction of physical RAM
-  std::optional<uint64_t> pin_cap_bytes;       // most pinned bytes; overrides pin_cap_fraction
+  std::shared_ptr<PinnedArena> pin_arena;      // where they are pinned, under its limit (the model cache shares one);
+                                               // null: the engine's own, limited by pin_memory_limit
+  std::optional<uint64_t> pin_memory_limit;    // the own arena's limit in bytes; none: default_pin_memory_limit()
   std::vector<std::string> required_patterns = {"^final_layer(\\.|$)"};  // regex search on layer names: always resident
   bool require_unconverted = false;            // true: layers stored in their compute dtype stay resident (they stream
                                                // like any other by default: the stored bytes are sent, no upcast)
@@ -202,6 +209,11 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   uint64_t device_bytes() const;
   // Of which allocated on the device now: the ring's slots made so far instead of its capacity.
   uint64_t device_allocated_bytes() const;
+  // Page-locked bytes holding the attached model's pinned host copies beyond their own
+  // bytes (the pinned arena's alignment padding): what pinning adds to its host RAM.
+  uint64_t pinned_padding_bytes() const {
+    return applier_->pinned_bytes() - static_cast<uint64_t>(applier_->pinned().current);
+  }
   // A snapshot. `wait`: resolve every outstanding timing first (waits for the device to
   // finish the last forward); otherwise only forwards the device has finished are in
   // forward_records (`forwards` counts them all).

@@ -7,25 +7,15 @@
 #include <utility>
 
 #include "runtime/error.h"
-#include "runtime/fault_injection.h"
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
 
 namespace sluice::offload {
 
-namespace {
-
-at::Tensor pageable_copy(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  at::Tensor out = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
-  out.copy_(t);
-  return out;
-}
-
-}  // namespace
-
 ResidencyApplier::ResidencyApplier(DeviceBackend& device, ResidencyApplierOptions options)
-    : device_(device), options_(options), want_pin_(options.pin) {}
+    : device_(device), options_(std::move(options)), want_pin_(options_.pin) {
+  if (!options_.arena) options_.arena = std::make_shared<PinnedArena>(default_pin_memory_limit());
+}
 
 void ResidencyApplier::begin_model(std::string model_name, std::shared_ptr<MemoryLedger> budget) {
   model_name_ = std::move(model_name);
@@ -35,6 +25,8 @@ void ResidencyApplier::begin_model(std::string model_name, std::shared_ptr<Memor
 void ResidencyApplier::end_model() noexcept {
   budget_.reset();
   pinned_ = Stat{};
+  pinned_bytes_ = 0;
+  chunks_.clear();
 }
 
 void ResidencyApplier::make_resident(LayerRecord& r) {
@@ -63,57 +55,58 @@ void ResidencyApplier::make_streamed(LayerRecord& r) {
   r.resident = false;
 }
 
-void ResidencyApplier::pin_host(LayerRecord& r) {
-  if (!want_pin_ || r.pinned) return;
-  if (static_cast<uint64_t>(pinned_.current) + r.stored_bytes > options_.pin_cap_bytes) {
-    if (!pin_warned_) {
-      log::warn("pinned host memory cap of " + format_mib(options_.pin_cap_bytes) + " reached: further streamed layers of '" +
-                model_name_ + "' use pageable memory (slower copies)");
-      pin_warned_ = true;
-    }
-    return;
-  }
-  const bool injected = fault::triggered("host.pin");  // before pins_memory(): testable on the CPU device
-  if (injected || device_.pins_memory()) {
-    at::Tensor w, b, s;
-    if (!injected) {
-      w = device_.pin(r.host_w);
-      b = r.host_b.defined() ? device_.pin(r.host_b) : at::Tensor();
-      s = r.host_s.defined() ? device_.pin(r.host_s) : at::Tensor();
-    }
-    if (!w.defined() || (r.host_b.defined() && !b.defined()) || (r.host_s.defined() && !s.defined())) {
-      if (!pin_warned_) {
-        log::warn("pinning host memory failed for layer '" + r.name + "' of '" + model_name_ +
-                  "': streamed layers use pageable memory (slower copies)");
-        pin_warned_ = true;
-      }
-      want_pin_ = false;
-      return;
-    }
-    if (device_.pins_memory()) {
-      // The pinned copy replaces the pageable one, so host RAM is not doubled.
-      r.host_w = w;
-      r.host_b = b;
-      r.host_s = s;
-      if (!r.resident) {
-        r.layer->set_stored(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-        r.layer->set_weight_scale(s);
-      }
-    }
-  }
+void ResidencyApplier::adopt(LayerRecord& r) {
   r.pinned = true;
   pinned_.increase(static_cast<int64_t>(r.stored_bytes));
+  for (const at::Tensor* t : {&r.host_w, &r.host_b, &r.host_s}) {
+    const PinnedArena::ChunkRef c = options_.arena->chunk_of(*t);
+    if (c.id && chunks_.emplace(c.id, c.bytes).second) pinned_bytes_ += c.bytes;
+  }
 }
 
-void ResidencyApplier::unpin_host(LayerRecord& r) {
-  if (!r.pinned) return;
-  if (device_.pins_memory()) {
-    r.host_w = pageable_copy(r.host_w);
-    r.host_b = pageable_copy(r.host_b);
-    r.host_s = pageable_copy(r.host_s);
+void ResidencyApplier::pin_host(std::vector<LayerRecord>& layers) {
+  const PinnedArena& arena = *options_.arena;
+  auto in_arena = [&](const at::Tensor& t) { return !t.defined() || arena.holds(t); };
+  for (auto& r : layers) {
+    if (!r.pinned && in_arena(r.host_w) && in_arena(r.host_b) && in_arena(r.host_s)) adopt(r);
   }
-  r.pinned = false;
-  pinned_.decrease(static_cast<int64_t>(r.stored_bytes));
+  if (!want_pin_) return;
+  std::vector<LayerRecord*> todo;
+  std::vector<PinnedArena::Group> groups;
+  for (auto& r : layers) {
+    if (r.resident || r.pinned) continue;
+    todo.push_back(&r);
+    groups.push_back({r.host_w, r.host_b, r.host_s});
+  }
+  if (todo.empty()) return;
+  const PinnedArena::Placed placed = options_.arena->place(device_, groups);
+  for (size_t i = 0; i < placed.groups; ++i) {
+    // The arena's copy replaces the pageable one (not kept anywhere else: host RAM is not doubled).
+    LayerRecord& r = *todo[i];
+    r.host_w = groups[i][0];
+    r.host_b = groups[i][1];
+    r.host_s = groups[i][2];
+    r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
+    r.layer->set_weight_scale(r.host_s);
+    adopt(r);
+  }
+  if (placed.failed) {
+    if (!pin_warned_) {
+      log::warn("pinning host memory failed for layer '" + todo[placed.groups]->name + "' of '" + model_name_ +
+                "': streamed layers use pageable memory (slower copies)");
+      pin_warned_ = true;
+    }
+    want_pin_ = false;
+  } else if (placed.limited && !limit_warned_) {
+    uint64_t pageable = 0;
+    for (size_t i = placed.groups; i < todo.size(); ++i) pageable += todo[i]->stored_bytes;
+    log::warn("pinned memory limit of " + format_mib(arena.limit()) + " reached (" +
+              format_mib(static_cast<uint64_t>(arena.pinned().current)) + " pinned by all models): model '" +
+              model_name_ + "' has " + format_mib(static_cast<uint64_t>(pinned_.current)) +
+              " of host weights pinned, " + format_mib(pageable) +
+              " of streamed layers left in pageable memory (copied through the bounce ring)");
+    limit_warned_ = true;
+  }
 }
 
 ResidencyApplier::Applied ResidencyApplier::apply(std::vector<LayerRecord>& layers, const ResidencyPlan& plan,
@@ -156,9 +149,7 @@ ResidencyApplier::Applied ResidencyApplier::apply(std::vector<LayerRecord>& laye
         }
       }
     }
-    for (auto& r : layers) {
-      if (!r.resident) pin_host(r);
-    }
+    pin_host(layers);
   } catch (...) {
     // Leave a consistent state: drop what this call made resident (the caller makes the
     // ring for what streams now).

@@ -102,6 +102,9 @@ std::string EngineStats::to_json(int indent) const {
                    {"wasted_bytes", wasted_prefetch_bytes},
                    {"mismatched_forwards", mismatched_forwards}};
   j["pinned"] = stat_json(pinned);
+  j["pinned_bytes"] = pinned_bytes;
+  j["pinned_used_bytes"] = pinned.current;
+  j["pin_limit_bytes"] = pin_limit_bytes;
   j["residency_h2d"] = stat_json(residency_h2d);
   // Seen only where the copy stream is a host thread; a GPU cannot detect it (the strict
   // CPU device's hazard tracker covers the GPU's case in CI).

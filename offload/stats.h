@@ -123,7 +123,9 @@ struct EngineStats {
   // what it reserves from the driver. Not available on every backend (the CPU device).
   bool allocator_stats_available = false;
   int64_t allocator_current_bytes = 0, allocator_peak_bytes = 0, allocator_reserved_bytes = 0;
-  Stat pinned;                      // pinned host bytes of streamed layers
+  Stat pinned;                      // stored bytes of the layers whose host copies are pinned (Note [pinned arena])
+  uint64_t pinned_bytes = 0;        // page-locked bytes holding them: the arena chunks (pinned.current plus alignment)
+  uint64_t pin_limit_bytes = 0;     // the pinned arena's limit (all models sharing it)
   Stat residency_h2d;               // bytes copied/dropped by attach and residency changes
   uint64_t forwards = 0;
   uint64_t slot_violations = 0;     // copies that started on a slot still in use (must be 0; detected on the CPU device only)
@@ -139,7 +141,8 @@ struct EngineStats {
   // weight_bytes,ring_bytes,scratch_bytes,lora_bytes (current, by use),
   // allocator_stats ("available"|"unavailable"),allocator_{current,peak,reserved}_bytes
   // (null when unavailable)}, plan.{policy,predicted_step_ms,floor_ms,measured_step_ms,...},
-  // prefetch.{wasted_copies,wasted_bytes,mismatched_forwards}, pinned, forwards[].
+  // prefetch.{wasted_copies,wasted_bytes,mismatched_forwards}, pinned, pinned_bytes,
+  // pinned_used_bytes (pinned.current), pin_limit_bytes, forwards[].
   std::string to_json(int indent = 2) const;
 };
 

@@ -10,8 +10,11 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <atomic>
+#include <string>
 
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
@@ -20,6 +23,60 @@
 namespace sluice::offload {
 
 namespace {
+
+// The driver's page-locked host allocation, resolved at run time: torch_cuda (or
+// torch_hip) has loaded the runtime already, so sluice needs no CUDA or HIP at build time
+// and the same binary serves both. cudaHostAlloc(void**, size_t, unsigned) and
+// hipHostMalloc have the same shape; both return 0 on success.
+struct HostAllocApi {
+  int (*alloc)(void**, size_t, unsigned) = nullptr;
+  int (*free)(void*) = nullptr;   // cudaFreeHost / hipHostFree
+  int (*clear_error)() = nullptr;  // cudaGetLastError / hipGetLastError
+  std::string alloc_name;
+};
+constexpr unsigned kHostAllocPortable = 1;  // cudaHostAllocPortable == hipHostMallocPortable: pinned for every context
+
+void* find_symbol(const char* symbol) {
+  if (void* p = dlsym(RTLD_DEFAULT, symbol)) return p;
+  // Loaded with RTLD_LOCAL (a Python extension's dependencies): look in the runtime itself.
+  for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so",
+                          "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so"}) {
+    if (void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD)) {
+      void* p = dlsym(h, symbol);
+      dlclose(h);  // RTLD_NOLOAD took a reference; the library stays loaded by its owner
+      if (p) return p;
+    }
+  }
+  return nullptr;
+}
+
+const HostAllocApi& host_alloc_api() {
+  static const HostAllocApi api = [] {
+    HostAllocApi a;
+    // hipHostAlloc: the name newer ROCm releases keep once hipHostMalloc is retired.
+    const char* names[3][3] = {{"cudaHostAlloc", "cudaFreeHost", "cudaGetLastError"},
+                               {"hipHostMalloc", "hipHostFree", "hipGetLastError"},
+                               {"hipHostAlloc", "hipHostFree", "hipGetLastError"}};
+    for (const auto& n : names) {
+      void* alloc = find_symbol(n[0]);
+      void* free = find_symbol(n[1]);
+      if (!alloc || !free) continue;
+      a.alloc = reinterpret_cast<int (*)(void**, size_t, unsigned)>(alloc);
+      a.free = reinterpret_cast<int (*)(void*)>(free);
+      a.clear_error = reinterpret_cast<int (*)()>(find_symbol(n[2]));
+      a.alloc_name = n[0];
+      break;
+    }
+    return a;
+  }();
+  return api;
+}
+
+// The deleter of allocate_pinned()'s memory (a free that fails leaks nothing worse than
+// the failure itself: nothing to do but drop the error).
+void free_pinned(void* p) {
+  if (host_alloc_api().free(p) != 0 && host_alloc_api().clear_error) host_alloc_api().clear_error();
+}
 
 class TorchEvent final : public DeviceEvent {
  public:
@@ -156,14 +213,24 @@ class TorchDevice final : public DeviceBackend {
 
   uint64_t compute_stream_id() const override { return static_cast<uint64_t>(impl_.getStream(device_).id()); }
 
-  at::Tensor pin(const at::Tensor& src) override {
-    try {
-      at::Tensor pinned = at::empty(src.sizes(), at::TensorOptions().dtype(src.scalar_type()).pinned_memory(true));
-      pinned.copy_(src);
-      return pinned;
-    } catch (const c10::Error&) {
-      return at::Tensor();
+  // Exact-size page-locked memory straight from the driver (Note [pinned arena]).
+  c10::DataPtr allocate_pinned(size_t bytes) override {
+    const HostAllocApi& api = host_alloc_api();
+    if (!api.alloc) {
+      if (!pin_warned_.exchange(true)) {
+        log::warn(name() + ": neither cudaHostAlloc nor hipHostMalloc is loaded in this process: host memory "
+                  "cannot be page-locked, streamed layers stay in pageable memory");
+      }
+      return {};
     }
+    c10::DeviceGuard guard(device_);
+    void* p = nullptr;
+    if (api.alloc(&p, std::max<size_t>(bytes, 1), kHostAllocPortable) != 0 || !p) {
+      if (api.clear_error) api.clear_error();  // not sticky: keep it from torch's next error check
+      log::debug(name() + ": " + api.alloc_name + " of " + std::to_string(bytes) + " bytes failed");
+      return {};
+    }
+    return c10::DataPtr(p, p, &free_pinned, c10::Device(c10::kCPU));
   }
 
  protected:
@@ -198,6 +265,7 @@ class TorchDevice final : public DeviceBackend {
   c10::Stream copy_stream_;
   int64_t total_override_;
   mutable std::atomic<bool> memory_warned_{false}, stats_warned_{false}, empty_warned_{false};
+  std::atomic<bool> pin_warned_{false};
 };
 
 }  // namespace

@@ -10,8 +10,10 @@
 //  - Memory: free/total, the allocator's counters and cache release come from torch's
 //    device-generic accelerator API (ATen/DeviceAccelerator.h: getMemoryInfo,
 //    getDeviceStats, emptyCache), so CUDA and ROCm builds need no nvcc for them.
-//  - pin() allocates page-locked memory through ATen (pinned_memory(true)) and copies into
-//    it; any failure returns an undefined tensor so the caller falls back to pageable.
+//  - allocate_pinned() takes exact-size page-locked memory from the driver
+//    (cudaHostAlloc, or hipHostMalloc on ROCm, looked up at run time in the runtime that
+//    torch loaded), not from ATen's caching host allocator (Note [pinned arena]); when
+//    neither is loaded it warns once and returns nothing, so the caller stays pageable.
 //
 // Note [pinned memory on ROCm]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -191,7 +191,7 @@ const std::vector<PointInfo>& known_points() {
       {"device.alloc.scratch", "device out of memory allocating upcast scratch"},
       {"device.alloc.params", "device out of memory allocating norms, biases and buffers"},
       {"device.alloc.lora", "device out of memory allocating a LoRA sidecar"},
-      {"host.pin", "page-locking (pinning) host memory fails"},
+      {"host.pin", "page-locking (pinning) host memory fails: a chunk of the pinned arena for streamed layers"},
       {"host.pin.bounce", "page-locking the bounce ring for pageable copies fails (copies become synchronous)"},
       {"copy.h2d.enqueue", "enqueuing a host->device copy fails at once"},
       {"copy.h2d", "a host->device copy fails on the copy stream (reported at the next event)"},

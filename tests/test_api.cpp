@@ -307,6 +307,8 @@ TEST_CASE("api: errors name what is at fault") {
         std::string::npos);
   CHECK(message([] { sluice::RuntimeOptions o = cpu(); o.pin_memory = "maybe"; sluice::ModelCache c(o); })
             .find("pin_memory") != std::string::npos);
+  CHECK(message([] { sluice::RuntimeOptions o = cpu(); o.pin_memory_limit = "plenty"; sluice::ModelCache c(o); })
+            .find("pin_memory_limit") != std::string::npos);
   CHECK(message([] { sluice::RuntimeOptions o = cpu(); o.policy = "random"; sluice::ModelCache c(o); })
             .find("policy") != std::string::npos);
   sluice::ModelCache cache(cpu());

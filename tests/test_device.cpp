@@ -3,10 +3,13 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <limits>
 #include <thread>
+#include <vector>
 
 #include "offload/cpu_device.h"
 #include "offload/device.h"
+#include "offload/pinned_arena.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "tests/device_env.h"
@@ -287,4 +290,39 @@ TEST_CASE("env device: events time device work and an injected enqueue fault lea
   dev->record(*stop, StreamKind::copy);
   dev->wait(StreamKind::compute, *stop);
   CHECK(dst.sum().item<float>() == static_cast<float>(1 << 18));
+}
+
+TEST_CASE("env device: the pinned arena gets exact-size page-locked chunks and streams from them", "[env-device]") {
+  SLUICE_TEST_DEVICE_OR_SKIP(dev);
+  // Three 24 MiB tensors with odd sizes: two chunks (48 MiB + 24 MiB and their tails), never
+  // rounded to a power of two; on a GPU the memory comes from the driver, page-locked.
+  PinnedArena arena(std::numeric_limits<uint64_t>::max());
+  std::vector<PinnedArena::Group> groups;
+  std::vector<at::Tensor> originals;
+  uint64_t stored = 0;
+  for (int i = 0; i < 3; ++i) {
+    at::Tensor t = at::arange((24 << 20) / 4 - 3 + i, at::kFloat) * static_cast<float>(i + 1);
+    originals.push_back(t.clone());
+    stored += t.nbytes();
+    groups.push_back({t});
+  }
+  const auto placed = arena.place(*dev, groups);
+  REQUIRE(placed.groups == 3);
+  CHECK(arena.chunks() == 2);
+  const double ratio = static_cast<double>(arena.pinned().current) / static_cast<double>(stored);
+  INFO("pinned " << arena.pinned().current << " / placed " << stored);
+  CHECK(ratio <= 1.01);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const at::Tensor& h = groups[i][0];
+    CHECK(arena.holds(h));
+    CHECK(dev->is_pinned(h));
+    if (!dev->device().is_cpu()) CHECK(h.is_pinned());  // the driver knows it as page-locked
+    at::Tensor d = dev->allocate(h.sizes(), h.scalar_type(), MemoryKind::ring, "arena copy");
+    dev->copy_to_device(d, h);
+    dev->synchronize();
+    CHECK(at::equal(d.cpu(), originals[i]));
+  }
+  groups.clear();
+  CHECK(arena.pinned().current == 0);
+  CHECK(dev->memory_stats().total.current == 0);
 }

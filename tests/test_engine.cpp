@@ -536,7 +536,7 @@ TEST_CASE("engine: detach gives the model back as it was") {
   CHECK(at::equal(run(engine, model, x), ref));
 }
 
-TEST_CASE("engine: pinned bytes are capped and counted") {
+TEST_CASE("engine: pinned bytes stop at the arena's limit and are counted") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -550,13 +550,14 @@ TEST_CASE("engine: pinned bytes are capped and counted") {
   EngineOptions o = options(slowed_cpu());
   o.max_resident = 0.0;
   o.pin = PinMode::on;
-  o.pin_cap_bytes = 100000;
+  o.pin_memory_limit = 100000;
   StreamingEngine engine(o);
   engine.attach(*model, "toy");
   const EngineStats s = engine.stats();
   CHECK(s.pinned.current > 0);
   CHECK(static_cast<uint64_t>(s.pinned.current) <= 100000);
-  // Pinned in execution order until the next layer would pass the cap.
+  // Pinned in execution order until the next layer would pass the limit (the toy's tensors
+  // are multiples of the arena's alignment: no padding).
   uint64_t expect = 0;
   bool full = false;
   for (auto& [name, l] : managed_layers(*model)) {
@@ -567,7 +568,9 @@ TEST_CASE("engine: pinned bytes are capped and counted") {
     }
     expect += static_cast<uint64_t>(l->stored_bytes());
   }
-  CHECK(static_cast<uint64_t>(s.pinned.current) >= expect);
+  CHECK(static_cast<uint64_t>(s.pinned.current) == expect);
+  CHECK(s.pinned_bytes == expect);
+  CHECK(s.pin_limit_bytes == 100000);
   CHECK(at::equal(run(engine, model, x), ref));
   engine.full_load();
   CHECK(at::equal(run(engine, model, x), ref));

@@ -64,7 +64,7 @@ struct Rig {
   ResidencyApplier applier;
   std::vector<uint64_t> rings;  // capacities the applier asked for
 
-  explicit Rig(ResidencyApplierOptions options = {false, 0, kRingSlots}, int blocks = 3)
+  explicit Rig(ResidencyApplierOptions options = {false, nullptr, kRingSlots}, int blocks = 3)
       : model(toy(blocks)), applier(*device, options) {
     for (const auto& [name, layer] : managed_layers(*model)) {
       layers.push_back(describe_layer(name, *layer));
@@ -78,10 +78,7 @@ struct Rig {
     applier.begin_model("toy", budget);
   }
   ~Rig() {
-    for (auto& r : layers) {
-      applier.make_streamed(r);
-      applier.unpin_host(r);
-    }
+    for (auto& r : layers) applier.make_streamed(r);
   }
   static testing::ToyOptions toy(int blocks) {
     testing::ToyOptions o;
@@ -122,12 +119,13 @@ struct Rig {
           CHECK(same_bytes(r.dev_s, r.host_s));
         }
       } else {
-        // The record's host copies: the original host tensors, or (where the device really
-        // pins, as the strict CPU device does) their pinned copies; never device copies.
+        // The record's host copies: the original host tensors, or their copies in the
+        // pinned arena; never device copies.
         CHECK(!r.dev_w.defined());
         CHECK(w.data_ptr() == r.host_w.data_ptr());
         CHECK(same_bytes(w, bytes_w[i]));
-        const bool original = !(r.pinned && device->pins_memory());
+        const bool original = !r.pinned;
+        CHECK(r.pinned == applier.arena().holds(r.host_w));
         if (original) CHECK(w.data_ptr() == host_w[i]);
         if (host_b[i]) {
           CHECK(r.layer->stored_bias().data_ptr() == r.host_b.data_ptr());
@@ -355,25 +353,26 @@ TEST_CASE("residency applier: a failed copy while promoting undoes the promotion
   rig.check_placement(plan);
 }
 
-TEST_CASE("residency applier: pinning respects the cap, counted, with one warning") {
+TEST_CASE("residency applier: pinning stops at the arena's limit, counted, with one warning") {
   Rig probe;
   const size_t n = probe.layers.size();
   std::vector<bool> resident(n, false);
   resident[0] = resident[n - 1] = true;  // never pinned
-  // A cap that holds some of the streamed layers and not all.
+  // A limit that holds some of the streamed layers and not all.
   uint64_t streamed = 0;
   for (size_t i = 0; i < n; ++i) {
     if (!resident[i]) streamed += probe.layers[i].stored_bytes;
   }
-  const uint64_t cap = streamed / 2;
-  Rig rig({true, cap, kRingSlots});
+  const uint64_t limit = streamed / 2;
+  auto arena = std::make_shared<PinnedArena>(limit);
+  Rig rig({true, arena, kRingSlots});
   REQUIRE(rig.applier.pinning());
-  REQUIRE(rig.applier.pin_cap() == cap);
 
   const uint64_t warnings = log::message_count(log::Level::warn);
   rig.apply(rig.plan(resident, 10));
   uint64_t pinned = 0;
   size_t unpinned_streamed = 0;
+  bool stopped = false;
   for (size_t i = 0; i < n; ++i) {
     const LayerRecord& r = rig.layers[i];
     INFO("layer " << r.name);
@@ -381,9 +380,11 @@ TEST_CASE("residency applier: pinning respects the cap, counted, with one warnin
       CHECK_FALSE(r.pinned);
       continue;
     }
-    const bool fits = pinned + r.stored_bytes <= cap;  // each layer by itself, in order
-    CHECK(r.pinned == fits);
-    if (fits) {
+    const uint64_t footprint =
+        PinnedArena::footprint(r.host_w) + PinnedArena::footprint(r.host_b) + PinnedArena::footprint(r.host_s);
+    stopped = stopped || pinned + footprint > limit;  // in order: the first that passes stops the rest
+    CHECK(r.pinned == !stopped);
+    if (!stopped) {
       pinned += r.stored_bytes;
     } else {
       ++unpinned_streamed;
@@ -392,37 +393,86 @@ TEST_CASE("residency applier: pinning respects the cap, counted, with one warnin
   REQUIRE(unpinned_streamed > 0);
   REQUIRE(pinned > 0);
   CHECK(rig.applier.pinned().current == static_cast<int64_t>(pinned));
-  CHECK(rig.applier.pinned().current <= static_cast<int64_t>(cap));
-  CHECK(log::message_count(log::Level::warn) == warnings + 1);  // the cap, once
+  CHECK(static_cast<uint64_t>(arena->pinned().current) <= limit);
+  CHECK(arena->used_bytes() == pinned);
+  CHECK(rig.applier.pinned_bytes() == static_cast<uint64_t>(arena->pinned().current));  // only this model's
+  CHECK(log::message_count(log::Level::warn) == warnings + 1);  // the limit, once
   rig.check_placement(resident);
 
   // Again: nothing pinned twice, no second warning.
   rig.apply(rig.plan(resident, 10));
   CHECK(rig.applier.pinned().current == static_cast<int64_t>(pinned));
   CHECK(rig.applier.pinned().allocated == static_cast<int64_t>(pinned));
+  CHECK(arena->used_bytes() == pinned);
   CHECK(log::message_count(log::Level::warn) == warnings + 1);
 
-  for (auto& r : rig.layers) rig.applier.unpin_host(r);
-  CHECK(rig.applier.pinned().current == 0);
-  CHECK(rig.applier.pinned().freed == static_cast<int64_t>(pinned));
+  // The model is detached: the counters of the applier go, the pinned copies stay with the model.
   rig.applier.end_model();
-  CHECK(rig.applier.pinned().allocated == 0);
+  CHECK(rig.applier.pinned().current == 0);
+  CHECK(rig.applier.pinned_bytes() == 0);
+  CHECK(arena->used_bytes() == pinned);
 }
 
 TEST_CASE("residency applier: a pinning failure turns pinning off with one warning") {
-  Rig rig({true, std::numeric_limits<uint64_t>::max(), kRingSlots});
+  Rig rig({true, nullptr, kRingSlots});
   const size_t n = rig.layers.size();
   const uint64_t warnings = log::message_count(log::Level::warn);
   {
-    fault::ScopedFault f("host.pin", from_nth(3));
+    fault::ScopedFault f("host.pin", from_nth(1));
     rig.apply(rig.plan(std::vector<bool>(n, false), 10));
-    CHECK(f.fired() == 1);  // pinning is off after the first failure
+    CHECK(f.fired() == 1);  // one chunk asked for (the toy's layers fit one), then pinning is off
+    rig.apply(rig.plan(std::vector<bool>(n, false), 10));
+    CHECK(f.fired() == 1);
   }
   CHECK_FALSE(rig.applier.pinning());
   CHECK(log::message_count(log::Level::warn) == warnings + 1);
-  size_t pinned = 0;
-  for (const auto& r : rig.layers) pinned += r.pinned ? 1 : 0;
-  CHECK(pinned == 2);
-  CHECK(rig.applier.pinned().current == static_cast<int64_t>(rig.layers[0].stored_bytes + rig.layers[1].stored_bytes));
+  for (const auto& r : rig.layers) CHECK_FALSE(r.pinned);
+  CHECK(rig.applier.pinned().current == 0);
+  CHECK(rig.applier.arena().pinned().current == 0);  // the reservation was given back
   rig.check_placement(std::vector<bool>(n, false));
+}
+
+TEST_CASE("residency applier: promotion, demotion and a new model's records copy no pinned layer again") {
+  auto arena = std::make_shared<PinnedArena>(std::numeric_limits<uint64_t>::max());
+  Rig rig({true, arena, kRingSlots});
+  const size_t n = rig.layers.size();
+  std::vector<bool> none(n, false), some(n, false);
+  for (size_t i = 0; i < n; i += 3) some[i] = true;
+  rig.apply(rig.plan(none, 10));
+  const uint64_t chunks = arena->chunks();
+  const Stat pinned = arena->pinned();
+  REQUIRE(chunks >= 1);
+  std::vector<const void*> where;
+  for (const auto& r : rig.layers) {
+    REQUIRE(r.pinned);
+    where.push_back(r.host_w.data_ptr());
+  }
+  // Promotion: the host copies stay pinned and counted. (check_placement() would compare
+  // with the original host pointers, which were freed when the layers were pinned.)
+  rig.apply(rig.plan(some, 10));
+  for (size_t i = 0; i < n; ++i) {
+    const LayerRecord& r = rig.layers[i];
+    CHECK(r.resident == some[i]);
+    CHECK(r.pinned);
+    CHECK(r.host_w.data_ptr() == where[i]);
+    CHECK(r.layer->stored_weight().data_ptr() == (some[i] ? r.dev_w.data_ptr() : where[i]));
+  }
+  CHECK(arena->pinned().allocated == pinned.allocated);
+  rig.apply(rig.plan(none, 10));  // demotion: back to the same pinned copies
+  rig.check_placement(none);
+  // A re-attach: new records of the same model find their layers in the arena.
+  rig.applier.end_model();
+  rig.applier.begin_model("toy", rig.budget);
+  for (auto& r : rig.layers) r = describe_layer(r.name, *r.layer);
+  rig.apply(rig.plan(some, 10));
+  for (size_t i = 0; i < n; ++i) {
+    CHECK(rig.layers[i].pinned);
+    CHECK(rig.layers[i].host_w.data_ptr() == where[i]);
+  }
+  CHECK(arena->chunks() == chunks);
+  CHECK(arena->pinned().allocated == pinned.allocated);  // nothing pinned again
+  CHECK(rig.applier.pinned_bytes() == static_cast<uint64_t>(pinned.current));
+  uint64_t stored = 0;
+  for (const auto& r : rig.layers) stored += r.stored_bytes;
+  CHECK(rig.applier.pinned().current == static_cast<int64_t>(stored));  // resident ones keep theirs
 }

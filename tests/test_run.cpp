@@ -57,6 +57,7 @@ TEST_CASE("run: the same seed gives a bit-identical latent for every budget and 
       {"--max-resident", "0.25", "--prefetch", "1"},
       {"--max-resident", "0", "--prefetch", "4", "--pin-memory", "on"},
       {"--max-resident", "0", "--prefetch", "0", "--pin-memory", "off"},
+      {"--max-resident", "0", "--pin-memory", "on", "--pin-memory-limit", "1MiB"},  // the rest pageable
       {"--vram-budget", "12MiB", "--working-memory", "1MiB"},
       {"--max-resident", "0.75", "--trace", dir / "t.json"},
   };
@@ -281,6 +282,32 @@ TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and 
   expect_error(small_run({"--vram-headroom", "lots"}), 2, {"--vram-headroom", "lots"});
 }
 
+TEST_CASE("run: with pinning on, pinned bytes / streamed bytes <= 1.01 in the stats, under --pin-memory-limit") {
+  TempDir dir;
+  for (const std::string limit : {"", "1MiB"}) {
+    INFO("limit '" << limit << "'");
+    const std::string stats = dir / "pinned.json";
+    std::vector<std::string> extra = {"--max-resident", "0", "--pin-memory", "on", "--stats-json", stats};
+    if (!limit.empty()) extra.insert(extra.end(), {"--pin-memory-limit", limit});
+    const Result r = run_ok(small_run(extra));
+    const nlohmann::json j = read_json(stats);
+    const auto pinned = j.at("pinned_bytes").get<uint64_t>(), used = j.at("pinned_used_bytes").get<uint64_t>();
+    REQUIRE(used > 0);
+    CHECK(static_cast<double>(pinned) / static_cast<double>(used) <= 1.01);
+    CHECK(j.at("cache").at("pinned_bytes").get<uint64_t>() == pinned);  // the only model
+    CHECK(j.at("cache").at("pinned_used_bytes").get<uint64_t>() == used);
+    CHECK(r.out.find("pinned host memory: ") != std::string::npos);
+    if (limit.empty()) {
+      // Every streamed layer is pinned.
+      CHECK(used == j.at("model").at("total_bytes").get<uint64_t>() - j.at("model").at("resident_bytes").get<uint64_t>());
+    } else {
+      CHECK(pinned <= 1 * 1024 * 1024);  // the rest streamed from pageable memory
+      CHECK(used < j.at("model").at("total_bytes").get<uint64_t>() - j.at("model").at("resident_bytes").get<uint64_t>());
+      CHECK(j.at("pin_limit_bytes").get<uint64_t>() == 1024 * 1024);
+    }
+  }
+}
+
 TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
   expect_error(small_run({"--steps", "0"}), 2, {"--steps"});
   expect_error(small_run({"--cfg", "nan"}), 2, {"--cfg"});
@@ -288,6 +315,7 @@ TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
   expect_error(small_run({"--resolution", "100"}), 2, {"--resolution", "100"});
   expect_error(small_run({"--storage", "int8"}), 2, {"int8"});
   expect_error(small_run({"--pin-memory", "sometimes"}), 2, {"sometimes"});
+  expect_error(small_run({"--pin-memory-limit", "lots"}), 2, {"--pin-memory-limit", "lots"});
   expect_error(small_run({"--vram-budget", "lots"}), 2, {"lots"});
   expect_error(small_run({"--working-memory", "50%"}), 2, {"50%"});
   expect_error(small_run({"--prefetch", "-1"}), 2, {"--prefetch"});

@@ -88,6 +88,8 @@ typedef struct sluice_cache_options {
   int trace;                 /* nonzero: record spans for sluice_model_write_trace; default 0 */
   uint64_t device_memory;    /* device memory to assume for percentages; 0: ask the device */
   const char* vram_headroom; /* vram_budget "auto" only: memory left free ("10%" of total); default max(512MiB, 5%) */
+  const char* pin_memory_limit; /* page-locked host bytes for all models ("25%" of RAM); streamed layers past it
+                                   stay pageable; default min(50% of RAM, RAM - 4GiB) */
 } sluice_cache_options;
 
 /* Options of sluice_load; NULL means all defaults. */

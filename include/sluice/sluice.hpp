@@ -58,7 +58,7 @@ struct RuntimeOptions {
   std::string ram_limit;                // host bytes for cached models ("50%" of RAM), LRU eviction; "0": unlimited; empty: max(4GiB, 50% of RAM - 2GiB)
   std::string prefetch = "auto";        // most streamed layers copied ahead of compute: "auto" (as far as the staging ring's bytes allow) or "0".."65536"
   std::string pin_memory = "auto";      // page-locked host copies of streamed layers: "auto" (on for CUDA), "on", "off" (turn off on ROCm if it stalls)
-  double pin_cap_fraction = 0.5;        // most pinned host bytes per model, as a fraction of RAM
+  std::string pin_memory_limit;         // page-locked host bytes for all models together ("25%" of RAM); streamed layers past it stay pageable; empty: min(50% of RAM, RAM - 4GiB)
   std::string policy = "balanced";      // residency plan: "balanced" (minimises the predicted step from measured costs), "spread" or "front-first"
   bool timing = true;                   // device-timed stall/upcast/copy numbers per forward (a few events per layer)
   bool trace = false;                   // record per-layer spans for Model::write_trace (implies timing)
@@ -101,7 +101,10 @@ struct CacheStats {
   uint64_t models = 0;                  // models in RAM now
   uint64_t locked = 0;                  // of which locked (in use)
   uint64_t ram_limit_bytes = 0;         // 0: unlimited
-  Counter ram;                          // host bytes of cached models' weights
+  Counter ram;                          // host bytes of cached models' weights (pinned ones included)
+  uint64_t pin_limit_bytes = 0;         // page-locked host bytes all models may hold (pin_memory_limit)
+  Counter pinned;                       // page-locked host bytes they hold (the pinned arena's chunks)
+  uint64_t pinned_used_bytes = 0;       // of which weights (the rest: alignment padding)
   uint64_t vram_budget_bytes = 0;       // the device budget
   std::string vram_budget_source;       // how it was resolved ("auto: free 22.2GiB - headroom ... = 21.1GiB on cuda:0", "50% of total ..."); empty for a size or all memory
   uint64_t working_memory_bytes = 0;    // part of it kept for activations

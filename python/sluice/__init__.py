@@ -163,7 +163,8 @@ class ModelCache:
     Keyword arguments are the fields of the C++ RuntimeOptions: device ("cpu" plays the
     device for tests), vram_budget ("50%" of total device memory, "6GiB", or "auto": free
     memory minus vram_headroom), vram_headroom, working_memory, resolution, ram_limit,
-    prefetch ("auto" or a number of layers), pin_memory ("auto"|"on"|"off"), pin_cap_fraction,
+    prefetch ("auto" or a number of layers), pin_memory ("auto"|"on"|"off"),
+    pin_memory_limit (page-locked bytes of all models, "25%" of RAM),
     policy ("balanced"|"spread"|"front-first"), timing, trace,
     device_memory, cpu_copy_gbps.
     """

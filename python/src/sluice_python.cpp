@@ -25,7 +25,7 @@ using release_gil = py::call_guard<py::gil_scoped_release>;
 
 sluice::RuntimeOptions runtime_options(const std::string& device, const std::string& vram_budget,
                                        const std::string& working_memory, int64_t resolution, const std::string& ram_limit,
-                                       const py::object& prefetch, const std::string& pin_memory, double pin_cap_fraction,
+                                       const py::object& prefetch, const std::string& pin_memory, const std::string& pin_memory_limit,
                                        const std::string& policy, bool timing, bool trace, uint64_t device_memory,
                                        double cpu_copy_gbps, const std::string& vram_headroom) {
   sluice::RuntimeOptions o;
@@ -37,7 +37,7 @@ sluice::RuntimeOptions runtime_options(const std::string& device, const std::str
   // "auto" or a number of layers (an int or its string).
   o.prefetch = py::isinstance<py::int_>(prefetch) ? std::to_string(prefetch.cast<int64_t>()) : prefetch.cast<std::string>();
   o.pin_memory = pin_memory;
-  o.pin_cap_fraction = pin_cap_fraction;
+  o.pin_memory_limit = pin_memory_limit;
   o.policy = policy;
   o.timing = timing;
   o.trace = trace;
@@ -98,7 +98,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<sluice::RuntimeOptions>(m, "RuntimeOptions")
       .def(py::init(&runtime_options), py::arg("device") = "cpu", py::arg("vram_budget") = "",
            py::arg("working_memory") = "", py::arg("resolution") = 1024, py::arg("ram_limit") = "",
-           py::arg("prefetch") = "auto", py::arg("pin_memory") = "auto", py::arg("pin_cap_fraction") = 0.5,
+           py::arg("prefetch") = "auto", py::arg("pin_memory") = "auto", py::arg("pin_memory_limit") = "",
            py::arg("policy") = "balanced", py::arg("timing") = true, py::arg("trace") = false,
            py::arg("device_memory") = 0, py::arg("cpu_copy_gbps") = 0.0, py::arg("vram_headroom") = "")
       .def_readonly("device", &sluice::RuntimeOptions::device)
