@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -418,6 +419,12 @@ TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the mod
     CHECK(engine.device_bytes() <= n.full);
     CHECK(alive_peak(*dev) <= n.full);
     CHECK(engine.minimum_budget() > n.minimum);  // the minimum includes the sidecars
+    std::printf("anima-medium, rank-64 LoRA on %zu Linears at a budget of %llu bytes (fully resident): sidecars %llu "
+                "bytes; resident %llu -> %llu bytes, %zu layers streamed; device bytes alive peaked at %llu\n",
+                adapter.targets.size(), static_cast<unsigned long long>(n.full),
+                static_cast<unsigned long long>(scope.device_bytes()), static_cast<unsigned long long>(resident),
+                static_cast<unsigned long long>(engine.plan().resident_bytes), engine.plan().streamed_count(),
+                static_cast<unsigned long long>(alive_peak(*dev)));
   }
   // Dropped: the room goes back to resident layers.
   CHECK(engine.sidecar_bytes() == 0);

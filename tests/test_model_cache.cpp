@@ -22,6 +22,7 @@
 #include <mutex>
 #include <regex>
 #include <string>
+#include <cstdio>
 #include <thread>
 #include <vector>
 
@@ -622,13 +623,16 @@ TEST_CASE("model_cache: queries and other models' locks never wait for a running
   const uint64_t forwards = cache->engine_stats(a).forwards;
   REQUIRE(forwards == 1);
 
-  // A forward of a that lasts until the test releases it (at most 5 s): a real forward,
-  // then a hold inside the same run().
+  // A forward of a that lasts at least 2 s and until the test releases it (at most 5 s):
+  // a real forward, then a hold inside the same run().
+  using Clock = std::chrono::steady_clock;
   Lock la = cache->lock(a);
   Gate started, release;
   std::atomic<bool> ended{false};
+  Clock::time_point run_start, run_end;
   std::thread runner([&] {
     cache->run(la, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+      run_start = Clock::now();
       {
         c10::InferenceMode guard;
         offload::ForwardScope scope(engine, "dit");
@@ -636,10 +640,19 @@ TEST_CASE("model_cache: queries and other models' locks never wait for a running
       }
       started.release();
       release.wait(std::chrono::seconds(5));
+      std::this_thread::sleep_until(run_start + std::chrono::seconds(2));
+      run_end = Clock::now();
       ended = true;
     });
   });
   REQUIRE(started.wait(std::chrono::seconds(120)));
+  // The longest of the calls below; the done-when bound is a tenth of the forward's time.
+  double longest_ms = 0;
+  const auto timed = [&](const auto& call) {
+    const auto t0 = Clock::now();
+    call();
+    longest_ms = std::max(longest_ms, std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  };
 
   // A residency change of a waits for a's forward, without holding up anyone else.
   std::atomic<bool> unload_after_end{false};
@@ -650,25 +663,32 @@ TEST_CASE("model_cache: queries and other models' locks never wait for a running
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // lets it reach its wait; not a bound
 
   // Each call returns while a's forward is still running; the snapshot predates it.
-  const offload::EngineStats st = cache->engine_stats(a);
+  offload::EngineStats st;
+  timed([&] { st = cache->engine_stats(a); });
   CHECK_FALSE(ended);
   CHECK(st.forwards == forwards);
-  CHECK(cache->model_stats_json(a).find("\"forwards\"") != std::string::npos);
+  std::string model_json;
+  timed([&] { model_json = cache->model_stats_json(a); });
+  CHECK(model_json.find("\"forwards\"") != std::string::npos);
   CHECK_FALSE(ended);
-  const ModelCache::EntryState es = cache->entry_state(a);
+  ModelCache::EntryState es;
+  timed([&] { es = cache->entry_state(a); });
   CHECK_FALSE(ended);
   CHECK(es.locks >= 1);
   CHECK(es.device_bytes > 0);
   TempFile trace;
-  cache->write_trace(a, trace.path);
+  timed([&] { cache->write_trace(a, trace.path); });
   CHECK_FALSE(ended);
   std::ifstream written(trace.path);
   const std::string json((std::istreambuf_iterator<char>(written)), std::istreambuf_iterator<char>());
   CHECK(json.find("traceEvents") != std::string::npos);
-  CHECK(cache->stats_json().find("\"hits\"") != std::string::npos);
+  std::string cache_json;
+  timed([&] { cache_json = cache->stats_json(); });
+  CHECK(cache_json.find("\"hits\"") != std::string::npos);
   CHECK_FALSE(ended);
   {
-    Lock lb = cache->lock(b);
+    Lock lb;
+    timed([&] { lb = cache->lock(b); });
     CHECK_FALSE(ended);
     forward(*cache, lb, in);
     CHECK_FALSE(ended);
@@ -680,6 +700,11 @@ TEST_CASE("model_cache: queries and other models' locks never wait for a running
   runner.join();
   unloader.join();
   CHECK(unload_after_end);
+  const double forward_ms = std::chrono::duration<double, std::milli>(run_end - run_start).count();
+  std::printf("a forward of %.0f ms: stats, model stats, entry state, trace, cache stats and another model's lock() "
+              "took at most %.2f ms each\n", forward_ms, longest_ms);
+  CHECK(forward_ms >= 2000);
+  CHECK(longest_ms < forward_ms / 10);
   la.unlock();
   // The forward published its stats as it ended.
   CHECK(cache->engine_stats(a).forwards == forwards + 1);
