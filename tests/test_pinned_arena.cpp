@@ -10,6 +10,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstdio>
+
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -323,6 +325,9 @@ TEST_CASE("pinned arena: detach makes no host copy and re-attach pins nothing ag
   REQUIRE(static_cast<double>(pinned.current) > 0.1 * static_cast<double>(proc_status_bytes("VmRSS")));
   const RssGrowth growth = peak_rss_growth([&] { engine.detach(); });
   INFO("peak RSS growth during detach: " << growth.bytes << " bytes, " << growth.fraction() * 100 << "%");
+  std::printf("detach with %llu pinned bytes: peak RSS grew %llu bytes (%.3f%%)\n",
+              static_cast<unsigned long long>(pinned.current), static_cast<unsigned long long>(growth.bytes),
+              growth.fraction() * 100);
   CHECK(growth.fraction() <= 0.05);
   CHECK(growth.bytes < static_cast<uint64_t>(pinned.current) / 4);  // a host copy would be all of it
   // The model keeps its pinned host weights.
@@ -489,6 +494,9 @@ TEST_CASE("pinned arena: a model taken off the device keeps its pinned weights, 
   const RssGrowth growth = peak_rss_growth([&] { hold_a = cache->lock(a); });
   INFO("peak RSS growth while b leaves the device and a comes back: " << growth.bytes << " bytes, "
        << growth.fraction() * 100 << "%");
+  std::printf("device drop of b (%llu pinned bytes) and a back on the device: peak RSS grew %llu bytes (%.3f%%)\n",
+              static_cast<unsigned long long>(pinned_b), static_cast<unsigned long long>(growth.bytes),
+              growth.fraction() * 100);
   REQUIRE(cache->stats().device_drops == 2);
   REQUIRE_FALSE(cache->entry_state(b).attached);
   CHECK(growth.fraction() <= 0.05);
