@@ -8,7 +8,6 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <unordered_set>
@@ -1030,15 +1029,8 @@ void ModelCache::write_trace(const std::shared_ptr<Entry>& e, const std::string&
     std::lock_guard<std::mutex> p(e->published_mutex);
     json = e->published.trace_json;
   }
-  if (json.empty()) {  // no engine yet, or tracing is off
-    offload::TraceWriter().write(path);
-    return;
-  }
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw FileError("cannot open trace file '" + path + "' for writing");
-  out << json;
-  out.close();
-  if (!out) throw FileError("cannot write trace file '" + path + "'");
+  // No engine yet, or tracing is off: an empty trace.
+  offload::TraceWriter::write_json(json.empty() ? offload::TraceWriter().to_json() : json, path);
 }
 
 anima::AnimaConfig ModelCache::entry_config(const std::shared_ptr<Entry>& e) const {

@@ -61,10 +61,12 @@ std::string TraceWriter::to_json() const {
   return doc.dump();
 }
 
-void TraceWriter::write(const std::string& path) const {
+void TraceWriter::write(const std::string& path) const { write_json(to_json(), path); }
+
+void TraceWriter::write_json(const std::string& json, const std::string& path) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) throw FileError("cannot open trace file '" + path + "' for writing");
-  out << to_json();
+  out << json;
   out.close();
   if (!out) throw FileError("cannot write trace file '" + path + "'");
 }

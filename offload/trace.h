@@ -30,6 +30,8 @@ class TraceWriter {
   std::string to_json() const;
   // Writes to_json() to `path`; throws FileError naming it.
   void write(const std::string& path) const;
+  // Writes trace JSON rendered earlier (to_json() of some writer) to `path`, as write() does.
+  static void write_json(const std::string& json, const std::string& path);
 
  private:
   struct Span {
