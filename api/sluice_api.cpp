@@ -288,6 +288,7 @@ ModelStats Model::stats() const {
     s.resident_bytes = es.model_resident_bytes;
     s.streamed_bytes = es.model_total_bytes - std::min(es.model_total_bytes, es.model_resident_bytes);
     s.residency = es.residency;
+    s.residency_grid = es.residency_grid;
     s.layers = es.layers;
     s.resident_layers = es.resident_layers;
     s.streamed_layers = es.streamed_layers;
@@ -358,6 +359,11 @@ const ModelInfo& LockedModel::info() const { return need(token_)->model->info; }
 Model LockedModel::model() const { return Model(need(token_)->model); }
 
 at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context) {
+  return forward(x, timesteps, context, LayerProgress());
+}
+
+at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
+                                const LayerProgress& progress) {
   const auto& t = need(token_);
   require_floating("x", x);
   require_floating("context", context);
@@ -367,6 +373,11 @@ at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps
     c10::InferenceMode inference;
     const at::Device dev = engine.device().device();
     const at::ScalarType dt = m.compute_dtype();
+    struct ProgressScope {  // the callback lives only as long as this forward
+      offload::StreamingEngine& e;
+      ~ProgressScope() { e.set_layer_progress({}); }
+    } progress_scope{engine};
+    if (progress) engine.set_layer_progress(progress);
     offload::ForwardScope scope(engine, "dit");
     out = m.forward(x.to(dev, dt), timesteps.to(dev), context.to(dev, dt));
   });

@@ -37,11 +37,13 @@
 
 #include "cli/commands.h"
 #include "cli/options.h"
+#include "cli/run_progress.h"
 #include <sluice/sluice.hpp>
 #include "models/sampling.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
 #include "runtime/size_parse.h"
+#include "runtime/status_line.h"
 
 namespace sluice::cli {
 namespace {
@@ -230,8 +232,11 @@ int run(const RunArgs& args) {
             << ", policy " << a.policy << ", pin-memory " << a.pin_memory << "\n";
   std::cout << "residency: " << ms0.residency << "\n";
   if (ms0.streamed_dit_bytes == 0) {
-    std::cout << "note: the budget holds every DiT layer resident, so nothing will stream; give a smaller "
-                 "--vram-budget or a --max-resident below 1 to stream\n";
+    // Note [run defaults]: a 50% budget on a large card holds anima-2b whole.
+    std::cout << "note: everything fits: the budget of " << mb(cs0.vram_budget_bytes) << " holds all "
+              << mb(ms0.total_bytes) << " of " << info.name
+              << " resident, so nothing streams. To see streaming, add --max-resident 0.5 (half the streamable "
+                 "weights streamed) or give a smaller --vram-budget\n";
   }
 
   const int64_t B = ctx.cond.size(0);
@@ -243,11 +248,14 @@ int run(const RunArgs& args) {
             << ", context " << ctx.source << "\n";
   std::cout.flush();
 
+  RunProgress progress(so.steps);  // the live line, on a terminal only
+  progress.redraw();
+  const LockedModel::LayerProgress on_layer = [&](int64_t done, int64_t expected) { progress.on_layer(done, expected); };
   auto velocity = [&](const at::Tensor& x, double sigma, sampling::Guidance which) {
     const at::Tensor& c = which == sampling::Guidance::cond     ? ctx.cond
                           : which == sampling::Guidance::uncond ? ctx.uncond
                                                                 : ctx_both;
-    return locked.forward(x, at::full({x.size(0)}, sigma, at::kFloat), c);
+    return locked.forward(x, at::full({x.size(0)}, sigma, at::kFloat), c, on_layer);
   };
   uint64_t seen = ms0.forwards;
   double total_ms = 0;
@@ -265,14 +273,18 @@ int run(const RunArgs& args) {
       gbps = f.h2d_gbps;
     }
     seen = st.forwards;
+    progress.on_step(s.ms);
     char line[256];
     std::snprintf(line, sizeof line,
                   "step %*d/%d  sigma %.3f -> %.3f  %8.1f ms  streamed %s at %.2f GB/s  stall %.1f ms  upcast %.1f ms\n",
                   static_cast<int>(std::to_string(s.steps).size()), s.step + 1, s.steps, s.sigma, s.sigma_next, s.ms,
                   mb(bytes).c_str(), gbps, stall, upcast);
+    status_line::clear();
     std::cout << line << std::flush;
+    progress.redraw();
   };
   const at::Tensor latent = sampling::sample_euler(noise, velocity, so, on_step);
+  status_line::clear();
 
   const ModelStats st = model.stats();
   const CacheStats cs = cache.stats();
@@ -308,6 +320,13 @@ int run(const RunArgs& args) {
       std::cout << " (no measurements yet: it is made from the second forward of each kind)";
     }
     std::cout << ", ring " << mb(plan.at("ring_bytes").get<uint64_t>()) << "\n";
+  }
+  {
+    // Which layers the plan the run ended with keeps resident (it may differ from the map
+    // at load: the balanced plan is made again from measurements).
+    std::cout << "residency by layer at the end (R resident, S streamed; a column per block):\n";
+    std::istringstream grid(st.residency_grid);
+    for (std::string row; std::getline(grid, row);) std::cout << "  " << row << "\n";
   }
   std::cout << "device: peak " << mb(st.device_peak_bytes) << " (model), " << mb(static_cast<uint64_t>(cs.vram.peak))
             << " (cache) of limit " << mb(cs.vram_limit_bytes) << "; cache hits " << cs.hits << ", misses "

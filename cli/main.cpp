@@ -14,6 +14,7 @@
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/runtime_info.h"
+#include "runtime/status_line.h"
 
 namespace {
 
@@ -29,6 +30,7 @@ std::string one_line(std::string s) {
 }
 
 int fail(int status, const std::string& message) {
+  sluice::status_line::enable(false);  // erases a live line first
   std::cerr << "sluice: error: " << one_line(message) << std::endl;
   return status;
 }
@@ -45,6 +47,9 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level,
                  "trace|debug|info|warn|error|off (default: $SLUICE_LOG_LEVEL, else warn)")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
+  bool no_progress = false;
+  app.add_flag("--no-progress", no_progress,
+               "No live progress line on the terminal (loads, writes, run steps); off a terminal there is none");
 
   std::vector<sluice::cli::Subcommand> commands{
       sluice::cli::add_inspect(app),
@@ -94,8 +99,14 @@ int main(int argc, char** argv) {
       // Scripts parse stdout and expect stderr to hold only problems.
       sluice::log::set_level(sluice::log::Level::warn);
     }
-    for (const auto& c : commands)
-      if (c.app->parsed()) return c.run();
+    // Note [status line]: drawn only when stderr is a terminal.
+    sluice::status_line::enable(!no_progress);
+    for (const auto& c : commands) {
+      if (!c.app->parsed()) continue;
+      const int status = c.run();
+      sluice::status_line::enable(false);
+      return status;
+    }
     return fail(kUsageError, "no subcommand given; run 'sluice --help'");
   } catch (const sluice::Error& e) {
     return fail(kRuntimeError, e.what());

@@ -595,6 +595,7 @@ void StreamingEngine::open_forward(std::string_view kind, bool implicit) {
   }
   sched_.begin(kind_name_, epoch_, implicit_);
   nested_seen_ = 0;
+  released_ = 0;
   acc_cur_.detail = timing() && options_.plan_from_measurements && !implicit_ && calib_.begin(kind_name_);
   // A forward on another compute stream than the last one (a host running forwards on
   // streams of its own) reuses its scratch and reads what it left: it starts after it.
@@ -1026,6 +1027,17 @@ void StreamingEngine::release(ManagedLayerImpl& layer) noexcept {
   }
   const bool freed_slot = lease.slot >= 0;
   end_lease(lease);
+  if (layer_progress_ && depth_ > 0) {
+    try {
+      layer_progress_(++released_, static_cast<int64_t>(sched_.order(kind_name_).size()));
+    } catch (const std::exception& e) {
+      log::warn("model '" + model_name_ + "': the layer progress callback threw (" + e.what() + "); it is turned off");
+      layer_progress_ = nullptr;
+    } catch (...) {
+      log::warn("model '" + model_name_ + "': the layer progress callback threw; it is turned off");
+      layer_progress_ = nullptr;
+    }
+  }
   if (freed_slot && depth_ > 0) {
     // The slot is free now: the next copy need not wait for the next acquire (work
     // between layers, such as attention, would otherwise leave the copy stream idle).
@@ -1170,6 +1182,7 @@ EngineStats StreamingEngine::stats(bool wait) {
   }
   s.model_resident_bytes = plan_.resident_bytes;
   s.residency = plan_.residency_map();
+  s.residency_grid = plan_.residency_grid();
   s.ring_slots = ring_ ? ring_->live_slots() : 0;
   s.slot_bytes = plan_.slot_bytes;
   s.ring_capacity_bytes = ring_ ? ring_->capacity() : 0;

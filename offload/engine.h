@@ -74,6 +74,7 @@
 
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -179,6 +180,14 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   void begin_forward(std::string_view kind = "");
   // Throws (after closing the forward) if an engine invariant broke during it.
   void end_forward(bool aborted = false);
+  // Called on the forward's thread after each layer's lease is released inside a forward:
+  // the layers released so far in this forward, and the acquires the recorded order of its
+  // kind expects (0 before the first forward of a kind). On a GPU the layer's work is then
+  // enqueued, not necessarily finished. If it throws, the exception is logged (one
+  // warning) and the callback turned off; the forward goes on. An empty function turns it
+  // off. For progress displays (sluice run's live line).
+  using LayerProgressFn = std::function<void(int64_t done, int64_t expected)>;
+  void set_layer_progress(LayerProgressFn fn) { layer_progress_ = std::move(fn); }
   // As end_forward(), for destructors: an error is logged and rethrown by the next acquire().
   void end_forward_noexcept(bool aborted) noexcept;
 
@@ -367,6 +376,8 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   std::chrono::steady_clock::time_point epoch0_ = std::chrono::steady_clock::now();
   TraceWriter trace_;
   std::string deferred_error_;  // from end_forward_noexcept(), raised by the next acquire()
+  LayerProgressFn layer_progress_;
+  int64_t released_ = 0;  // leases released in the open forward (for layer_progress_)
 };
 
 // Delimits one forward: begin_forward() now, end_forward() at scope exit (aborted when

@@ -417,6 +417,58 @@ std::string ResidencyPlan::residency_map() const {
   return out.str();
 }
 
+std::string ResidencyPlan::residency_grid() const {
+  struct Group {
+    std::vector<std::string> rows;                            // in first-seen order
+    std::map<std::string, std::map<int64_t, bool>> cells;     // row -> block -> resident
+    int64_t blocks = 0;
+  };
+  std::vector<std::string> order;
+  std::map<std::string, Group> groups;
+  std::string other_resident, other_streamed;
+  size_t width = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const PlanLayer& l = layers[i];
+    if (l.block < 0) {
+      std::string& list = resident[i] ? other_resident : other_streamed;
+      list += (list.empty() ? "" : ", ") + l.name;
+      continue;
+    }
+    if (!groups.count(l.group)) order.push_back(l.group);
+    Group& g = groups[l.group];
+    const std::string prefix = l.group + "." + std::to_string(l.block) + ".";
+    const std::string row = l.name.rfind(prefix, 0) == 0 ? l.name.substr(prefix.size()) : l.name;
+    if (!g.cells.count(row)) g.rows.push_back(row);
+    g.cells[row][l.block] = resident[i];
+    g.blocks = std::max(g.blocks, l.block + 1);
+    width = std::max({width, row.size() + 2, l.group.size()});
+  }
+  std::ostringstream out;
+  for (const auto& name : order) {
+    const Group& g = groups.at(name);
+    if (g.blocks > 10) {  // the tens digit of each block number over its ones digit
+      out << std::string(width + 1, ' ');
+      for (int64_t b = 0; b < g.blocks; ++b) out << (b % 10 == 0 ? static_cast<char>('0' + (b / 10) % 10) : ' ');
+      out << "\n";
+    }
+    out << name << std::string(width + 1 - name.size(), ' ');
+    for (int64_t b = 0; b < g.blocks; ++b) out << static_cast<char>('0' + b % 10);
+    out << "\n";
+    for (const auto& row : g.rows) {
+      out << "  " << row << std::string(width - 1 - row.size(), ' ');
+      const auto& cells = g.cells.at(row);
+      for (int64_t b = 0; b < g.blocks; ++b) {
+        const auto it = cells.find(b);
+        out << (it == cells.end() ? '.' : it->second ? 'R' : 'S');
+      }
+      out << "\n";
+    }
+  }
+  if (!other_resident.empty()) out << "other, resident: " << other_resident << "\n";
+  if (!other_streamed.empty()) out << "other, streamed: " << other_streamed << "\n";
+  return out.str();
+}
+
 std::string ResidencyPlan::to_string() const {
   std::ostringstream out;
   out << "residency plan (" << residency_policy_name(policy) << "): weight budget " << format_mib(weight_budget)

@@ -137,6 +137,13 @@ struct ResidencyPlan {
   // P (partly), then a summary of the layers outside blocks. E.g.
   // "blocks: RRSRRSRRS; other: 3 resident (2 required), 1 streamed".
   std::string residency_map() const;
+  // The same per layer: for each group, one row per layer name within a block (its name
+  // after "<group>.<block>."), one column per block, R or S ('.' where a block lacks the
+  // layer), under a header of block numbers; then the layers outside blocks by name. E.g.
+  //   blocks              0123
+  //     self_attn.q_proj  RRSS
+  //   other: R x_embedder.proj.1, S t_embedder.1.linear_1
+  std::string residency_grid() const;
   // Multi-line description: totals, map, then one line per layer.
   std::string to_string() const;
 };

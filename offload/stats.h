@@ -104,6 +104,7 @@ struct EngineStats {
   uint64_t model_total_bytes = 0;     // stored bytes of every parameter and buffer
   uint64_t model_resident_bytes = 0;  // of which on the device (required + resident layers)
   std::string residency;              // residency map, see ResidencyPlan::residency_map()
+  std::string residency_grid;         // per layer, see ResidencyPlan::residency_grid()
   uint64_t budget_bytes = 0;          // device budget
   uint64_t working_memory_bytes = 0;  // part of the budget left for activations
   uint64_t layers = 0;                // managed layers

@@ -9,6 +9,7 @@
 #include "runtime/fp8.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
+#include "runtime/progress.h"
 #include "runtime/skip_patterns.h"
 
 namespace sluice::offload {
@@ -87,7 +88,12 @@ StorageReport apply_storage(torch::nn::Module& model, const std::string& model_n
   r.patterns = skips.patterns();
 
   at::NoGradGuard no_grad;
-  for (const auto& [name, layer] : managed_layers(model)) {
+  const auto layers = managed_layers(model);
+  uint64_t total = 0;
+  for (const auto& [name, layer] : layers) total += layer->stored_weight().nbytes();
+  progress::Task task("casting " + model_name + " to " + dtype_name(options.storage), total);
+  for (const auto& [name, layer] : layers) {
+    const uint64_t source_bytes = layer->stored_weight().nbytes();
     const auto pattern = skips.matches(name);
     const at::ScalarType dtype = pattern ? options.compute : options.storage;
     const int64_t elements = layer->stored_weight().numel() + (layer->has_bias() ? layer->stored_bias().numel() : 0);
@@ -104,6 +110,7 @@ StorageReport apply_storage(torch::nn::Module& model, const std::string& model_n
       r.cast_layers += 1;
       r.cast_params += elements;
     }
+    task.advance(source_bytes);
   }
   r.param_bytes = param_bytes(model);
 

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "runtime/error.h"
+#include "runtime/status_line.h"
 
 namespace sluice::log {
 namespace {
@@ -78,6 +79,8 @@ bool enabled(Level l) { return logger().should_log(to_spdlog(l)); }
 
 void write(Level l, std::string_view message) {
   g_counts[static_cast<size_t>(l)].fetch_add(1, std::memory_order_relaxed);
+  if (!enabled(l)) return;
+  const status_line::Pause pause;  // Note [status line]: the message never lands inside the live line
   logger().log(to_spdlog(l), "{}", message);
 }
 

@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "runtime/error.h"
+#include "runtime/progress.h"
 #include "runtime/fault_injection.h"
 #include "runtime/logging.h"
 
@@ -615,10 +616,12 @@ void save(const std::string& path, const std::vector<std::pair<std::string, at::
   write_all(tmp.fd, text.data(), text.size(), tmp.path);
   {
     at::NoGradGuard no_grad;
+    progress::Task task("writing " + path, offset);
     for (const auto& [name, t] : tensors) {
       // One tensor at a time, so saving from a GPU never holds a second full copy.
       const at::Tensor c = t.detach().to(at::kCPU).contiguous();
       write_all(tmp.fd, c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size(), tmp.path);
+      task.advance(static_cast<uint64_t>(c.numel()) * c.element_size());
     }
   }
   if (::fsync(tmp.fd) != 0) {

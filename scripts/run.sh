@@ -6,5 +6,5 @@
 # minute on 2 cores). Extra arguments are passed on to `sluice run` (see `sluice run --help`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup.sh"
+SLUICE_SETUP_FOR=run bash "$ROOT/scripts/setup.sh"
 exec "$ROOT/${SLUICE_BUILD_DIR:-build}/cli/sluice" run "$@"

@@ -2,6 +2,11 @@
 # Installs everything sluice needs on a fresh Debian 12 machine, then configures and
 # builds it. Safe to re-run: each step is skipped when its result is already there.
 #
+#   SLUICE_SETUP_FOR   test (default): everything, and build every target (tests, benchmarks);
+#                      run: only what the `sluice` command needs (scripts/run.sh): no
+#                      test-only packages (chromium, diffusers, the reference Anima), and
+#                      build only the `sluice` command and its libraries. The build folder
+#                      is configured the same way, so a later test setup reuses it.
 #   SLUICE_BUILD_DIR   build folder (default: build)
 #   Torch_DIR          use this libtorch (>= 2.11, CPU, CUDA or ROCm) instead of the venv's
 #   SLUICE_CMAKE_ARGS  extra arguments for the CMake configure step
@@ -16,9 +21,18 @@ TORCH_VERSION="2.11.0"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-# 1. Debian packages.
+FOR="${SLUICE_SETUP_FOR:-test}"
+case "$FOR" in
+  run | test) ;;
+  *) printf '[setup] SLUICE_SETUP_FOR=%s: expected run or test\n' "$FOR" >&2; exit 2 ;;
+esac
+
+# 1. Debian packages. Catch2 and Google Benchmark are needed to configure (tests and
+# benchmarks are part of the build), so the run setup installs them too; they are small.
 APT_PKGS=(build-essential cmake ninja-build ccache python3-venv python3-dev libspdlog-dev libmimalloc-dev catch2
           libbenchmark-dev nlohmann-json3-dev libcli11-dev)
+# Test-only: a headless browser for the timeline SVG's rendering test.
+[ "$FOR" = test ] && APT_PKGS+=(chromium)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -41,16 +55,18 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
 fi
-# numpy/einops/safetensors: the parity tests; pytest + scikit-build-core: building and
-# testing the Python bindings (python/, installed with --no-build-isolation against this torch).
-"$VENV/bin/python" -c "import numpy, einops, safetensors, pytest, scikit_build_core" 2>/dev/null ||
-  "$VENV/bin/pip" install -q numpy einops safetensors pytest "scikit-build-core>=0.10"
-# diffusers (+ accelerate, which its group offloading needs): the diffusers parity test and
-# bench/gpu/compare.py. Pinned: bench/gpu/anima_diffusers.py maps keys onto this version's
-# CosmosTransformer3DModel.
-"$VENV/bin/python" -c "import diffusers, accelerate" 2>/dev/null || "$VENV/bin/pip" install -q "diffusers==0.42.1" "accelerate==1.15.0"
-# The independent reference Anima for the parity tests (tests/python/).
-VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
+if [ "$FOR" = test ]; then
+  # numpy/einops/safetensors: the parity tests; pytest + scikit-build-core: building and
+  # testing the Python bindings (python/, installed with --no-build-isolation against this torch).
+  "$VENV/bin/python" -c "import numpy, einops, safetensors, pytest, scikit_build_core" 2>/dev/null ||
+    "$VENV/bin/pip" install -q numpy einops safetensors pytest "scikit-build-core>=0.10"
+  # diffusers (+ accelerate, which its group offloading needs): the diffusers parity test and
+  # bench/gpu/compare.py. Pinned: bench/gpu/anima_diffusers.py maps keys onto this version's
+  # CosmosTransformer3DModel.
+  "$VENV/bin/python" -c "import diffusers, accelerate" 2>/dev/null || "$VENV/bin/pip" install -q "diffusers==0.42.1" "accelerate==1.15.0"
+  # The independent reference Anima for the parity tests (tests/python/).
+  VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
+fi
 
 if [ "${SLUICE_SETUP_ONLY:-0}" = 1 ]; then
   exit 0
@@ -69,5 +85,10 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${TORCH_ARGS[@]}" \
     -DSLUICE_PYTHON="$VENV/bin/python" ${SLUICE_CMAKE_ARGS:-} >/dev/null
 fi
-log "building $BUILD_DIR"
-cmake --build "$BUILD_DIR" -j "$(nproc)"
+if [ "$FOR" = run ]; then
+  log "building the sluice command in $BUILD_DIR"
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target sluice_cli
+else
+  log "building $BUILD_DIR"
+  cmake --build "$BUILD_DIR" -j "$(nproc)"
+fi

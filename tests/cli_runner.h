@@ -102,6 +102,52 @@ inline Result run_cli(const std::vector<std::string>& args) {
   return r;
 }
 
+// Runs the sluice binary on a pseudo-terminal (util-linux `script`, in Debian's essential
+// bsdutils), as a person at a terminal would: stdout and stderr both go to the terminal and
+// come back together in `out` (with its "\r\n" line ends). `env` is added to ours.
+inline Result run_cli_tty(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
+  const auto quote = [](const std::string& s) {
+    std::string q = "'";
+    for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return q + "'";
+  };
+  std::string cmd;
+  for (const auto& e : env) cmd += e + " ";
+  cmd += quote(SLUICE_CLI_PATH);
+  for (const auto& a : args) cmd += " " + quote(a);
+  static int counter = 0;
+  const std::string out_path =
+      temp_root() + "/sluice_test_tty_" + std::to_string(getpid()) + "_" + std::to_string(counter++) + ".out";
+  std::vector<std::string> argv_s{"/usr/bin/script", "-q", "-e", "-c", cmd, "/dev/null"};
+  std::vector<char*> argv;
+  for (auto& s : argv_s) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e != nullptr; ++e)
+    if (std::string(*e).rfind("SLUICE_LOG_LEVEL=", 0) != 0 && std::string(*e).rfind("TERM=", 0) != 0)
+      env_s.emplace_back(*e);
+  env_s.emplace_back("TERM=xterm");
+  std::vector<char*> envp;
+  for (auto& s : env_s) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  REQUIRE(rc == 0);  // /usr/bin/script is there (bsdutils is essential)
+  int wstatus = 0;
+  REQUIRE(waitpid(pid, &wstatus, 0) == pid);
+  Result r;
+  r.status = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1;
+  r.out = slurp(out_path);
+  ::unlink(out_path.c_str());
+  return r;
+}
+
 inline std::string describe(const std::vector<std::string>& args, const Result& r) {
   std::string cmd = "sluice";
   for (const auto& a : args) cmd += " " + a;

@@ -155,6 +155,36 @@ TEST_CASE("api: a preset loads and runs and its stats JSON has the documented fi
   CHECK(!sluice::version().empty());
 }
 
+TEST_CASE("api: forward with a progress callback reports each layer and returns the same output") {
+  sluice::ModelCache cache(cpu());
+  sluice::LoadOptions lo;
+  lo.max_resident = 0.5;
+  sluice::Model model = cache.load("anima-tiny", lo);
+  const Inputs in = inputs(model.info());
+  sluice::LockedModel m = model.lock();
+  const at::Tensor ref = m(in.x, in.t, in.ctx);  // no callback: the first forward records the order
+  std::vector<std::pair<int64_t, int64_t>> calls;
+  const at::Tensor v = m.forward(in.x, in.t, in.ctx, [&](int64_t done, int64_t expected) {
+    calls.emplace_back(done, expected);
+  });
+  CHECK(at::equal(v, ref));
+  REQUIRE(!calls.empty());
+  const auto n = static_cast<int64_t>(calls.size());
+  CHECK(calls.front() == std::make_pair(int64_t{1}, n));
+  CHECK(calls.back() == std::make_pair(n, n));
+  // The callback belongs to that forward only.
+  calls.clear();
+  CHECK(at::equal(m(in.x, in.t, in.ctx), ref));
+  CHECK(calls.empty());
+  // A throwing callback does not fail the forward.
+  CHECK(at::equal(m.forward(in.x, in.t, in.ctx, [](int64_t, int64_t) { throw std::runtime_error("closed"); }), ref));
+  // The residency grid is in the stats: a row per layer of a block, R and S at 0.5.
+  const std::string grid = model.stats().residency_grid;
+  CHECK(grid.rfind("blocks ", 0) == 0);
+  CHECK(grid.find('R') != std::string::npos);
+  CHECK(grid.find('S') != std::string::npos);
+}
+
 TEST_CASE("api: bytes streamed equal the non-resident bytes and outputs match across budgets") {
   sluice::ModelCache roomy(cpu());
   sluice::Model ref_model = roomy.load("anima-small");

@@ -9,6 +9,7 @@
 #include "offload/cpu_device.h"
 #include "offload/engine.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 #include "runtime/size_parse.h"
 #include "tests/device_env.h"
 #include "tests/toy_model.h"
@@ -272,6 +273,37 @@ TEST_CASE("engine: a layer that throws mid-forward leaves the engine consistent"
   for (size_t i : {3u, 4u, 5u}) CHECK(s.forward_records[i].bytes_streamed == streamed_bytes(engine));
   CHECK_FALSE(s.forward_records[4].diverged);
   CHECK(s.slot_violations == 0);
+}
+
+TEST_CASE("engine: the layer progress callback counts each forward's layers against the recorded order") {
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  EngineOptions o = options(slowed_cpu());
+  o.max_resident = 0.5;
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  std::vector<std::pair<int64_t, int64_t>> calls;
+  engine.set_layer_progress([&](int64_t done, int64_t expected) { calls.emplace_back(done, expected); });
+  CHECK(at::equal(run(engine, model, x), ref));
+  // The first forward of a kind has no recorded order: the count is unknown (0).
+  REQUIRE(!calls.empty());
+  const auto layers = static_cast<int64_t>(calls.size());
+  for (int64_t i = 0; i < layers; ++i) CHECK(calls[static_cast<size_t>(i)] == std::make_pair(i + 1, int64_t{0}));
+  calls.clear();
+  CHECK(at::equal(run(engine, model, x), ref));
+  REQUIRE(static_cast<int64_t>(calls.size()) == layers);
+  for (int64_t i = 0; i < layers; ++i) CHECK(calls[static_cast<size_t>(i)] == std::make_pair(i + 1, layers));
+  // A throwing callback is logged once and turned off: the forward is unharmed.
+  const uint64_t warnings = sluice::log::message_count(sluice::log::Level::warn);
+  engine.set_layer_progress([](int64_t, int64_t) { throw std::runtime_error("display gone"); });
+  CHECK(at::equal(run(engine, model, x), ref));
+  CHECK(sluice::log::message_count(sluice::log::Level::warn) - warnings == 1);
+  // Turned off: not called.
+  calls.clear();
+  engine.set_layer_progress({});
+  CHECK(at::equal(run(engine, model, x), ref));
+  CHECK(calls.empty());
 }
 
 namespace {

@@ -457,3 +457,37 @@ TEST_CASE("residency plan: balanced planning time for ~400 layers") {
     }
   }
 }
+
+TEST_CASE("residency plan: the grid has a row per layer of a block and a column per block") {
+  ResidencyPlan p;
+  auto add = [&](std::string name, std::string group, int64_t block, bool resident) {
+    PlanLayer l;
+    l.name = std::move(name);
+    l.group = std::move(group);
+    l.block = block;
+    l.stored_bytes = MiB;
+    p.layers.push_back(l);
+    p.resident.push_back(resident);
+  };
+  add("x_embedder.proj.1", "", -1, false);
+  for (int64_t b = 0; b < 12; ++b) {
+    add("blocks." + std::to_string(b) + ".attn.q", "blocks", b, b % 3 == 0);
+    if (b != 5) add("blocks." + std::to_string(b) + ".mlp.layer1", "blocks", b, true);  // block 5 lacks it
+  }
+  add("head.blocks.0.fc", "head.blocks", 0, false);
+  add("final_layer.linear", "", -1, true);
+  add("t_embedder.1", "", -1, true);
+  // Rows and headers share a column start; more than 10 blocks get a tens row on top.
+  CHECK(p.residency_grid() ==
+        "             0         1 \n"
+        "blocks       012345678901\n"
+        "  attn.q     RSSRSSRSSRSS\n"
+        "  mlp.layer1 RRRRR.RRRRRR\n"
+        "head.blocks  0\n"
+        "  fc         S\n"
+        "other, resident: final_layer.linear, t_embedder.1\n"
+        "other, streamed: x_embedder.proj.1\n");
+  // The one-line map of the same plan: blocks 0, 3, 6, 9 wholly resident, block 5 (its one
+  // layer streamed) wholly streamed.
+  CHECK(p.residency_map() == "blocks: RPPRPSRPPRPP; head.blocks: S; other: 2 resident, 1 streamed");
+}

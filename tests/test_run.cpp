@@ -10,6 +10,7 @@
 
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -28,6 +29,15 @@ std::vector<std::string> small_run(const std::vector<std::string>& extra) {
                                 "--resolution", "64", "--seed", "7"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
+}
+
+// The cells of the DiT rows of `sluice run`'s residency grid ("    mlp.layer1  RRSS..."),
+// all rows concatenated, for a model of `blocks` blocks.
+std::string grid_cells(const std::string& out, int blocks) {
+  const std::regex row("\n    [a-z_.0-9]+ +([RS]{" + std::to_string(blocks) + "})(?=\n)");
+  std::string cells;
+  for (std::sregex_iterator it(out.begin(), out.end(), row), end; it != end; ++it) cells += (*it)[1].str();
+  return cells;
 }
 
 at::Tensor read_latent(const std::string& path) {
@@ -118,6 +128,15 @@ TEST_CASE("run: prints the residency map and one line per step and writes the fi
   CHECK(r.out.find("step 3/2") == std::string::npos);
   CHECK(r.out.find("done: 2 steps") != std::string::npos);
   CHECK(r.err.empty());
+  // The per-layer grid of the plan the run ended with: a column per block (anima-small
+  // has 8), both resident and streamed layers at --max-resident 0.5.
+  CHECK(r.out.find("residency by layer at the end (R resident, S streamed; a column per block):\n") !=
+        std::string::npos);
+  CHECK(r.out.find("\n  blocks ") != std::string::npos);
+  const std::string cells = grid_cells(r.out, 8);
+  CHECK(cells.size() >= 8 * 10);  // a row per linear layer of a block
+  CHECK(cells.find('R') != std::string::npos);
+  CHECK(cells.find('S') != std::string::npos);
 
   const at::Tensor latent = read_latent(out);
   CHECK(latent.sizes() == at::IntArrayRef({1, 16, 1, 8, 8}));
@@ -126,6 +145,85 @@ TEST_CASE("run: prints the residency map and one line per step and writes the fi
   // The model moved it away from the initial noise of that seed.
   const at::Tensor noise = sluice::sampling::initial_noise({1, 16, 1, 8, 8}, 7);
   CHECK_FALSE(at::allclose(latent, noise, 1e-3, 1e-3));
+}
+
+TEST_CASE("run: the CPU embedded default streams half its streamable weights and shows R and S") {
+  // What `sluice run` with no arguments does on a machine without a GPU (Note [run
+  // defaults]); --device cpu only pins that choice on a GPU machine. Its time is measured
+  // in docs/BENCHMARKS.md, not here.
+  const Result r = run_ok({"run", "--device", "cpu"});
+  INFO(r.out);
+  CHECK(r.out.find("sluice run: anima-medium (random weights) on cpu") != std::string::npos);
+  CHECK(r.out.find("[embedded default]") != std::string::npos);
+  CHECK(r.out.find("max-resident 0.50") != std::string::npos);
+  CHECK(r.out.find("512x512 px") != std::string::npos);
+  CHECK(r.out.find("step 12/12") != std::string::npos);
+  CHECK(r.out.find("step 13/") == std::string::npos);
+  CHECK(r.out.find("nothing streams") == std::string::npos);
+  std::smatch m;
+  REQUIRE(std::regex_search(r.out, m, std::regex(R"(streamed per forward (\d+\.\d)MB)")));
+  CHECK(std::stod(m[1].str()) > 10.0);  // about half of anima-medium's 58.8MB
+  REQUIRE(std::regex_search(r.out, m, std::regex(R"(\n    mlp\.layer1 +([RS]{12})\n)")));
+  const std::string cells = grid_cells(r.out, 12);
+  CHECK(cells.find('R') != std::string::npos);
+  CHECK(cells.find('S') != std::string::npos);
+}
+
+TEST_CASE("run: on a terminal a live line shows the step, layers, elapsed time and ETA; off one, only step lines") {
+  const std::vector<std::string> args{"run",          "--device", "cpu", "--synthetic",    "anima-small", "--steps",
+                                     "3",            "--resolution", "64", "--max-resident", "0.5"};
+  const Result tty = run_cli_tty(args);
+  INFO(tty.out);
+  REQUIRE(tty.status == 0);
+  // The live line is drawn with a carriage return and erased to the end of the line.
+  CHECK(tty.out.find("\rstep 1/3  layer ") != std::string::npos);
+  CHECK(tty.out.find("ETA after step 1") != std::string::npos);  // no step timed yet
+  CHECK(tty.out.find("\033[K") != std::string::npos);
+  // From the second forward the layer count is known ("layer N/M"), and so is the ETA.
+  const std::regex known(R"(\rstep 3/3  layer \d+/\d+  elapsed \d+\.\d s  ETA \d+ s)");
+  CHECK(std::regex_search(tty.out, known));
+  // The step lines are there, whole, as off a terminal.
+  for (const char* s : {"step 1/3  sigma", "step 2/3  sigma", "step 3/3  sigma", "done: 3 steps"})
+    CHECK(tty.out.find(s) != std::string::npos);
+
+  const Result piped = run_ok(args);
+  CHECK(piped.out.find('\r') == std::string::npos);
+  CHECK(piped.out.find("ETA") == std::string::npos);
+  CHECK(piped.err.find('\r') == std::string::npos);
+  CHECK(piped.out.find("step 3/3  sigma") != std::string::npos);
+
+  // --no-progress: none on a terminal either.
+  std::vector<std::string> quiet = args;
+  quiet.push_back("--no-progress");
+  const Result off = run_cli_tty(quiet);
+  REQUIRE(off.status == 0);
+  CHECK(off.out.find("ETA") == std::string::npos);
+  CHECK(off.out.find("step 3/3  sigma") != std::string::npos);
+}
+
+TEST_CASE("run: long writes and loads show their progress on a terminal, with bytes, rate and ETA") {
+  TempDir dir;
+  const std::string ckpt = dir / "small.safetensors";
+  // SLUICE_PROGRESS_AFTER=0: show at once (these take well under the 1 s after which they show).
+  const Result make = run_cli_tty({"make-checkpoint", "--config", "anima-small", "--seed", "1", "--out", ckpt},
+                                  {"SLUICE_PROGRESS_AFTER=0"});
+  INFO(make.out);
+  REQUIRE(make.status == 0);
+  const std::regex generating(R"(\rgenerating anima-small \(random weights\)  \d+ MiB / \d+ MiB)");
+  CHECK(std::regex_search(make.out, generating));
+  CHECK(make.out.find("\rwriting " + ckpt + "  ") != std::string::npos);
+  CHECK(std::regex_search(make.out, std::regex(R"( MB/s)")));
+
+  const Result load = run_cli_tty(
+      {"run", "--device", "cpu", "--checkpoint", ckpt, "--steps", "1", "--resolution", "64"}, {"SLUICE_PROGRESS_AFTER=0"});
+  INFO(load.out);
+  REQUIRE(load.status == 0);
+  CHECK(load.out.find("\rreading small.safetensors  ") != std::string::npos);
+  CHECK(std::regex_search(load.out, std::regex(R"(\rcasting \S+ to float8_e4m3fn  )")));
+  // Without the override the same quick load shows nothing: only operations over a second do.
+  const Result quick = run_cli_tty({"run", "--device", "cpu", "--checkpoint", ckpt, "--steps", "1", "--resolution", "64"});
+  REQUIRE(quick.status == 0);
+  CHECK(quick.out.find("reading small.safetensors") == std::string::npos);
 }
 
 // A DiT-only model (no LLM adapter), so that a forward uses every managed layer and its
@@ -266,7 +364,8 @@ TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and 
   CHECK(r.out.find(" [auto: free ") != std::string::npos);
   CHECK(r.out.find(" - headroom ") != std::string::npos);
   CHECK(r.out.find("(default: max(512MiB, 5% of total") != std::string::npos);
-  CHECK(r.out.find("nothing will stream") != std::string::npos);
+  CHECK(r.out.find("everything fits") != std::string::npos);
+  CHECK(r.out.find("nothing streams. To see streaming, add --max-resident 0.5") != std::string::npos);
   CHECK(r.err.empty());  // the CLI logs warnings only; the budget line is on stdout
   r = run_ok(small_run({"--vram-budget", "AUTO", "--vram-headroom", "50%", "--log-level", "info"}));
   CHECK(r.out.find("(50% of total)") != std::string::npos);
@@ -276,7 +375,7 @@ TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and 
   CHECK(r.out.find(" [50% of total ") != std::string::npos);
   // A budget that streams does not print the note.
   r = run_ok(small_run({"--max-resident", "0.5"}));
-  CHECK(r.out.find("nothing will stream") == std::string::npos);
+  CHECK(r.out.find("nothing streams") == std::string::npos);
   expect_error(small_run({"--vram-budget", "auto", "--vram-headroom", "100%"}), 1, {"vram_headroom", "100%"});
   expect_error(small_run({"--vram-budget", "1GiB", "--vram-headroom", "1GiB"}), 1, {"vram_headroom", "auto"});
   expect_error(small_run({"--vram-headroom", "lots"}), 2, {"--vram-headroom", "lots"});

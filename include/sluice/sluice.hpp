@@ -29,6 +29,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -141,6 +142,7 @@ struct ModelStats {
   uint64_t streamed_dit_bytes = 0;     // of which DiT layers: what each forward streams
   uint64_t streamed_adapter_bytes = 0; // of which LLM adapter layers: what each encode_text streams
   std::string residency;               // residency map: "blocks: RRSRRS...; other: ..."
+  std::string residency_grid;          // per layer: a row per layer of a block, a column per block (multi-line)
   uint64_t share_bytes = 0;            // device bytes reserved for this model (weights, ring, scratch)
   uint64_t device_bytes = 0;           // device bytes it holds now
   uint64_t device_peak_bytes = 0;      // most it held since the last residency change
@@ -261,6 +263,13 @@ class LockedModel {
   // moved to the model's device and compute dtype. Returns [B, out_channels, T, H, W] in
   // the compute dtype on the model's device. InvalidArgument names a bad input.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context);
+  // The same, calling `progress(layers_done, layers_expected)` on this thread after each
+  // layer: `layers_expected` is the layer count of the previous forward (0 for the first).
+  // On a GPU a layer counts once its work is enqueued. If `progress` throws, one warning
+  // is logged and it is not called again in this forward.
+  using LayerProgress = std::function<void(int64_t layers_done, int64_t layers_expected)>;
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
+                     const LayerProgress& progress);
   at::Tensor operator()(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context) {
     return forward(x, timesteps, context);
   }

@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -12,6 +13,7 @@
 #include "runtime/error.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
+#include "runtime/progress.h"
 #include "runtime/safetensors.h"
 
 namespace sluice::anima {
@@ -279,6 +281,9 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> loaded;
   loaded.reserve(params.size());
+  uint64_t file_bytes = 0;
+  for (const auto& item : params) file_bytes += f.find(sources.at(item.key()).key)->nbytes();
+  progress::Task task("reading " + std::filesystem::path(f.path()).filename().string(), file_bytes);
   for (const auto& item : params) {
     const at::Tensor& param = item.value();
     const TensorSource& src = sources.at(item.key());
@@ -292,6 +297,7 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
       const at::Tensor values = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
       loaded.push_back(to_host_owned(values, param.scalar_type()));
     }
+    task.advance(info.nbytes());
   }
   size_t i = 0;
   for (const auto& item : params) {

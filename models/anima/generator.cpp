@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/anima/anima.h"
+#include "runtime/progress.h"
 #include "runtime/safetensors.h"
 
 namespace sluice::anima {
@@ -46,7 +47,11 @@ std::vector<std::pair<std::string, at::Tensor>> random_weights(const AnimaConfig
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const auto fopts = at::TensorOptions().dtype(at::kFloat);
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : shapes->named_parameters(/*recurse=*/true)) {
+  const auto params = shapes->named_parameters(/*recurse=*/true);
+  uint64_t total = 0;
+  for (const auto& item : params) total += static_cast<uint64_t>(item.value().numel()) * at::elementSize(dtype);
+  progress::Task task("generating " + config.name + " (random weights)", total);
+  for (const auto& item : params) {
     const std::string& name = item.key();
     const at::IntArrayRef shape = item.value().sizes();
     at::Tensor t = at::randn(shape, gen, fopts);
@@ -60,6 +65,7 @@ std::vector<std::pair<std::string, at::Tensor>> random_weights(const AnimaConfig
       t.mul_(weight_std(name, shape));
     }
     out.emplace_back(name, dtype == at::kFloat ? t : t.to(dtype));
+    task.advance(static_cast<uint64_t>(t.numel()) * at::elementSize(dtype));
   }
   return out;
 }
