@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -67,7 +67,12 @@ class LockedModel:
     def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         return self._locked.forward(x, timesteps, context)
 
-    forward = __call__
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+                progress: Optional[Callable[[int, int], None]] = None) -> torch.Tensor:
+        """The velocity; `progress(layers_done, layers_expected)` is called after each layer
+        (`layers_expected` is the previous forward's layer count, 0 for the first). If it
+        raises, sluice logs one warning and stops calling it for this forward."""
+        return self._locked.forward(x, timesteps, context, progress)
 
     def encode_text(self, qwen_hidden: torch.Tensor, t5_ids: torch.Tensor,
                     t5_weights: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -117,8 +117,31 @@ PYBIND11_MODULE(_C, m) {
       .def("remove", &sluice::LoraHandle::remove, release_gil());
 
   py::class_<sluice::LockedModel>(m, "LockedModel")
-      .def("forward", &sluice::LockedModel::forward, py::arg("x"), py::arg("timesteps"), py::arg("context"),
-           release_gil())
+      .def(
+          "forward",
+          [](sluice::LockedModel& m, const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
+             const std::optional<py::function>& progress) {
+            if (!progress) {
+              py::gil_scoped_release release;
+              return m.forward(x, timesteps, context);
+            }
+            // progress(layers_done, layers_expected) after each layer, with the GIL taken for
+            // the call only. The function object stays owned here (the GIL is held while it
+            // is copied or freed); a Python exception becomes a C++ one before the GIL goes,
+            // and sluice logs it and stops calling (LockedModel::forward).
+            const py::function* fn = &*progress;
+            const sluice::LockedModel::LayerProgress call = [fn](int64_t done, int64_t expected) {
+              py::gil_scoped_acquire gil;
+              try {
+                (*fn)(done, expected);
+              } catch (py::error_already_set& e) {
+                throw std::runtime_error(e.what());
+              }
+            };
+            py::gil_scoped_release release;
+            return m.forward(x, timesteps, context, call);
+          },
+          py::arg("x"), py::arg("timesteps"), py::arg("context"), py::arg("progress") = py::none())
       .def("encode_text", &sluice::LockedModel::encode_text, py::arg("qwen_hidden"), py::arg("t5_ids"),
            py::arg("t5_weights") = std::nullopt, release_gil())
       .def("apply_lora", &sluice::LockedModel::apply_lora, py::arg("path"), py::arg("scale") = 1.0, release_gil())

@@ -59,6 +59,27 @@ def test_forward_is_bit_identical_to_the_cli(checkpoint, workdir):
         assert torch.equal(m(x, t, ctx), v)
 
 
+def test_forward_reports_progress_per_layer(checkpoint):
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load(checkpoint, storage="float8_e4m3fn", max_resident=0.5)
+    x, t, ctx = inputs(model.info)
+    with model.lock() as m:
+        ref = m(x, t, ctx)  # records the layer order
+        calls = []
+        v = m.forward(x, t, ctx, progress=lambda done, expected: calls.append((done, expected)))
+        assert torch.equal(v, ref)
+        n = len(calls)
+        assert n > 0
+        assert calls == [(i + 1, n) for i in range(n)]
+
+        def broken(done, expected):
+            raise ValueError("progress display closed")
+
+        # A raising callback is logged once and dropped; the forward still returns.
+        assert torch.equal(m.forward(x, t, ctx, progress=broken), ref)
+        assert torch.equal(m.forward(x, t, ctx), ref)
+
+
 def test_stats_and_dtypes(checkpoint):
     cache = sluice.ModelCache(device="cpu")
     model = cache.load(checkpoint, max_resident=0.5)
