@@ -5,6 +5,7 @@
 #   SLUICE_BUILD_DIR   build folder (default: build)
 #   Torch_DIR          use this libtorch (>= 2.11, CPU, CUDA or ROCm) instead of the venv's
 #   SLUICE_CMAKE_ARGS  extra arguments for the CMake configure step
+#   SLUICE_RUN_ONLY    1: leave out the test-only Debian packages (chromium)
 #   SLUICE_SETUP_ONLY  1: install packages and the venv, then stop (no configure/build);
 #                      scripts/fuzz.sh and scripts/sanitize.sh configure their own build dirs
 set -euo pipefail
@@ -19,6 +20,11 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 # 1. Debian packages.
 APT_PKGS=(build-essential cmake ninja-build ccache python3-venv python3-dev libspdlog-dev libmimalloc-dev catch2
           libbenchmark-dev nlohmann-json3-dev libcli11-dev)
+# Test-only: a headless browser for the timeline SVG's rendering test
+# (tests/python/test_timeline_browser.py, which fails without it). Nothing the `sluice`
+# command needs: a setup for running only (scripts/run.sh) can leave it out.
+APT_TEST_PKGS=(chromium)
+[ "${SLUICE_RUN_ONLY:-0}" = 1 ] || APT_PKGS+=("${APT_TEST_PKGS[@]}")
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
