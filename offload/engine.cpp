@@ -1115,8 +1115,8 @@ void StreamingEngine::resolve(bool wait_all) {
     rec.h2d_gbps = copy_ms > 0 ? static_cast<double>(rec.bytes_streamed) / (copy_ms * 1e6) : 0.0;
     if (options_.trace) {
       // The forward as a whole, begin to end on the compute stream, with its totals.
-      trace_.add_span(TraceTrack::forward, "forward " + std::to_string(rec.index) + (rec.kind.empty() ? "" : " " + rec.kind),
-                      u.begin->host_us, rec.wall_ms * 1000.0,
+      const std::string title = "forward " + std::to_string(rec.index) + (rec.kind.empty() ? "" : " " + rec.kind);
+      trace_.add_span(TraceTrack::forward, title, u.begin->host_us, rec.wall_ms * 1000.0,
                       {{"forward", static_cast<int64_t>(rec.index)},
                        {"kind", rec.kind},
                        {"complete", u.complete},

@@ -54,15 +54,18 @@ TimelineStep timeline_step_from_trace(const std::string& trace_json, const std::
         continue;
       }
       TimelineLane lane;
-      if (tid == static_cast<int>(TraceTrack::copy)) lane = TimelineLane::copy;
-      else if (tid == static_cast<int>(TraceTrack::upcast)) lane = TimelineLane::upcast;
-      else if (tid == static_cast<int>(TraceTrack::compute)) lane = TimelineLane::compute;
-      else continue;
+      if (tid == static_cast<int>(TraceTrack::copy))
+        lane = TimelineLane::copy;
+      else if (tid == static_cast<int>(TraceTrack::upcast))
+        lane = TimelineLane::upcast;
+      else if (tid == static_cast<int>(TraceTrack::compute))
+        lane = TimelineLane::compute;
+      else
+        continue;
       const std::string name = e.at("name").get<std::string>();
       spans.push_back({lane, args.at("forward").get<int64_t>(), args.value("layer", name),
-                       args.value("resident", false),
-                       lane == TimelineLane::compute && name.rfind("wait ", 0) == 0, e.at("ts").get<double>(),
-                       e.at("dur").get<double>()});
+                       args.value("resident", false), lane == TimelineLane::compute && name.rfind("wait ", 0) == 0,
+                       e.at("ts").get<double>(), e.at("dur").get<double>()});
     }
   } catch (const nlohmann::json::exception& ex) {
     throw InvalidArgument(std::string("timeline: the trace is not the JSON a trace writer writes: ") + ex.what());

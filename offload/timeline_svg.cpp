@@ -28,9 +28,9 @@ constexpr double kGroupY = kLanesBottom + 6;  // the layer groups' brackets unde
 constexpr double kAxisY = kGroupY + 26;
 constexpr double kLegendY = kAxisY + 56;
 constexpr double kHeight = kLegendY + 22;
-constexpr double kMinBox = 0.75;     // narrowest box drawn, so a short span stays visible
-constexpr double kLabelFont = 10;    // px, monospace
-constexpr double kCharW = 6.2;       // a monospace glyph at kLabelFont, with a little slack
+constexpr double kMinBox = 0.75;   // narrowest box drawn, so a short span stays visible
+constexpr double kLabelFont = 10;  // px, monospace
+constexpr double kCharW = 6.2;     // a monospace glyph at kLabelFont, with a little slack
 constexpr double kLabelPad = 4;
 
 // Colours (the browser test looks for the resident and streamed fills: keep them in step
@@ -119,7 +119,7 @@ std::string fit_label(const std::string& name, double width) {
   const std::string& last = parts.empty() ? name : parts.back();
   for (size_t n = last.size(); n-- > 2;) {
     if ((static_cast<unsigned char>(last[n]) & 0xC0) == 0x80) continue;  // not inside a UTF-8 sequence
-    const std::string cut = last.substr(0, n) + "\xE2\x80\xA6";           // U+2026
+    const std::string cut = last.substr(0, n) + "\xE2\x80\xA6";          // U+2026
     if (fits(cut, width)) return cut;
   }
   return "";
@@ -171,8 +171,8 @@ const char* verb(TimelineLane lane, bool stall) {
 
 std::string render_timeline_svg(const TimelineStep& step) {
   if (!(step.end_us > step.begin_us))
-    throw InvalidArgument("timeline of forward " + std::to_string(step.forward) + ": it ends at " +
-                          num(step.end_us) + " us, not after its begin at " + num(step.begin_us) + " us");
+    throw InvalidArgument("timeline of forward " + std::to_string(step.forward) + ": it ends at " + num(step.end_us) +
+                          " us, not after its begin at " + num(step.begin_us) + " us");
   // The window: this forward and all of its own work (early copies start before it), and
   // the next forward's copies issued during it.
   double t0 = step.begin_us, t1 = step.end_us;
@@ -201,7 +201,8 @@ std::string render_timeline_svg(const TimelineStep& step) {
     << "px;fill:#111;pointer-events:none}.lane-label{font-size:13px;font-weight:bold;fill:#222}"
        ".lane-sub{font-size:10px;fill:#666}.tick-label{font-size:10px;fill:#333}"
        ".marker-label{font-size:10px;fill:#444}"
-       ".group-label{font-family:'DejaVu Sans Mono',Menlo,Consolas,monospace;font-size:10px;fill:#444}.legend-text{font-size:11px;fill:#222}</style>\n"
+       ".group-label{font-family:'DejaVu Sans "
+       "Mono',Menlo,Consolas,monospace;font-size:10px;fill:#444}.legend-text{font-size:11px;fill:#222}</style>\n"
     << "</defs>\n";
   o << "<rect id=\"background\" x=\"0\" y=\"0\" width=\"" << num(kWidth, 0) << "\" height=\"" << num(kHeight, 0)
     << "\" fill=\"#ffffff\"/>\n";
@@ -211,9 +212,9 @@ std::string render_timeline_svg(const TimelineStep& step) {
   for (const auto& s : step.spans)
     if (s.stall && !s.other) ++stall_boxes;
   o << "<text id=\"title\" x=\"" << num(12, 0) << "\" y=\"" << num(kTitleY, 0)
-    << "\" font-size=\"16\" font-weight=\"bold\" fill=\"#111\">" << xml_escape(step.model.empty() ? "model" : step.model)
-    << ": forward " << step.forward << (step.kind.empty() ? "" : " (" + xml_escape(step.kind) + ")")
-    << ", one steady-state step</text>\n";
+    << "\" font-size=\"16\" font-weight=\"bold\" fill=\"#111\">"
+    << xml_escape(step.model.empty() ? "model" : step.model) << ": forward " << step.forward
+    << (step.kind.empty() ? "" : " (" + xml_escape(step.kind) + ")") << ", one steady-state step</text>\n";
   o << "<text id=\"caption\" x=\"" << num(12, 0) << "\" y=\"" << num(kCaptionY, 0)
     << "\" font-size=\"13\" fill=\"#222\" data-bytes-streamed=\"" << step.bytes_streamed << "\" data-wall-ms=\""
     << num(step.wall_ms, 3) << "\" data-stall-ms=\"" << num(step.stall_ms, 3) << "\" data-stalls=\"" << step.stalls
@@ -222,7 +223,8 @@ std::string render_timeline_svg(const TimelineStep& step) {
   if (step.predicted_step_ms) o << " data-predicted-step-ms=\"" << num(*step.predicted_step_ms, 3) << "\"";
   o << ">step " << num(step.wall_ms) << " ms \xC2\xB7 streamed "
     << num(static_cast<double>(step.bytes_streamed) / (1024.0 * 1024.0)) << " MiB \xC2\xB7 stalls " << step.stalls
-    << " (" << num(step.stall_ms) << " ms waiting for copies) \xC2\xB7 upcast " << num(step.upcast_ms) << " ms \xC2\xB7 ";
+    << " (" << num(step.stall_ms) << " ms waiting for copies) \xC2\xB7 upcast " << num(step.upcast_ms)
+    << " ms \xC2\xB7 ";
   if (step.floor_ms || step.predicted_step_ms) {
     o << "plan:";
     if (step.floor_ms) o << " floor " << num(*step.floor_ms) << " ms";
@@ -246,12 +248,12 @@ std::string render_timeline_svg(const TimelineStep& step) {
   for (size_t li = 0; li < 3; ++li) {
     const LaneInfo& L = lanes[li];
     const double y = kLaneTop + static_cast<double>(li) * (kLaneH + kLaneGap);
-    o << "<g id=\"" << lane_id(L.lane) << "\" class=\"lane\" data-y=\"" << num(y) << "\" data-height=\""
-      << num(kLaneH) << "\">\n";
+    o << "<g id=\"" << lane_id(L.lane) << "\" class=\"lane\" data-y=\"" << num(y) << "\" data-height=\"" << num(kLaneH)
+      << "\">\n";
     o << "<rect class=\"lane-bg\" x=\"" << num(kLeft) << "\" y=\"" << num(y) << "\" width=\"" << num(kPlot)
       << "\" height=\"" << num(kLaneH) << "\" fill=\"" << kLaneBg << "\"/>\n";
-    o << "<text class=\"lane-label\" x=\"" << num(kLeft - 10) << "\" y=\"" << num(y + 18)
-      << "\" text-anchor=\"end\">" << L.name << "</text>\n";
+    o << "<text class=\"lane-label\" x=\"" << num(kLeft - 10) << "\" y=\"" << num(y + 18) << "\" text-anchor=\"end\">"
+      << L.name << "</text>\n";
     o << "<text class=\"lane-sub\" x=\"" << num(kLeft - 10) << "\" y=\"" << num(y + 31) << "\" text-anchor=\"end\">"
       << L.sub << "</text>\n";
     std::ostringstream labels;
@@ -284,11 +286,12 @@ std::string render_timeline_svg(const TimelineStep& step) {
           << num(ms(s.begin_us), 3) << "\" data-dur-ms=\"" << num(s.dur_us / 1000.0, 3) << "\" x=\"" << num(x)
           << "\" y=\"" << num(y + inset) << "\" width=\"" << num(w) << "\" height=\"" << num(kLaneH - 2 * inset)
           << "\" fill=\"" << fill << "\"";
-        if (s.stall) o << " stroke=\"" << kStall << "\" stroke-width=\"1\"";
-        else if (w >= 3) o << " stroke=\"#ffffff\" stroke-width=\"0.6\"";
-        const std::string title = s.layer + " (" + (s.other ? "another forward" : cls) + "): " +
-                                  verb(s.lane, s.stall) + " for " + num(s.dur_us / 1000.0, 3) + " ms at " +
-                                  num(ms(s.begin_us), 3) + " ms";
+        if (s.stall)
+          o << " stroke=\"" << kStall << "\" stroke-width=\"1\"";
+        else if (w >= 3)
+          o << " stroke=\"#ffffff\" stroke-width=\"0.6\"";
+        const std::string title = s.layer + " (" + (s.other ? "another forward" : cls) + "): " + verb(s.lane, s.stall) +
+                                  " for " + num(s.dur_us / 1000.0, 3) + " ms at " + num(ms(s.begin_us), 3) + " ms";
         o << "><title>" << xml_escape(title) << "</title></rect>\n";
         if (!s.other && !s.stall) {
           const std::string text = fit_label(s.layer, w);
@@ -343,10 +346,11 @@ std::string render_timeline_svg(const TimelineStep& step) {
   for (const auto& [a, b] : {std::pair<double, double>{t0, step.begin_us}, {step.end_us, t1}}) {
     if (b - a <= 0) continue;
     o << "<rect class=\"outside\" x=\"" << num(X(a)) << "\" y=\"" << num(kLaneTop - 4) << "\" width=\""
-      << num((b - a) * scale) << "\" height=\"" << num(lanes_bottom - kLaneTop + 8) << "\" fill=\"#000000\" fill-opacity=\"0.08\" pointer-events=\"none\"/>\n";
+      << num((b - a) * scale) << "\" height=\"" << num(lanes_bottom - kLaneTop + 8)
+      << "\" fill=\"#000000\" fill-opacity=\"0.08\" pointer-events=\"none\"/>\n";
   }
-  for (const auto& [t, what, anchor] : {std::tuple<double, const char*, const char*>{step.begin_us, "begins", "start"},
-                                        {step.end_us, "ends", "end"}}) {
+  for (const auto& [t, what, anchor] :
+       {std::tuple<double, const char*, const char*>{step.begin_us, "begins", "start"}, {step.end_us, "ends", "end"}}) {
     o << "<line class=\"marker\" x1=\"" << num(X(t)) << "\" y1=\"" << num(kLaneTop - 14) << "\" x2=\"" << num(X(t))
       << "\" y2=\"" << num(lanes_bottom + 4) << "\" stroke=\"#444\" stroke-width=\"1\" stroke-dasharray=\"4 3\"/>\n";
     o << "<text class=\"marker-label\" x=\"" << num(X(t) + (anchor[0] == 's' ? 3 : -3)) << "\" y=\""
@@ -360,8 +364,8 @@ std::string render_timeline_svg(const TimelineStep& step) {
   const double stepv = tick_step(ms1 - ms0, 12);
   o << "<g id=\"axis\" data-x0=\"" << num(kLeft) << "\" data-x1=\"" << num(x_end) << "\" data-t0-ms=\"" << num(ms0, 3)
     << "\" data-t1-ms=\"" << num(ms1, 3) << "\">\n";
-  o << "<line x1=\"" << num(kLeft) << "\" y1=\"" << num(kAxisY) << "\" x2=\"" << num(x_end) << "\" y2=\""
-    << num(kAxisY) << "\" stroke=\"#333\" stroke-width=\"1\"/>\n";
+  o << "<line x1=\"" << num(kLeft) << "\" y1=\"" << num(kAxisY) << "\" x2=\"" << num(x_end) << "\" y2=\"" << num(kAxisY)
+    << "\" stroke=\"#333\" stroke-width=\"1\"/>\n";
   const int prec = stepv >= 1 ? 0 : static_cast<int>(std::ceil(-std::log10(stepv)));
   for (double t = std::ceil(ms0 / stepv) * stepv; t <= ms1 + stepv * 1e-9; t += stepv) {
     const double x = kLeft + (t - ms0) / (ms1 - ms0) * kPlot;
@@ -391,10 +395,10 @@ std::string render_timeline_svg(const TimelineStep& step) {
   o << "<g id=\"legend\">\n";
   double lx = kLeft;
   for (const auto& it : items) {
-    o << "<rect class=\"swatch\" x=\"" << num(lx) << "\" y=\"" << num(kLegendY - 10) << "\" width=\"14\" height=\"12\" fill=\""
-      << it.fill << "\" stroke=\"#666\" stroke-width=\"0.5\"/>";
-    o << "<text class=\"legend-text\" x=\"" << num(lx + 19) << "\" y=\"" << num(kLegendY) << "\">" << xml_escape(it.text)
-      << "</text>\n";
+    o << "<rect class=\"swatch\" x=\"" << num(lx) << "\" y=\"" << num(kLegendY - 10)
+      << "\" width=\"14\" height=\"12\" fill=\"" << it.fill << "\" stroke=\"#666\" stroke-width=\"0.5\"/>";
+    o << "<text class=\"legend-text\" x=\"" << num(lx + 19) << "\" y=\"" << num(kLegendY) << "\">"
+      << xml_escape(it.text) << "</text>\n";
     lx += 19 + static_cast<double>(glyphs(it.text)) * 6.4 + 24;
   }
   o << "</g>\n";

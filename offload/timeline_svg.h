@@ -53,8 +53,8 @@ enum class TimelineLane { copy, upcast, compute };
 
 struct TimelineSpan {
   TimelineLane lane = TimelineLane::compute;
-  std::string layer;      // full layer name
-  double begin_us = 0;    // on the trace's clock
+  std::string layer;    // full layer name
+  double begin_us = 0;  // on the trace's clock
   double dur_us = 0;
   bool resident = false;  // the layer was resident (copies: always false)
   bool stall = false;     // compute waiting for this layer's copy (lane compute)
@@ -64,14 +64,14 @@ struct TimelineSpan {
 
 struct TimelineStep {
   std::string model;
-  std::string kind;           // "dit"
-  int64_t forward = -1;       // the forward's index
-  double begin_us = 0;        // the forward's begin and end on the compute stream
+  std::string kind;      // "dit"
+  int64_t forward = -1;  // the forward's index
+  double begin_us = 0;   // the forward's begin and end on the compute stream
   double end_us = 0;
   std::vector<TimelineSpan> spans;
   double wall_ms = 0;
   uint64_t bytes_streamed = 0;
-  double stall_ms = 0;        // all waits for copies (stalls: those long enough to count)
+  double stall_ms = 0;  // all waits for copies (stalls: those long enough to count)
   int64_t stalls = 0;
   double upcast_ms = 0;
   std::optional<double> floor_ms;           // the plan's, for this kind

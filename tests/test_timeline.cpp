@@ -210,7 +210,7 @@ TEST_CASE("timeline: the renderer puts known spans at known positions and escape
   CHECK(svg.find(">blocks.12.self_attn.output_projection</text>") == std::string::npos);
   CHECK(svg.find("<title>blocks.12.self_attn.output_projection (resident)") != std::string::npos);
   CHECK(svg.find(">outpu\xE2\x80\xA6</text>") != std::string::npos);  // 41.6 px: 6 glyphs
-  CHECK(svg.find(">blocks.0.q</text>") != std::string::npos);          // a wide box: the full name
+  CHECK(svg.find(">blocks.0.q</text>") != std::string::npos);         // a wide box: the full name
 
   // Groups of consecutive compute boxes, named by their block.
   const std::string groups = group(svg, "groups");
@@ -273,13 +273,19 @@ TEST_CASE("timeline: the forward drawn is the last complete dit one, or an earli
       const double t = 2000.0 * static_cast<double>(f);
       const bool b_resident = !same_residency && f == 3;
       w.add_span(TraceTrack::forward, "forward", t, 1000,
-                 {{"forward", f}, {"kind", std::string("dit")}, {"complete", f < 3 || last_complete},
-                  {"wall_ms", 1.0}, {"bytes_streamed", int64_t{100 + f}}, {"stall_ms", 0.0},
-                  {"upcast_ms", 0.0}, {"stalls", int64_t{0}}});
+                 {{"forward", f},
+                  {"kind", std::string("dit")},
+                  {"complete", f < 3 || last_complete},
+                  {"wall_ms", 1.0},
+                  {"bytes_streamed", int64_t{100 + f}},
+                  {"stall_ms", 0.0},
+                  {"upcast_ms", 0.0},
+                  {"stalls", int64_t{0}}});
       w.add_span(TraceTrack::compute, "a", t, 400, {{"forward", f}, {"layer", std::string("a")}, {"resident", true}});
       w.add_span(TraceTrack::compute, "b", t + 500, 400,
                  {{"forward", f}, {"layer", std::string("b")}, {"resident", b_resident}});
-      w.add_span(TraceTrack::copy, "b", t - 1500, 300, {{"forward", f}, {"layer", std::string("b")}, {"resident", false}});
+      w.add_span(TraceTrack::copy, "b", t - 1500, 300,
+                 {{"forward", f}, {"layer", std::string("b")}, {"resident", false}});
     }
     return w.to_json();
   };
@@ -294,7 +300,7 @@ TEST_CASE("timeline: the forward drawn is the last complete dit one, or an earli
     own += (!sp.next && !sp.other) ? 1 : 0;
   }
   CHECK(own == 3);
-  CHECK(next == 1);  // forward 3's copy, issued during forward 2
+  CHECK(next == 1);   // forward 3's copy, issued during forward 2
   CHECK(other >= 1);  // forward 1's compute beside forward 2's early copy
   CHECK(s.begin_us == Approx(4000));
   CHECK(s.end_us == Approx(5000));
@@ -316,9 +322,9 @@ TEST_CASE("timeline: the forward drawn is the last complete dit one, or an earli
 TEST_CASE("timeline: sluice run --timeline draws one forward's layers on three lanes") {
   TempDir dir;
   const std::string svg_path = dir / "t.svg", trace_path = dir / "t.json", stats_path = dir / "s.json";
-  const Result r = run_ok({"run", "--synthetic", "anima-tiny", "--device", "cpu", "--max-resident", "0.5", "--steps",
-                           "3", "--resolution", "64", "--timeline", svg_path, "--trace", trace_path, "--stats-json",
-                           stats_path});
+  const Result r =
+      run_ok({"run", "--synthetic", "anima-tiny", "--device", "cpu", "--max-resident", "0.5", "--steps", "3",
+              "--resolution", "64", "--timeline", svg_path, "--trace", trace_path, "--stats-json", stats_path});
   CHECK(r.out.find("wrote " + svg_path + "\n") != std::string::npos);
   const std::string svg = slurp(svg_path);
   INFO(svg.substr(0, 3000));
@@ -418,8 +424,8 @@ TEST_CASE("timeline: sluice run --timeline draws one forward's layers on three l
 
 TEST_CASE("timeline: bad paths and a model without a traced forward are one-line errors") {
   TempDir dir;
-  const std::vector<std::string> base{"run", "--synthetic", "anima-tiny", "--device", "cpu", "--steps", "1",
-                                      "--resolution", "64"};
+  const std::vector<std::string> base{"run",     "--synthetic", "anima-tiny",   "--device", "cpu",
+                                      "--steps", "1",           "--resolution", "64"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = base;
     a.insert(a.end(), extra.begin(), extra.end());
