@@ -328,6 +328,11 @@ void Model::write_trace(const std::string& path) const {
   m->cache->write_trace(m->entry, path);
 }
 
+void Model::write_timeline_svg(const std::string& path) const {
+  const auto& m = need(entry_);
+  m->cache->write_timeline_svg(m->entry, path);
+}
+
 std::string Model::residency_map() const {
   const auto& m = need(entry_);
   return m->cache->entry_state(m->entry).residency;

@@ -17,6 +17,8 @@
 #include "offload/cpu_device.h"
 #include "offload/layer.h"
 #include "offload/storage.h"
+#include "offload/timeline_step.h"
+#include "offload/timeline_svg.h"
 #include "runtime/error.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
@@ -1031,6 +1033,42 @@ void ModelCache::write_trace(const std::shared_ptr<Entry>& e, const std::string&
   }
   // No engine yet, or tracing is off: an empty trace.
   offload::TraceWriter::write_json(json.empty() ? offload::TraceWriter().to_json() : json, path);
+}
+
+void ModelCache::write_timeline_svg(const std::shared_ptr<Entry>& e, const std::string& path) const {
+  std::string json;
+  std::optional<offload::EngineStats> stats;
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    refresh_published(*e);
+  }
+  {
+    std::lock_guard<std::mutex> p(e->published_mutex);
+    json = e->published.trace_json;
+    stats = e->published.stats;
+  }
+  if (!options_.trace) {
+    throw InvalidArgument("timeline of model '" + e->name + "' for '" + path +
+                          "': tracing is off (RuntimeOptions::trace, or sluice run --timeline)");
+  }
+  if (json.empty()) {
+    throw InvalidArgument("timeline of model '" + e->name + "' for '" + path + "': no forward has been traced");
+  }
+  offload::TimelineStep step;
+  try {
+    step = offload::timeline_step_from_trace(json, "dit");
+  } catch (const InvalidArgument& ex) {
+    throw InvalidArgument("model '" + e->name + "', '" + path + "': " + ex.what());
+  }
+  step.model = e->name;
+  if (stats) {
+    for (const auto& k : stats->plan.kinds) {
+      if (k.kind != step.kind) continue;
+      if (k.floor_ms > 0) step.floor_ms = k.floor_ms;
+      if (k.predicted_step_ms > 0) step.predicted_step_ms = k.predicted_step_ms;
+    }
+  }
+  offload::write_timeline_svg_file(offload::render_timeline_svg(step), path);
 }
 
 anima::AnimaConfig ModelCache::entry_config(const std::shared_ptr<Entry>& e) const {

@@ -263,6 +263,10 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // set to the cache's, budget.share_bytes, and a "cache" object (CacheStats).
   std::string model_stats_json(const std::shared_ptr<Entry>& entry, int indent = 2) const;
   void write_trace(const std::shared_ptr<Entry>& entry, const std::string& path) const;
+  // The SVG timeline of one steady-state forward of `entry` (Note [timeline svg] in
+  // offload/timeline_svg.h), from the published trace and stats: InvalidArgument when
+  // tracing is off or no complete DiT forward was traced, FileError naming `path`.
+  void write_timeline_svg(const std::shared_ptr<Entry>& entry, const std::string& path) const;
   // Snapshot of an entry's state; the engine-side fields as last published.
   struct EntryState {
     bool in_ram = false, attached = false, dropped = false;

@@ -69,6 +69,7 @@ struct RunArgs {
   std::string output;                     // final latent (.safetensors)
   std::string stats_json;                 // stats JSON file
   std::string trace;                      // Chrome/Perfetto trace file
+  std::string timeline;                   // SVG timeline of one steady-state step
 };
 
 constexpr const char* kCpuDefaultPreset = "anima-medium";
@@ -200,7 +201,7 @@ int run(const RunArgs& args) {
   ro.pin_memory = a.pin_memory;
   ro.pin_memory_limit = a.pin_memory_limit;
   ro.policy = a.policy;
-  ro.trace = !a.trace.empty();
+  ro.trace = !a.trace.empty() || !a.timeline.empty();
   ModelCache cache(ro);
 
   LoadOptions lo;
@@ -359,6 +360,10 @@ int run(const RunArgs& args) {
     model.write_trace(a.trace);
     std::cout << "wrote " << a.trace << "\n";
   }
+  if (!a.timeline.empty()) {
+    model.write_timeline_svg(a.timeline);
+    std::cout << "wrote " << a.timeline << "\n";
+  }
   return 0;
 }
 
@@ -411,6 +416,9 @@ Subcommand add_run(CLI::App& root) {
   sub->add_option("--output", a->output, "Write the final latent here (.safetensors, tensor 'latent')");
   sub->add_option("--stats-json", a->stats_json, "Write the model/budget/device/forward/cache stats here (JSON)");
   sub->add_option("--trace", a->trace, "Write a Chrome/Perfetto trace (copy, upcast and compute tracks) here");
+  sub->add_option("--timeline", a->timeline,
+                  "Write an SVG timeline of one steady-state step here (copy, upcast and compute lanes; implies tracing)")
+      ->check(output_file_validator());
   return {sub, [a] { return run(*a); }};
 }
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "offload/prefetch_scheduler.h"
 #include "offload/residency_plan.h"
@@ -75,6 +77,22 @@ CLI::Validator device_validator() {
         return "bad device '" + value + "' (expected cpu, cuda or cuda:N)";
       },
       "cpu|cuda[:N]", "device");
+}
+
+CLI::Validator output_file_validator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        if (value.empty()) return "expected a file name, got ''";
+        struct stat st;
+        if (::stat(value.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return "'" + value + "' is a folder, not a file";
+        const size_t slash = value.rfind('/');
+        const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : value.substr(0, slash));
+        if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+          return "cannot write '" + value + "': folder '" + dir + "' does not exist";
+        if (::access(dir.c_str(), W_OK) != 0) return "cannot write '" + value + "': folder '" + dir + "' is not writable";
+        return {};
+      },
+      "FILE", "output file");
 }
 
 at::Device resolve_device(const std::string& spec) {

@@ -34,6 +34,11 @@ CLI::Validator prefetch_validator();
 // --policy: balanced | spread | front_first (offload::parse_residency_policy).
 CLI::Validator policy_validator();
 
+// A file the command writes at its end (--timeline): its folder exists and is writable and
+// it is not itself a folder, checked before the command starts (so a typo does not cost a
+// whole run). The write itself can still fail (a full disk): that is a FileError.
+CLI::Validator output_file_validator();
+
 // --vram-budget (size, percent of total device memory, or auto) and --vram-headroom on `sub`.
 void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,
                              const std::string& default_text);

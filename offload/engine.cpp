@@ -814,7 +814,8 @@ std::unique_ptr<DeviceEvent> StreamingEngine::mark() {
 
 void StreamingEngine::add_span(ForwardAcc& acc, TraceTrack track, int kind, int64_t layer,
                                std::unique_ptr<DeviceEvent> a, std::unique_ptr<DeviceEvent> b) {
-  acc.spans.push_back(Span{track, kind, layer, std::move(a), std::move(b), anchor_});
+  const bool resident = layers_[static_cast<size_t>(layer)].resident;
+  acc.spans.push_back(Span{track, kind, layer, resident, std::move(a), std::move(b), anchor_});
 }
 
 LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
@@ -1116,13 +1117,28 @@ void StreamingEngine::resolve(bool wait_all) {
       if (options_.trace && !(sp.kind == 1 && ms < kStallMs)) {
         const double ts = sp.anchor->host_us + device_->elapsed_ms(*sp.anchor->event, *sp.a) * 1000.0;
         const std::string& name = layers_[static_cast<size_t>(sp.layer)].name;
-        trace_.add_span(sp.track, sp.kind == 1 ? "wait " + name : name, ts, ms * 1000.0);
+        trace_.add_span(sp.track, sp.kind == 1 ? "wait " + name : name, ts, ms * 1000.0,
+                        {{"forward", static_cast<int64_t>(rec.index)}, {"layer", name}, {"resident", sp.resident}});
       }
       event_pool_.push_back(std::move(sp.a));  // done: reusable
       event_pool_.push_back(std::move(sp.b));
     }
     rec.wall_ms = device_->elapsed_ms(*u.begin->event, *u.end);
     rec.h2d_gbps = copy_ms > 0 ? static_cast<double>(rec.bytes_streamed) / (copy_ms * 1e6) : 0.0;
+    if (options_.trace) {
+      // The forward as a whole, begin to end on the compute stream, with its totals.
+      const std::string title = "forward " + std::to_string(rec.index) + (rec.kind.empty() ? "" : " " + rec.kind);
+      trace_.add_span(TraceTrack::forward, title, u.begin->host_us, rec.wall_ms * 1000.0,
+                      {{"forward", static_cast<int64_t>(rec.index)},
+                       {"kind", rec.kind},
+                       {"complete", u.complete},
+                       {"wall_ms", rec.wall_ms},
+                       {"bytes_streamed", static_cast<int64_t>(rec.bytes_streamed)},
+                       {"stall_ms", rec.stall_ms},
+                       {"upcast_ms", rec.upcast_ms},
+                       {"stalls", static_cast<int64_t>(rec.stalls)},
+                       {"copies", static_cast<int64_t>(rec.copies)}});
+    }
     if (timing() && options_.plan_from_measurements) {
       ForwardSample sample;
       if (u.detail && u.complete) {

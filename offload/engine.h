@@ -253,6 +253,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
     TraceTrack track;
     int kind;  // 0 copy, 1 stall, 2 upcast, 3 compute
     int64_t layer;
+    bool resident;  // the layer's residency when the work was issued (for the trace)
     std::unique_ptr<DeviceEvent> a, b;
     std::shared_ptr<Anchor> anchor;
   };

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <variant>
 
 #include "runtime/error.h"
 
@@ -13,13 +14,14 @@ const char* trace_track_name(TraceTrack track) {
     case TraceTrack::copy: return "copy stream";
     case TraceTrack::upcast: return "upcast";
     case TraceTrack::compute: return "compute";
+    case TraceTrack::forward: return "forward";
   }
   return "?";
 }
 
-void TraceWriter::add_span(TraceTrack track, std::string name, double ts_us, double dur_us) {
+void TraceWriter::add_span(TraceTrack track, std::string name, double ts_us, double dur_us, TraceArgs args) {
   std::lock_guard<std::mutex> lock(mutex_);
-  spans_.push_back({track, std::move(name), ts_us, dur_us < 0 ? 0 : dur_us});
+  spans_.push_back({track, std::move(name), ts_us, dur_us < 0 ? 0 : dur_us, std::move(args)});
 }
 
 size_t TraceWriter::size() const {
@@ -36,7 +38,7 @@ std::string TraceWriter::to_json() const {
   std::lock_guard<std::mutex> lock(mutex_);
   nlohmann::json events = nlohmann::json::array();
   events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 1}, {"args", {{"name", "sluice"}}}});
-  for (TraceTrack t : {TraceTrack::copy, TraceTrack::upcast, TraceTrack::compute}) {
+  for (TraceTrack t : {TraceTrack::copy, TraceTrack::upcast, TraceTrack::compute, TraceTrack::forward}) {
     events.push_back({{"name", "thread_name"},
                       {"ph", "M"},
                       {"pid", 1},
@@ -49,13 +51,19 @@ std::string TraceWriter::to_json() const {
                       {"args", {{"sort_index", static_cast<int>(t)}}}});
   }
   for (const auto& s : spans_) {
-    events.push_back({{"name", s.name},
-                      {"cat", trace_track_name(s.track)},
-                      {"ph", "X"},
-                      {"ts", s.ts_us},
-                      {"dur", s.dur_us},
-                      {"pid", 1},
-                      {"tid", static_cast<int>(s.track)}});
+    nlohmann::json e = {{"name", s.name},
+                        {"cat", trace_track_name(s.track)},
+                        {"ph", "X"},
+                        {"ts", s.ts_us},
+                        {"dur", s.dur_us},
+                        {"pid", 1},
+                        {"tid", static_cast<int>(s.track)}};
+    if (!s.args.empty()) {
+      nlohmann::json args = nlohmann::json::object();
+      for (const auto& [key, value] : s.args) std::visit([&](const auto& v) { args[key] = v; }, value);
+      e["args"] = std::move(args);
+    }
+    events.push_back(std::move(e));
   }
   nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
   return doc.dump();

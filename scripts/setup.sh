@@ -31,8 +31,11 @@ esac
 # benchmarks are part of the build), so the run setup installs them too; they are small.
 APT_PKGS=(build-essential cmake ninja-build ccache python3-venv python3-dev libspdlog-dev libmimalloc-dev catch2
           libbenchmark-dev nlohmann-json3-dev libcli11-dev)
-# Test-only: a headless browser for the timeline SVG's rendering test.
-[ "$FOR" = test ] && APT_PKGS+=(chromium)
+# Test-only: a headless browser for the timeline SVG's rendering test
+# (tests/python/test_timeline_browser.py, which fails without it).
+if [ "$FOR" = test ]; then
+  APT_PKGS+=(chromium)
+fi
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

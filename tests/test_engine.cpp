@@ -666,6 +666,8 @@ TEST_CASE("engine: trace JSON has copy and upcast and compute tracks") {
   std::map<int, std::string> tracks;
   std::map<int, int> spans;
   std::set<std::string> copied;
+  std::map<int64_t, double> forward_begin, forward_end;  // the "forward" track's spans
+  std::map<int64_t, int> computed;                         // forward -> compute spans (not waits)
   for (const auto& e : j["traceEvents"]) {
     if (e["ph"] == "M" && e["name"] == "thread_name") tracks[e["tid"].get<int>()] = e["args"]["name"];
     if (e["ph"] == "X") {
@@ -673,12 +675,36 @@ TEST_CASE("engine: trace JSON has copy and upcast and compute tracks") {
       CHECK(e["dur"].get<double>() >= 0);
       CHECK(e["ts"].get<double>() >= 0);
       if (e["cat"] == "copy stream") copied.insert(e["name"].get<std::string>());
+      // Every span says which forward it is for; layer spans name the layer and its residency.
+      REQUIRE(e.contains("args"));
+      const auto& args = e["args"];
+      const int64_t f = args.at("forward").get<int64_t>();
+      if (e["tid"] == 4) {
+        forward_begin[f] = e["ts"].get<double>();
+        forward_end[f] = e["ts"].get<double>() + e["dur"].get<double>();
+        CHECK(args.at("complete") == true);
+        CHECK(args.at("wall_ms").get<double>() * 1000.0 == Approx(e["dur"].get<double>()));
+        CHECK(args.contains("bytes_streamed"));
+      } else {
+        const std::string layer = args.at("layer").get<std::string>();
+        const std::string name = e["name"].get<std::string>();
+        CHECK((name == layer || name == "wait " + layer));
+        CHECK(args.at("resident").is_boolean());
+        if (e["tid"] == 1) CHECK(args.at("resident") == false);  // only streamed layers are copied
+        if (e["tid"] == 3 && name == layer) computed[f] += 1;
+      }
     }
   }
-  CHECK(tracks.size() == 3);
+  CHECK(tracks.size() == 4);
   CHECK(tracks[1] == "copy stream");
   CHECK(tracks[2] == "upcast");
   CHECK(tracks[3] == "compute");
+  CHECK(tracks[4] == "forward");
+  REQUIRE(forward_begin.size() == 2);
+  CHECK(forward_begin[0] < forward_end[0]);
+  CHECK(forward_end[0] <= forward_begin[1]);
+  CHECK(computed[0] == 26);
+  CHECK(computed[1] == 26);
   const EngineStats s = engine.stats();
   CHECK(spans[1] == static_cast<int>(s.forward_records[0].copies + s.forward_records[1].copies));
   CHECK(copied.size() == engine.plan().streamed_count());

@@ -213,6 +213,11 @@ class Model {
   std::string stats_json(int indent = 2) const;
   // Chrome/Perfetto trace of the recorded forwards (RuntimeOptions::trace); FileError.
   void write_trace(const std::string& path) const;
+  // A self-contained SVG timeline of one steady-state DiT forward (copy, upcast and
+  // compute lanes, each layer's box coloured resident or streamed, stalls marked, the
+  // step's totals in a caption; Note [timeline svg] in offload/timeline_svg.h). Needs
+  // RuntimeOptions::trace and a complete DiT forward (else InvalidArgument); FileError.
+  void write_timeline_svg(const std::string& path) const;
   // "blocks: RRSRRS...; other: ..." (empty while the model is off the device).
   std::string residency_map() const;
 
