@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 #include <tuple>
 #include <utility>
 
 #include "runtime/error.h"
+#include "runtime/text_file.h"
 
 namespace sluice::offload {
 namespace {
@@ -407,11 +407,7 @@ std::string render_timeline_svg(const TimelineStep& step) {
 }
 
 void write_timeline_svg_file(const std::string& svg, const std::string& path) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw FileError("cannot open timeline file '" + path + "' for writing");
-  out << svg;
-  out.close();
-  if (!out) throw FileError("cannot write timeline file '" + path + "'");
+  write_text_file(path, svg, "timeline");
 }
 
 }  // namespace sluice::offload

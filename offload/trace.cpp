@@ -2,10 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include <fstream>
 #include <variant>
 
-#include "runtime/error.h"
+#include "runtime/text_file.h"
 
 namespace sluice::offload {
 
@@ -72,11 +71,7 @@ std::string TraceWriter::to_json() const {
 void TraceWriter::write(const std::string& path) const { write_json(to_json(), path); }
 
 void TraceWriter::write_json(const std::string& json, const std::string& path) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw FileError("cannot open trace file '" + path + "' for writing");
-  out << json;
-  out.close();
-  if (!out) throw FileError("cannot write trace file '" + path + "'");
+  write_text_file(path, json, "trace");
 }
 
 }  // namespace sluice::offload
