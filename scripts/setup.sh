@@ -80,7 +80,8 @@ TORCH_ARGS=()
 if [ -n "${Torch_DIR:-}" ]; then
   TORCH_ARGS=(-DTorch_DIR="$Torch_DIR")
 else
-  TORCH_ARGS=(-DCMAKE_PREFIX_PATH="$("$VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')")
+  # -W ignore: without numpy (a run setup installs none) torch warns that it is missing.
+  TORCH_ARGS=(-DCMAKE_PREFIX_PATH="$("$VENV/bin/python" -W ignore -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')")
 fi
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   log "configuring $BUILD_DIR"
