@@ -24,6 +24,9 @@ Subcommand add_inspect(CLI::App& root);
 Subcommand add_forward(CLI::App& root);
 // sluice make-checkpoint --config NAME|FILE.json --seed N --out F [--dtype]
 Subcommand add_make_checkpoint(CLI::App& root);
+// sluice convert IN --out OUT [--storage float8_e4m3fn|float8_e5m2] [--compute] [--scaled [--scale per_tensor|
+//                per_channel]] [--skip P]... [--no-default-skips] [--no-model-skips]
+Subcommand add_convert(CLI::App& root);
 // sluice fp8-report <checkpoint> [--storage float8_e4m3fn|float8_e5m2] [--forward] [--json]
 Subcommand add_fp8_report(CLI::App& root);
 // sluice run [--checkpoint F | --synthetic PRESET] [--device] [--vram-budget] [--vram-headroom]

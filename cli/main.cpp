@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
       sluice::cli::add_inspect(app),
       sluice::cli::add_forward(app),
       sluice::cli::add_make_checkpoint(app),
+      sluice::cli::add_convert(app),
       sluice::cli::add_fp8_report(app),
       sluice::cli::add_run(app),
   };

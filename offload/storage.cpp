@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "offload/layer.h"
+#include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
@@ -26,7 +27,33 @@ at::Tensor owned(const at::Tensor& t) {
 struct Cast {
   at::Tensor weight, bias, scale;
   int64_t clipped = 0;
+  bool kept = false;  // the weight was already stored as asked: not cast
 };
+
+// Whether an existing scale (read from a file) is one the options ask for: any, when they
+// ask for none (the file's scaled layout is more exact than a plain recast), else the same
+// layout (per tensor: one value; per channel: one per output row).
+bool scale_fits(const at::Tensor& scale, const at::Tensor& w, ScaleMode mode) {
+  switch (mode) {
+    case ScaleMode::none: return true;
+    case ScaleMode::per_tensor: return scale.numel() == 1;
+    case ScaleMode::per_channel: return scale.dim() == 1 && w.dim() >= 1 && scale.numel() == w.size(0);
+  }
+  return false;
+}
+
+// An fp8 tensor kept as read: refuses NaN/Inf bytes (the only check an fp8 tensor needs,
+// its values are in range by construction). e4m3fn: NaN is S.1111.111; e5m2: Inf and NaN
+// are S.11111.xx.
+void check_fp8_finite(const at::Tensor& t, const std::string& name) {
+  if (!is_fp8(t.scalar_type()) || !t.device().is_cpu()) return;
+  const at::Tensor bytes = t.contiguous().view(at::kByte);
+  const int mask = t.scalar_type() == at::kFloat8_e4m3fn ? 0x7F : 0x7C;
+  if (bytes.bitwise_and(mask).eq(mask).any().item<bool>()) {
+    throw InvalidArgument("tensor '" + name + "' holds NaN or Inf values (" + dtype_name(t.scalar_type()) +
+                          "); refusing to store it");
+  }
+}
 
 Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Options& options) {
   Cast c;
@@ -44,10 +71,16 @@ Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Op
     return c;
   }
   // A weight that is already in the target dtype with no scale to produce stays as is
-  // (no copy); anything else goes through the checked cast.
+  // (no copy), and so does an fp8 weight read with a scale that fits the options (Note
+  // [converted checkpoints] in models/anima/checkpoint.h); anything else goes through the
+  // checked cast, from the dequantized values.
   const bool want_scale = is_fp8(dtype) && w.dim() >= 2 && options.scale_mode != ScaleMode::none;
-  if (w.scalar_type() == dtype && !want_scale && !layer.weight_scale().defined()) {
+  const at::Tensor& scale = layer.weight_scale();
+  if (w.scalar_type() == dtype && (scale.defined() ? scale_fits(scale, w, options.scale_mode) : !want_scale)) {
+    check_fp8_finite(w, layer.qualified_name() + ".weight");
     c.weight = w;
+    c.scale = scale;
+    c.kept = true;
   } else {
     const at::Tensor src = layer.weight_scale().defined() ? layer.upcast_stored().weight : w;
     StorageCast sc = cast_to_storage(src, dtype, layer.qualified_name() + ".weight", options);
@@ -57,6 +90,7 @@ Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Op
   }
   if (b.defined()) {
     if (b.scalar_type() == dtype) {
+      check_fp8_finite(b, layer.qualified_name() + ".bias");
       c.bias = b;
     } else {
       StorageCast sc = cast_to_storage(b, dtype, layer.qualified_name() + ".bias", options);
@@ -109,6 +143,7 @@ StorageReport apply_storage(torch::nn::Module& model, const std::string& model_n
     } else {
       r.cast_layers += 1;
       r.cast_params += elements;
+      if (c.kept) r.kept_layers += 1;
     }
     task.advance(source_bytes);
   }
@@ -117,7 +152,11 @@ StorageReport apply_storage(torch::nn::Module& model, const std::string& model_n
   if (is_fp8(options.storage)) {
     log::info(c10::str("FP8 layerwise casting enabled for ", model_name, " (storage=", dtype_name(options.storage),
                        ", compute=", dtype_name(options.compute),
-                       ", param_size=", static_cast<int64_t>(std::llround(r.param_mib())), "MB)"));
+                       ", param_size=", static_cast<int64_t>(std::llround(r.param_mib())), "MB",
+                       r.kept_layers > 0 ? c10::str(", ", r.kept_layers, " of ", r.cast_layers,
+                                                    " layers stored as read, no cast")
+                                         : std::string(),
+                       ")"));
     if (!r.skipped.empty()) {
       std::string list;
       for (const auto& [module, pattern] : r.skipped) list += (list.empty() ? "" : ", ") + module;

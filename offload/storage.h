@@ -37,6 +37,7 @@ struct StorageReport {
   DtypePair dtypes;                                           // storage/compute applied
   int64_t param_bytes = 0;                                    // sum of nbytes over ALL parameters
   int64_t cast_layers = 0;                                    // ManagedLayers now in `dtypes.storage`
+  int64_t kept_layers = 0;                                    // of which stored as read (already in it: no cast)
   int64_t cast_params = 0;                                    // elements in those layers (weight+bias)
   std::vector<std::pair<std::string, std::string>> skipped;  // (module, pattern that matched)
   int64_t skipped_params = 0;                                 // elements kept in compute dtype

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -12,7 +13,10 @@
 
 #include "models/anima/anima.h"
 #include "models/anima/checkpoint.h"
+#include "models/anima/convert.h"
 #include "models/anima/generator.h"
+#include "offload/layer.h"
+#include "offload/storage.h"
 #include "runtime/error.h"
 #include "runtime/host_memory.h"
 #include "runtime/safetensors.h"
@@ -422,7 +426,181 @@ TEST_CASE("scaled fp8 weights are dequantized, quantization markers rejected") {
   CHECK(at::allclose(got, w, 0.07, 1e-3));  // e4m3 keeps ~3 mantissa bits
   CHECK(at::equal(params["blocks.1.self_attn.q_proj.weight"], q_row.to(at::kFloat) * row_scale.unsqueeze(1)));
 
+  // The old layout: ".scale_weight" (and ".scale_input") instead of ".weight_scale".
+  Tensors old = t;
+  for (auto& [k, v] : old) {
+    if (k == "net.blocks.0.mlp.layer1.weight_scale") k = "net.blocks.0.mlp.layer1.scale_weight";
+    if (k == "net.blocks.0.mlp.layer1.input_scale") k = "net.blocks.0.mlp.layer1.scale_input";
+  }
+  st::save(s.path("old.safetensors"), old);
+  AnimaModel m_old = load_anima(s.path("old.safetensors"));
+  CHECK(at::equal(m_old->named_parameters()["blocks.0.mlp.layer1.weight"], got));
+  // A scale [out, 1] is one per row, like [out].
+  Tensors col = t;
+  find(col, "net.blocks.1.self_attn.q_proj.weight_scale") = row_scale.unsqueeze(1).clone();
+  st::save(s.path("col.safetensors"), col);
+  CHECK(at::equal(load_anima(s.path("col.safetensors"))->named_parameters()["blocks.1.self_attn.q_proj.weight"],
+                  params["blocks.1.self_attn.q_proj.weight"]));
+  // A scale that is not positive and finite is refused, naming it.
+  Tensors bad_scale = t;
+  find(bad_scale, "net.blocks.0.mlp.layer1.weight_scale") = at::full({}, -1.0, at::kFloat);
+  st::save(s.path("bad_scale.safetensors"), bad_scale);
+  CHECK(has(load_error(s.path("bad_scale.safetensors")), "net.blocks.0.mlp.layer1.weight_scale"));
+
+  // ComfyUI's markers: per-layer ".comfy_quant" (JSON in uint8) and the header entry. fp8
+  // formats load; any other is refused naming it; a marker that is not JSON too.
+  const auto marker = [](const std::string& json) {
+    at::Tensor b = at::empty({static_cast<int64_t>(json.size())}, at::kByte);
+    std::memcpy(b.data_ptr(), json.data(), json.size());
+    return b;
+  };
+  Tensors quant = t;
+  quant.emplace_back("net.blocks.0.mlp.layer1.comfy_quant", marker(R"({"format": "float8_e4m3fn"})"));
+  st::save(s.path("comfy_fp8.safetensors"), quant, {{"_quantization_metadata",
+      R"({"format_version": "1.0", "layers": {"net.blocks.0.mlp.layer1": {"format": "float8_e4m3fn"}}})"}});
+  CHECK(at::equal(load_anima(s.path("comfy_fp8.safetensors"))->named_parameters()["blocks.0.mlp.layer1.weight"], got));
+  Tensors int8 = t;
+  int8.emplace_back("net.blocks.0.mlp.layer2.comfy_quant", marker(R"({"format": "int8_tensorwise"})"));
+  st::save(s.path("comfy_int8.safetensors"), int8);
+  const std::string e_int8 = load_error(s.path("comfy_int8.safetensors"));
+  CHECK(has(e_int8, "net.blocks.0.mlp.layer2.comfy_quant"));
+  CHECK(has(e_int8, "'int8_tensorwise'"));
+  st::save(s.path("meta_nvfp4.safetensors"), t, {{"_quantization_metadata",
+      R"({"format_version": "1.0", "layers": {"net.blocks.0.mlp.layer2": {"format": "nvfp4"}}})"}});
+  const std::string e_meta = load_error(s.path("meta_nvfp4.safetensors"));
+  CHECK(has(e_meta, "net.blocks.0.mlp.layer2"));
+  CHECK(has(e_meta, "'nvfp4'"));
   t.emplace_back("net.blocks.0.mlp.layer2.comfy_quant", at::zeros({4}, at::kByte));
   st::save(s.path("comfy_quant.safetensors"), t);
-  CHECK(has(load_error(s.path("comfy_quant.safetensors")), "quantization markers"));
+  CHECK(has(load_error(s.path("comfy_quant.safetensors")), "is not a quantization marker"));
+}
+
+namespace {
+
+// fp8 storage options as `sluice convert` and a load with --storage use them.
+sluice::Fp8Options fp8(sluice::ScaleMode mode) {
+  sluice::Fp8Options o;
+  o.scale_mode = mode;
+  return o;
+}
+
+LoadOptions with_storage(const sluice::Fp8Options& o) {
+  LoadOptions lo;
+  lo.storage = o;
+  return lo;
+}
+
+// Every parameter and weight scale of `a` equals `b`'s bit for bit, dtype included.
+void check_same_storage(AnimaModel& a, AnimaModel& b) {
+  const auto pa = a->named_parameters(), pb = b->named_parameters();
+  REQUIRE(pa.size() == pb.size());
+  for (const auto& p : pa) {
+    INFO(p.key());
+    const at::Tensor& other = pb[p.key()];
+    CHECK(p.value().scalar_type() == other.scalar_type());
+    CHECK(at::equal(p.value().view(at::kByte), other.view(at::kByte)));
+  }
+  const auto la = sluice::offload::managed_layers(*a), lb = sluice::offload::managed_layers(*b);
+  REQUIRE(la.size() == lb.size());
+  for (size_t i = 0; i < la.size(); ++i) {
+    INFO(la[i].first);
+    const at::Tensor& sa = la[i].second->weight_scale();
+    const at::Tensor& sb = lb[i].second->weight_scale();
+    REQUIRE(sa.defined() == sb.defined());
+    if (sa.defined()) CHECK(at::equal(sa, sb));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("convert: a converted checkpoint holds the stored bytes of a load-time conversion and loads with no cast") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-small"), 3, at::kBFloat16, s.path("src.safetensors"));
+  for (const sluice::ScaleMode mode :
+       {sluice::ScaleMode::none, sluice::ScaleMode::per_tensor, sluice::ScaleMode::per_channel}) {
+    INFO("scale " << sluice::to_string(mode));
+    const sluice::Fp8Options o = fp8(mode);
+    const ConvertReport r = convert_checkpoint(s.path("src.safetensors"), s.path("fp8.safetensors"), o);
+    CHECK(r.model_name == "anima-small");
+    CHECK(r.fp8_tensors > 0);
+    CHECK(r.skipped_layers > 0);  // t_embedder, x_embedder, final_layer
+    CHECK(r.out_bytes < r.in_bytes * 6 / 10);  // about half of bf16 (plus norms, skips and scales)
+
+    AnimaModel at_load = load_anima(s.path("src.safetensors"), with_storage(o));
+    sluice::offload::StorageReport kept;
+    LoadOptions lo = with_storage(o);
+    lo.report = &kept;
+    AnimaModel converted = load_anima(s.path("fp8.safetensors"), lo);
+    check_same_storage(at_load, converted);
+    // No cast: every fp8 layer was kept as read.
+    CHECK(kept.cast_layers > 0);
+    CHECK(kept.kept_layers == kept.cast_layers);
+    CHECK(kept.clipped == 0);
+    // The same stored bytes give the same forward, bit for bit.
+    at::manual_seed(0);
+    const at::Tensor x = at::randn({1, 16, 1, 8, 8}).to(at::kBFloat16);
+    const at::Tensor ctx = at::randn({1, 6, 128}).to(at::kBFloat16);
+    const at::Tensor ts = at::full({1}, 0.5);
+    CHECK(at::equal(at_load->forward(x, ts, ctx), converted->forward(x, ts, ctx)));
+
+    // The layout (Note [convert layout]): net. keys, fp8 weights, scales, metadata.
+    const auto f = st::File::open(s.path("fp8.safetensors"));
+    CHECK(f->find("net.blocks.0.mlp.layer1.weight")->dtype == at::kFloat8_e4m3fn);
+    CHECK(f->find("net.t_embedder.1.linear_1.weight")->dtype == at::kBFloat16);  // a declared skip
+    CHECK(f->metadata().at("sluice.storage") == "float8_e4m3fn");
+    CHECK(f->metadata().at("sluice.compute") == "bfloat16");
+    CHECK(f->metadata().at("sluice.scale") == sluice::to_string(mode));
+    CHECK(has(f->metadata().at("sluice.skips"), "t_embedder"));
+    const auto* scale = f->find("net.blocks.0.mlp.layer1.weight_scale");
+    if (mode == sluice::ScaleMode::none) {
+      CHECK(scale == nullptr);
+      CHECK(f->metadata().count("_quantization_metadata") == 0);
+      CHECK(r.scales == 0);
+    } else {
+      REQUIRE(scale != nullptr);
+      CHECK(scale->dtype == at::kFloat);
+      CHECK(scale->shape == (mode == sluice::ScaleMode::per_tensor ? std::vector<int64_t>{}
+                                                                    : std::vector<int64_t>{1024, 1}));
+      const auto q = nlohmann::json::parse(f->metadata().at("_quantization_metadata"));
+      CHECK(q.at("format_version") == "1.0");
+      CHECK(static_cast<int64_t>(q.at("layers").size()) == r.scales);
+      CHECK(q.at("layers").at("net.blocks.0.mlp.layer1").at("format") == "float8_e4m3fn");
+      CHECK(q.at("layers").at("net.blocks.0.mlp.layer1").at("full_precision_matrix_mult") == true);
+    }
+  }
+  // Loaded unscaled, a scaled file keeps its scales (more exact than a recast); asked for
+  // another scale layout, it is converted from the dequantized values.
+  convert_checkpoint(s.path("src.safetensors"), s.path("tensor.safetensors"), fp8(sluice::ScaleMode::per_tensor));
+  sluice::offload::StorageReport rep;
+  LoadOptions lo = with_storage(fp8(sluice::ScaleMode::none));
+  lo.report = &rep;
+  AnimaModel plain = load_anima(s.path("tensor.safetensors"), lo);
+  CHECK(rep.kept_layers == rep.cast_layers);
+  lo = with_storage(fp8(sluice::ScaleMode::per_channel));
+  AnimaModel per_row = load_anima(s.path("tensor.safetensors"), lo);
+  CHECK(rep.kept_layers == rep.cast_layers);  // (rep belongs to the first load)
+  for (const auto& [name, layer] : sluice::offload::managed_layers(*per_row)) {
+    if (!sluice::is_fp8(layer->stored_weight().scalar_type())) continue;
+    CHECK(layer->weight_scale().dim() == 1);
+  }
+}
+
+TEST_CASE("convert: refuses its input as output and a non-fp8 storage; an fp8 NaN in a file is refused on load") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-tiny"), 4, at::kBFloat16, s.path("src.safetensors"));
+  CHECK_THROWS_AS(convert_checkpoint(s.path("src.safetensors"), s.path("src.safetensors"), fp8(sluice::ScaleMode::none)),
+                  sluice::InvalidArgument);
+  CHECK(::access(s.path("src.safetensors").c_str(), F_OK) == 0);
+  sluice::Fp8Options bf16;
+  bf16.storage = at::kBFloat16;
+  CHECK_THROWS_WITH(convert_checkpoint(s.path("src.safetensors"), s.path("out.safetensors"), bf16),
+                    Catch::Contains("not an fp8 dtype"));
+
+  convert_checkpoint(s.path("src.safetensors"), s.path("fp8.safetensors"), fp8(sluice::ScaleMode::none));
+  Tensors t = read_all(s.path("fp8.safetensors"));
+  at::Tensor& w = find(t, "net.blocks.0.mlp.layer1.weight");
+  w.view(at::kByte).view(-1)[5] = 0x7F;  // e4m3fn NaN
+  st::save(s.path("nan.safetensors"), t);
+  CHECK_THROWS_WITH(load_anima(s.path("nan.safetensors"), with_storage(fp8(sluice::ScaleMode::none))),
+                    Catch::Contains("blocks.0.mlp.layer1.weight") && Catch::Contains("NaN"));
 }

@@ -256,6 +256,37 @@ TEST_CASE("make-checkpoint is deterministic per seed") {
   for (const auto& t : file->tensors()) CHECK(t.dtype == at::kBFloat16);
 }
 
+TEST_CASE("convert writes an fp8 checkpoint that run streams to the latent of a load-time conversion") {
+  TempDir dir;
+  const std::string src = dir / "src.safetensors", fp8 = dir / "fp8.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "9", "--out", src});
+  const Result r = run_ok({"convert", src, "--out", fp8});
+  CHECK(r.out.rfind("wrote " + fp8 + ": anima-tiny, ", 0) == 0);
+  CHECK(r.out.find(" float8_e4m3fn, 0 weight scales, ") != std::string::npos);
+  CHECK(r.err.empty());
+  const auto f = sluice::safetensors::File::open(fp8);
+  CHECK(f->find("net.blocks.0.self_attn.q_proj.weight")->dtype == at::kFloat8_e4m3fn);
+  CHECK(f->metadata().at("sluice.storage") == "float8_e4m3fn");
+  // The same latent from the converted file as from converting the source at load time.
+  const std::string a = dir / "a.safetensors", b = dir / "b.safetensors";
+  const std::vector<std::string> common{"run", "--device", "cpu", "--steps", "2", "--resolution", "64", "--max-resident", "0.5"};
+  std::vector<std::string> from_src = common, from_fp8 = common;
+  for (const std::string& s : {std::string("--checkpoint"), src, std::string("--output"), a}) from_src.push_back(s);
+  for (const std::string& s : {std::string("--checkpoint"), fp8, std::string("--output"), b}) from_fp8.push_back(s);
+  run_ok(from_src);
+  run_ok(from_fp8);
+  CHECK(at::equal(sluice::safetensors::File::open(a)->tensor("latent"), sluice::safetensors::File::open(b)->tensor("latent")));
+  // Scaled: one fp32 scale per converted layer.
+  const Result scaled = run_ok({"convert", src, "--scaled", "--scale", "per_channel", "--out", dir / "s.safetensors"});
+  CHECK(scaled.out.find(" 0 weight scales") == std::string::npos);
+  // Bad input: the input as output, a missing input (exit 1); a bad flag value (exit 2).
+  expect_error({"convert", src, "--out", src}, 1, {src, "input"});
+  expect_error({"convert", dir / "missing.safetensors", "--out", dir / "x.safetensors"}, 1, {"missing.safetensors"});
+  expect_error({"convert", src, "--out", fp8, "--storage", "bfloat16"}, 2, {"--storage", "bfloat16"});
+  expect_error({"convert", src, "--out", fp8, "--scale", "per_row"}, 2, {"--scale", "per_row"});
+  expect_error({"convert", src, "--out", dir / "no-such-dir/x.safetensors"}, 2, {"--out"});
+}
+
 TEST_CASE("forward writes a velocity shaped like x and the adapter context") {
   TempDir dir;
   const std::string ckpt = dir / "tiny.safetensors";

@@ -3,12 +3,13 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
-#include <filesystem>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
 #include "models/anima/generator.h"
+#include "offload/layer.h"
 #include "offload/storage.h"
 #include "runtime/error.h"
 #include "runtime/host_memory.h"
@@ -30,7 +31,57 @@ bool ends_with(const std::string& s, const std::string& x) {
 // Keys under the prefix that are not model parameters (Note [checkpoint keys]).
 bool is_non_model(const std::string& key) {
   return ends_with(key, ".inv_freq") || starts_with(key, "pos_embedder.") || starts_with(key, "model_sampling.") ||
-         ends_with(key, ".input_scale") || key == "scaled_fp8";
+         ends_with(key, ".input_scale") || ends_with(key, ".scale_input") || key == "scaled_fp8";
+}
+
+// The weight-scale suffixes of scaled-fp8 files: ComfyUI's current ".weight_scale" and its
+// older ".scale_weight" (Note [checkpoint keys]).
+constexpr const char* kScaleSuffixes[] = {".weight_scale", ".scale_weight"};
+
+// The suffix of `key` among kScaleSuffixes, or nullptr.
+const char* scale_suffix(const std::string& key) {
+  for (const char* s : kScaleSuffixes)
+    if (ends_with(key, s)) return s;
+  return nullptr;
+}
+
+// The quantization formats sluice decodes: fp8 weights (scaled or not).
+bool fp8_format(const std::string& format) { return format == "float8_e4m3fn" || format == "float8_e5m2"; }
+
+// A ".comfy_quant" marker: JSON text in a uint8 tensor, {"format": "...", ...}. Returns
+// its format; CheckpointError for a marker that is not such JSON.
+std::string comfy_quant_format(const safetensors::File& f, const std::string& key) {
+  const at::Tensor bytes = f.read(key).contiguous();
+  const std::string text(reinterpret_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.nbytes()));
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    return j.at("format").get<std::string>();
+  } catch (const std::exception&) {
+    throw CheckpointError("checkpoint '" + f.path() + "': " + key + " is not a quantization marker (JSON with a format)");
+  }
+}
+
+// ComfyUI's "_quantization_metadata" header entry: {"format_version": ..., "layers":
+// {"<layer>": {"format": ...}}}. CheckpointError for a format sluice cannot decode.
+void check_quantization_metadata(const safetensors::File& f) {
+  const auto it = f.metadata().find("_quantization_metadata");
+  if (it == f.metadata().end()) return;
+  nlohmann::json layers;
+  try {
+    layers = nlohmann::json::parse(it->second).at("layers");
+  } catch (const std::exception&) {
+    throw CheckpointError("checkpoint '" + f.path() + "': its _quantization_metadata is not JSON with \"layers\"");
+  }
+  for (const auto& [layer, spec] : layers.items()) {
+    const std::string format = spec.is_object() && spec.contains("format") && spec["format"].is_string()
+                                   ? spec["format"].get<std::string>()
+                                   : std::string();
+    if (!fp8_format(format)) {
+      throw CheckpointError("checkpoint '" + f.path() + "': layer " + layer + " is quantized as '" + format +
+                            "' (_quantization_metadata), which sluice cannot decode; it reads float8_e4m3fn and "
+                            "float8_e5m2 weights, scaled or not");
+    }
+  }
 }
 
 std::string shape_str(at::IntArrayRef s) {
@@ -139,25 +190,36 @@ std::string plural(size_t n, const std::string& one, const std::string& many) {
 
 }  // namespace
 
+at::Tensor read_scale(const safetensors::File& f, const TensorSource& src, const std::string& name, int64_t out_rows,
+                      int64_t weight_dims) {
+  at::Tensor scale = f.read(src.scale_key).to(at::kFloat);
+  if (scale.numel() == 1) {
+    scale = scale.reshape({});
+  } else if (scale.numel() == out_rows && weight_dims == 2 && (scale.dim() == 1 || scale.size(-1) == 1)) {
+    scale = scale.reshape({out_rows});
+  } else {
+    throw CheckpointError("checkpoint '" + f.path() + "': " + src.scale_key + " has shape " +
+                          shape_str(scale.sizes()) + ", expected a scalar, [" + std::to_string(out_rows) + "] or [" +
+                          std::to_string(out_rows) + ", 1] for " + name);
+  }
+  if (!at::isfinite(scale).all().item<bool>() || (scale <= 0).any().item<bool>()) {
+    throw CheckpointError("checkpoint '" + f.path() + "': " + src.scale_key + " holds a scale that is not a positive "
+                          "finite number");
+  }
+  return scale;
+}
+
 at::Tensor source_tensor(const safetensors::File& f, const TensorSource& src, const std::string& name,
                          int64_t out_rows) {
   // read(), not tensor(): a file truncated since it was opened is a FileError, not SIGBUS.
   at::Tensor t = f.read(src.key);
   if (src.scale_key.empty()) return t;
-  at::Tensor scale = f.read(src.scale_key).to(at::kFloat);
-  if (scale.numel() == 1) {
-    scale = scale.reshape({});
-  } else if (scale.numel() == out_rows && t.dim() == 2) {
-    scale = scale.reshape({out_rows, 1});
-  } else {
-    throw CheckpointError("checkpoint '" + f.path() + "': " + src.scale_key + " has shape " +
-                          shape_str(scale.sizes()) + ", expected a scalar or [" + std::to_string(out_rows) +
-                          "] for " + name);
-  }
-  return t.to(at::kFloat) * scale;
+  const at::Tensor scale = read_scale(f, src, name, out_rows, t.dim());
+  return t.to(at::kFloat) * (scale.dim() == 1 ? scale.reshape({out_rows, 1}) : scale);
 }
 
 std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File& f, const std::string& prefix) {
+  check_quantization_metadata(f);
   std::map<std::string, TensorSource> out;
   std::map<std::string, std::string> scales;  // model weight name -> scale key
   for (const auto& t : f.tensors()) {
@@ -165,11 +227,16 @@ std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File
     const std::string key = t.name.substr(prefix.size());
     if (is_non_model(key)) continue;
     if (ends_with(key, ".comfy_quant")) {
-      throw CheckpointError("checkpoint '" + f.path() + "' uses ComfyUI quantization markers (" + t.name +
-                           "), which sluice cannot decode; use a bf16/fp16/fp32 or plain/scaled fp8 file");
+      const std::string format = comfy_quant_format(f, t.name);
+      if (!fp8_format(format)) {
+        throw CheckpointError("checkpoint '" + f.path() + "': " + t.name + " quantizes its layer as '" + format +
+                              "', which sluice cannot decode; it reads float8_e4m3fn and float8_e5m2 weights, "
+                              "scaled or not");
+      }
+      continue;  // fp8: the weight's dtype and its scale say everything
     }
-    if (ends_with(key, ".weight_scale")) {
-      scales[key.substr(0, key.size() - std::string(".weight_scale").size()) + ".weight"] = t.name;
+    if (const char* suffix = scale_suffix(key)) {
+      scales[key.substr(0, key.size() - std::strlen(suffix)) + ".weight"] = t.name;
       continue;
     }
     out[key] = TensorSource{t.name, ""};
@@ -227,8 +294,10 @@ CheckpointProbe probe_checkpoint(const safetensors::File& f) {
       ++p.dropped_foreign;
     } else if (is_non_model(t.name.substr(p.prefix.size()))) {
       ++p.dropped_non_model;
-    } else if (ends_with(t.name, ".weight_scale")) {
+    } else if (scale_suffix(t.name) != nullptr) {
       ++p.scaled_weights;
+    } else if (ends_with(t.name, ".comfy_quant")) {
+      ++p.dropped_non_model;
     } else {
       ++p.tensors;
       p.tensors_by_dtype[c10::toString(t.dtype)] += 1;
@@ -237,7 +306,7 @@ CheckpointProbe probe_checkpoint(const safetensors::File& f) {
   return p;
 }
 
-void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::string& prefix) {
+void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::string& prefix, bool keep_fp8) {
   const auto sources = model_tensor_sources(f, prefix);
   const auto params = model.named_parameters(/*recurse=*/true);
 
@@ -279,16 +348,35 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
   // Read everything first, assign after: a read that fails (a file truncated since it was
   // opened, an I/O error) leaves every parameter as it was.
   at::NoGradGuard no_grad;
+  // keep_fp8: the managed layers' fp8 tensors stay as read (Note [converted checkpoints]).
+  std::map<std::string, offload::ManagedLayerImpl*> layer_of;  // parameter name -> its layer
+  if (keep_fp8) {
+    for (const auto& [name, layer] : offload::managed_layers(model)) {
+      layer_of[name + ".weight"] = layer;
+      if (layer->has_bias()) layer_of[name + ".bias"] = layer;
+    }
+  }
+  std::vector<std::pair<offload::ManagedLayerImpl*, at::Tensor>> scales;  // set with the parameters
   std::vector<at::Tensor> loaded;
   loaded.reserve(params.size());
   uint64_t file_bytes = 0;
   for (const auto& item : params) file_bytes += f.find(sources.at(item.key()).key)->nbytes();
-  progress::Task task("reading " + std::filesystem::path(f.path()).filename().string(), file_bytes);
+  const std::string& path = f.path();
+  progress::Task task("reading " + path.substr(path.find_last_of('/') + 1), file_bytes);
   for (const auto& item : params) {
     const at::Tensor& param = item.value();
     const TensorSource& src = sources.at(item.key());
     const safetensors::TensorInfo& info = *f.find(src.key);
-    if (src.scale_key.empty() && info.dtype == param.scalar_type()) {
+    const auto layer = layer_of.find(item.key());
+    if (layer != layer_of.end() && is_fp8(info.dtype) && param.device().is_cpu()) {
+      at::Tensor owned = host_empty(info.shape, info.dtype);
+      f.read_into(info, owned.data_ptr());
+      loaded.push_back(std::move(owned));
+      if (!src.scale_key.empty()) {
+        scales.emplace_back(layer->second,
+                            read_scale(f, src, src.key, param.dim() > 0 ? param.size(0) : 1, param.dim()));
+      }
+    } else if (src.scale_key.empty() && info.dtype == param.scalar_type()) {
       // Straight into one owned buffer in sluice's host memory (counted by host_memory_stats()).
       at::Tensor owned = host_empty(info.shape, info.dtype);
       f.read_into(info, owned.data_ptr());
@@ -310,6 +398,7 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
     }
     loaded[i++] = at::Tensor();
   }
+  for (auto& [layer, scale] : scales) layer->set_weight_scale(std::move(scale));
 }
 
 AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
@@ -334,8 +423,11 @@ AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
   } catch (const InvalidArgument& e) {
     throw CheckpointError("checkpoint '" + path + "': cannot build a model for it: " + e.what());
   }
-  load_weights(*model, *file, probe.prefix);
-  if (storage) offload::apply_storage(*model, config.name, *storage, declared_fp8_skips());
+  load_weights(*model, *file, probe.prefix, /*keep_fp8=*/storage.has_value());
+  if (storage) {
+    offload::StorageReport r = offload::apply_storage(*model, config.name, *storage, declared_fp8_skips());
+    if (options.report != nullptr) *options.report = std::move(r);
+  }
   std::ostringstream s;
   s << "loaded " << probe.tensors << " tensors from '" << path << "' (prefix '" << probe.prefix << "', "
     << config.num_blocks << " blocks, " << (config.adapter.enabled ? "with" : "without") << " LLM adapter) as "

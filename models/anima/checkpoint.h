@@ -7,11 +7,25 @@
 // "model.diffusion_model." and also carry other models' tensors (VAE, text encoders,
 // "model.model_sampling.*"), which are dropped as foreign. Under the prefix, keys ending in
 // ".inv_freq" and keys under "pos_embedder." or "model_sampling." are non-persistent
-// buffers some exporters write anyway: dropped. Scaled-fp8 redistributions add
-// "<layer>.weight_scale" (applied to the weight while loading: per tensor or per output
-// row), "<layer>.input_scale" and a "scaled_fp8" marker (both dropped); files with
-// ".comfy_quant" markers use layouts we do not decode and are rejected. Every remaining
-// key must name a model parameter and vice versa, with equal shapes.
+// buffers some exporters write anyway: dropped. Scaled-fp8 files (ComfyUI's layouts,
+// docs/FP8_CHECKPOINT_FORMATS.md) add, per layer, a weight scale ("<layer>.weight_scale"
+// now, "<layer>.scale_weight" in older files: fp32, a scalar or one per output row, [out]
+// or [out, 1]; weight = fp8 * scale), activation scales ("<layer>.input_scale",
+// "<layer>.scale_input": dropped, sluice computes in bf16) and markers: "<layer>.comfy_quant"
+// (JSON in a uint8 tensor), the "_quantization_metadata" header entry and the old
+// "scaled_fp8" tensor. Markers naming an fp8 format are dropped (the weight's dtype and its
+// scale say everything); any other format (int8, nvfp4, ...) is a CheckpointError naming
+// it. Every remaining key must name a model parameter and vice versa, with equal shapes.
+//
+// Note [converted checkpoints]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With layerwise storage (LoadOptions::storage), an fp8 weight or bias of a managed layer
+// is read as it is in the file, into its final host memory, with its scale attached: no
+// upcast and no cast. offload::apply_storage then keeps it when the file's dtype is the
+// storage dtype (and its scale fits the requested scale mode, see cast_layer), checking
+// only that no byte is an fp8 NaN/Inf; otherwise it converts from the dequantized values.
+// So a file written by `sluice convert` (models/anima/convert.h) loads with no cast, and
+// holds the same stored bytes as converting the source at load time.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -26,6 +40,9 @@
 
 namespace sluice::safetensors {
 class File;
+}
+namespace sluice::offload {
+struct StorageReport;
 }
 
 namespace sluice::anima {
@@ -67,6 +84,12 @@ std::map<std::string, TensorSource> model_tensor_sources(const safetensors::File
 // messages. Throws CheckpointError for a scale of the wrong shape.
 at::Tensor source_tensor(const safetensors::File& file, const TensorSource& src, const std::string& name,
                          int64_t out_rows);
+// The weight scale of `src` (which has a scale_key) as sluice stores it: fp32, [] per tensor
+// or [out_rows] per output row (a file's [1], [out_rows] or [out_rows, 1]). Throws
+// CheckpointError for another shape (`weight_dims`: the weight's dims; rows need 2) or a
+// scale that is not positive and finite.
+at::Tensor read_scale(const safetensors::File& file, const TensorSource& src, const std::string& name, int64_t out_rows,
+                      int64_t weight_dims);
 
 // Options for load_anima.
 struct LoadOptions {
@@ -78,6 +101,9 @@ struct LoadOptions {
   // offload::apply_storage casts the Linears/Embeddings that match no skip pattern
   // (defaults + declared_fp8_skips() + extras) to the storage dtype resolved for `device`.
   std::optional<Fp8Options> storage;
+  // With `storage`: receives offload::apply_storage's report (layers cast, kept as read,
+  // skipped, values saturated) when set.
+  offload::StorageReport* report = nullptr;
 };
 
 // Opens, probes, builds and strictly loads, then applies options.storage. Throws FileError
@@ -92,6 +118,9 @@ AnimaModel load_anima(const std::string& path, const LoadOptions& options = {});
 // keys (first 10 of each and the count), and FileError when a tensor cannot be read (a
 // file truncated since it was opened), both before touching any parameter: every tensor
 // is read into host memory first, so loading onto a device holds the model in RAM once.
-void load_weights(AnimaModelImpl& model, const safetensors::File& file, const std::string& prefix);
+// `keep_fp8`: fp8 tensors of managed layers stay fp8, scale attached (Note [converted
+// checkpoints]); the model must then go through offload::apply_storage.
+void load_weights(AnimaModelImpl& model, const safetensors::File& file, const std::string& prefix,
+                  bool keep_fp8 = false);
 
 }  // namespace sluice::anima

@@ -80,6 +80,41 @@ def test_forward_reports_progress_per_layer(checkpoint):
         assert torch.equal(m.forward(x, t, ctx), ref)
 
 
+def test_converted_checkpoint_reads_in_safetensors_and_loads_in_sluice(checkpoint, workdir):
+    """`sluice convert` writes what the safetensors library reads as it is: fp8 weights,
+    fp32 scalar scales, ComfyUI's _quantization_metadata; sluice loads it to the same
+    velocity as converting at load time."""
+    out = os.path.join(workdir, "tiny-fp8.safetensors")
+    subprocess.run([CLI, "convert", checkpoint, "--scaled", "--out", out], check=True)
+    tensors = load_file(out)
+    w = tensors["net.blocks.0.mlp.layer1.weight"]
+    assert w.dtype == torch.float8_e4m3fn
+    scale = tensors["net.blocks.0.mlp.layer1.weight_scale"]
+    assert scale.dtype == torch.float32 and scale.shape == ()
+    assert tensors["net.t_embedder.1.linear_1.weight"].dtype == torch.bfloat16
+    from safetensors import safe_open
+    with safe_open(out, framework="pt") as f:
+        meta = f.metadata()
+    layers = json.loads(meta["_quantization_metadata"])["layers"]
+    assert layers["net.blocks.0.mlp.layer1"] == {"format": "float8_e4m3fn", "full_precision_matrix_mult": True}
+    assert meta["sluice.scale"] == "per_tensor"
+    # Dequantized as a reader of this layout does (weight = fp8 * scale), close to the source.
+    src = load_file(checkpoint)["net.blocks.0.mlp.layer1.weight"].float()
+    assert torch.allclose(w.float() * scale, src, rtol=0.07, atol=1e-3)
+
+    # Unscaled, the converted file holds the bytes a load-time conversion makes: the same velocity.
+    plain = os.path.join(workdir, "tiny-fp8-plain.safetensors")
+    subprocess.run([CLI, "convert", checkpoint, "--out", plain], check=True)
+    velocities = []
+    for path in (plain, checkpoint):
+        cache = sluice.ModelCache(device="cpu")
+        model = cache.load(path, storage="float8_e4m3fn")
+        x, t, ctx = inputs(model.info)
+        with model.lock() as m:
+            velocities.append(m(x, t, ctx))
+    assert torch.equal(velocities[0], velocities[1])
+
+
 def test_stats_and_dtypes(checkpoint):
     cache = sluice.ModelCache(device="cpu")
     model = cache.load(checkpoint, max_resident=0.5)
