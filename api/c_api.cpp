@@ -123,6 +123,7 @@ sluice::RuntimeOptions runtime_options(const sluice_cache_options* o) {
   if (SLUICE_HAS_FIELD(o, device_memory)) r.device_memory = o->device_memory;
   if (SLUICE_HAS_FIELD(o, vram_headroom)) r.vram_headroom = str(o->vram_headroom);
   if (SLUICE_HAS_FIELD(o, pin_memory_limit)) r.pin_memory_limit = str(o->pin_memory_limit);
+  if (SLUICE_HAS_FIELD(o, load_threads)) r.load_threads = o->load_threads;
   return r;
 }
 

@@ -127,6 +127,9 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
   if (!(o.cpu_copy_gbps >= 0.0) || !(o.cpu_copy_latency_us >= 0.0)) {
     throw InvalidArgument("cpu_copy_gbps and cpu_copy_latency_us must not be negative");
   }
+  if (o.load_threads < 0 || o.load_threads > 4096) {
+    throw InvalidArgument("load_threads must be 0 (every core) .. 4096, got " + std::to_string(o.load_threads));
+  }
   std::shared_ptr<offload::DeviceBackend> device;
   if (o.device == "cpu") {
     offload::CpuDeviceOptions c;
@@ -162,6 +165,7 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
   c.policy = offload::parse_residency_policy(o.policy, "policy");
   c.timing = o.timing;
   c.trace = o.trace;
+  c.load_threads = o.load_threads;
   impl_->cache = cache::ModelCache::create(std::move(c));
   impl_->set_budget_source(budget);
 }

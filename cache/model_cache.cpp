@@ -77,7 +77,7 @@ anima::AnimaConfig config_of(const LoadSpec& spec) {
 }
 
 // Reads or generates the model of `spec` on the host, in its storage dtypes.
-anima::AnimaModel read_model(const LoadSpec& spec, const DtypePair& dtypes, const std::string& name) {
+anima::AnimaModel read_model(const LoadSpec& spec, const DtypePair& dtypes, const std::string& name, int threads) {
   Fp8Options storage = spec.storage;
   storage.storage = dtypes.storage;
   storage.compute = dtypes.compute;
@@ -86,6 +86,7 @@ anima::AnimaModel read_model(const LoadSpec& spec, const DtypePair& dtypes, cons
     o.config = spec.config;
     o.device = at::kCPU;
     o.storage = storage;
+    o.threads = threads;
     return anima::load_anima(spec.source, o);
   }
   anima::AnimaConfig config = config_of(spec);
@@ -340,9 +341,11 @@ void ModelCache::attach(Entry& e, uint64_t share) {
   line.setf(std::ios::fixed);
   if (!e.announced) {
     line.precision(2);
+    // InvokeAI's wording first (frontends parse it), then the split.
     line << "Loaded model '" << e.name << "' onto " << device_->name() << " in " << e.load_seconds + secs
          << "s. Total model size: " << format_mib(e.needs.model_bytes) << ", VRAM: " << format_mib(plan.resident_bytes)
-         << " (" << percent(plan.resident_bytes, e.needs.model_bytes) << ")";
+         << " (" << percent(plan.resident_bytes, e.needs.model_bytes) << "); host load (read or generate, cast) " << e.load_seconds
+         << "s, attach " << secs << "s";
     log::info(line.str());
     e.announced = true;
   } else {
@@ -554,7 +557,7 @@ void ModelCache::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool 
   try {
     const auto t0 = std::chrono::steady_clock::now();
     if (options_.before_read) options_.before_read(e.name);
-    model = read_model(e.spec, e.dtypes, e.name);
+    model = read_model(e.spec, e.dtypes, e.name, options_.load_threads);
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   } catch (...) {
     g.lock();

@@ -91,6 +91,7 @@ struct CacheOptions {
   offload::ResidencyPolicy policy = offload::ResidencyPolicy::balanced;  // residency plan policy
   bool timing = true;                              // per-forward device timings
   bool trace = false;                              // per-layer trace spans
+  int load_threads = 0;                            // checkpoint read workers (runtime/fused_read.h); 0: every core
   // Called outside the cache mutex as a model's read (or generation) starts, with its name;
   // an exception from it fails the read. Tests use it to hold reads so that misses overlap.
   std::function<void(const std::string&)> before_read;

@@ -24,6 +24,7 @@ struct ConvertArgs {
   std::vector<std::string> skips;      // extra skip patterns
   bool no_default_skips = false;
   bool no_model_skips = false;
+  int load_threads = 0;                // read workers; 0: every core
 };
 
 int run_convert(const ConvertArgs& a) {
@@ -35,7 +36,7 @@ int run_convert(const ConvertArgs& a) {
   o.use_model_skips = !a.no_model_skips;
   o.scale_mode = a.scaled ? parse_scale_mode(a.scale) : ScaleMode::none;
   const auto t0 = std::chrono::steady_clock::now();
-  const anima::ConvertReport r = anima::convert_checkpoint(a.in, a.out, o);
+  const anima::ConvertReport r = anima::convert_checkpoint(a.in, a.out, o, a.load_threads);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   char line[512];
   std::snprintf(line, sizeof line,
@@ -75,6 +76,7 @@ Subcommand add_convert(CLI::App& root) {
   sub->add_flag("--no-default-skips", a->no_default_skips, "Drop the default skip patterns");
   sub->add_flag("--no-model-skips", a->no_model_skips,
                 "Drop the model's declared skip patterns (Anima: t_embedder, x_embedder, final_layer)");
+  add_load_threads_option(sub, a->load_threads);
   return {sub, [a] { return run_convert(*a); }};
 }
 

@@ -38,6 +38,7 @@ struct ForwardArgs {
   std::string vram_budget;        // device budget; empty: all of the device
   std::string vram_headroom;      // --vram-budget auto: memory left free; empty: the default
   std::string prefetch = "auto";  // most streamed layers copied ahead: auto | N
+  int load_threads = 0;           // checkpoint read workers; 0: every core
 };
 
 // Checks one input's rank and the dims that are fixed (-1: any size, bound by name below).
@@ -111,6 +112,7 @@ int run_forward(const ForwardArgs& a) {
   ro.vram_budget = a.vram_budget;
   ro.vram_headroom = a.vram_headroom;
   ro.prefetch = a.prefetch;
+  ro.load_threads = a.load_threads;
   ModelCache cache(ro);
   LoadOptions lo;
   lo.storage = a.storage.empty() ? a.dtype : a.storage;
@@ -205,6 +207,7 @@ Subcommand add_forward(CLI::App& root) {
                   "Most streamed layers copied ahead of compute: auto (as far as the staging ring's bytes allow) or N")
       ->check(prefetch_validator())
       ->capture_default_str();
+  add_load_threads_option(sub, args->load_threads);
   return {sub, [args] { return run_forward(*args); }};
 }
 

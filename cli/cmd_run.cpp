@@ -67,6 +67,7 @@ struct RunArgs {
   std::string pin_memory = "auto";        // page-locked host copies of streamed layers
   std::string pin_memory_limit;           // page-locked bytes of all models (size or % of RAM); empty: the default
   std::string policy = "balanced";        // residency plan policy
+  int load_threads = 0;                   // checkpoint read workers; 0: every core
   uint64_t seed = 0;                      // noise and random-context seed
   std::string context;                    // safetensors with `context` [B,S,D] (+ optional `negative_context`)
   std::string output;                     // final latent (.safetensors)
@@ -204,6 +205,7 @@ int run(const RunArgs& args) {
   ro.pin_memory = a.pin_memory;
   ro.pin_memory_limit = a.pin_memory_limit;
   ro.policy = a.policy;
+  ro.load_threads = a.load_threads;
   ro.trace = !a.trace.empty() || !a.timeline.empty();
   ModelCache cache(ro);
 
@@ -410,6 +412,7 @@ Subcommand add_run(CLI::App& root) {
                   "Page-locked host bytes for all models (size or percent of RAM); streamed layers past it stay "
                   "pageable (default: min(50% of RAM, RAM - 4GiB))")
       ->check(size_validator("--pin-memory-limit", true));
+  add_load_threads_option(sub, a->load_threads);
   sub->add_option("--seed", a->seed, "Seed of the initial noise and of the random context")->capture_default_str();
   sub->add_option("--context", a->context, "safetensors file with 'context' [B,S,D] (+ 'negative_context'); default random");
   sub->add_option("--output", a->output, "Write the final latent here (.safetensors, tensor 'latent')");

@@ -159,6 +159,13 @@ void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::strin
       ->check(size_validator("--vram-headroom", true));
 }
 
+void add_load_threads_option(CLI::App* sub, int& load_threads) {
+  sub->add_option("--load-threads", load_threads,
+                  "Threads that read a checkpoint and cast it to its storage dtype, 0 for every core")
+      ->check(CLI::Range(0, 4096))
+      ->capture_default_str();
+}
+
 CLI::Validator config_validator() {
   return CLI::Validator(
       [](std::string& value) -> std::string {

@@ -43,6 +43,9 @@ CLI::Validator output_file_validator();
 void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,
                              const std::string& default_text);
 
+// --load-threads N: threads that read (and cast) a checkpoint, 0 (the default) for every core.
+void add_load_threads_option(CLI::App* sub, int& load_threads);
+
 // Accepts a preset name or a path ending in ".json" (whose contents are checked later,
 // when it is read, because that can fail for runtime reasons).
 CLI::Validator config_validator();

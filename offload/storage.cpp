@@ -55,7 +55,7 @@ void check_fp8_finite(const at::Tensor& t, const std::string& name) {
   }
 }
 
-Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Options& options) {
+Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Options& options, bool checked) {
   Cast c;
   const at::Tensor& w = layer.stored_weight();
   const at::Tensor& b = layer.stored_bias();
@@ -77,7 +77,7 @@ Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Op
   const bool want_scale = is_fp8(dtype) && w.dim() >= 2 && options.scale_mode != ScaleMode::none;
   const at::Tensor& scale = layer.weight_scale();
   if (w.scalar_type() == dtype && (scale.defined() ? scale_fits(scale, w, options.scale_mode) : !want_scale)) {
-    check_fp8_finite(w, layer.qualified_name() + ".weight");
+    if (!checked) check_fp8_finite(w, layer.qualified_name() + ".weight");
     c.weight = w;
     c.scale = scale;
     c.kept = true;
@@ -90,7 +90,7 @@ Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Op
   }
   if (b.defined()) {
     if (b.scalar_type() == dtype) {
-      check_fp8_finite(b, layer.qualified_name() + ".bias");
+      if (!checked) check_fp8_finite(b, layer.qualified_name() + ".bias");
       c.bias = b;
     } else {
       StorageCast sc = cast_to_storage(b, dtype, layer.qualified_name() + ".bias", options);
@@ -110,7 +110,7 @@ int64_t param_bytes(torch::nn::Module& model) {
 }
 
 StorageReport apply_storage(torch::nn::Module& model, const std::string& model_name, const Fp8Options& options,
-                            const std::vector<std::string>& model_declared_skips) {
+                            const std::vector<std::string>& model_declared_skips, const ReadCasts* read) {
   check_storage_dtype(options.storage);
   check_compute_dtype(options.compute);
   const SkipList skips = SkipList::from_options(options, model_declared_skips);
@@ -132,7 +132,8 @@ StorageReport apply_storage(torch::nn::Module& model, const std::string& model_n
     const at::ScalarType dtype = pattern ? options.compute : options.storage;
     const int64_t elements = layer->stored_weight().numel() + (layer->has_bias() ? layer->stored_bias().numel() : 0);
     // Cast first, then commit: a throwing cast leaves this layer untouched.
-    Cast c = cast_layer(*layer, dtype, options);
+    Cast c = cast_layer(*layer, dtype, options, read != nullptr && read->checked.count(layer) != 0);
+    if (read != nullptr && read->cast.count(layer) != 0) c.kept = false;  // cast, by the read
     layer->set_stored(c.weight, c.bias.defined() ? std::optional<at::Tensor>(c.bias) : std::nullopt);
     layer->set_weight_scale(c.scale);
     layer->set_compute_dtype(options.compute);
@@ -148,6 +149,7 @@ StorageReport apply_storage(torch::nn::Module& model, const std::string& model_n
     task.advance(source_bytes);
   }
   r.param_bytes = param_bytes(model);
+  if (read != nullptr) r.clipped += read->clipped;
 
   if (is_fp8(options.storage)) {
     log::info(c10::str("FP8 layerwise casting enabled for ", model_name, " (storage=", dtype_name(options.storage),

@@ -23,6 +23,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,14 +49,26 @@ struct StorageReport {
   double param_mib() const { return static_cast<double>(param_bytes) / (1024.0 * 1024.0); }
 };
 
+class ManagedLayerImpl;
+
+// What a loader's fused read (runtime/fused_read.h) already did to the layers it wrote in
+// their storage dtype, so that apply_storage neither redoes nor miscounts it.
+struct ReadCasts {
+  std::set<const ManagedLayerImpl*> cast;     // converted to the storage dtype as read
+  std::set<const ManagedLayerImpl*> checked;  // fp8 bytes checked for NaN/Inf as read
+  int64_t clipped = 0;                        // values the read saturated
+};
+
 // Casts every ManagedLayer of `model` per Note [layerwise storage] and sets every layer's
 // compute dtype to options.compute. The skip list is SkipList::from_options(options,
 // model_declared_skips). Logs one INFO line when the storage dtype is fp8:
 //   FP8 layerwise casting enabled for <name> (storage=float8_e4m3fn, compute=bfloat16, param_size=2012MB)
 // (MB = MiB rounded to an integer). Throws InvalidArgument for an invalid storage/compute
 // dtype or skip pattern, and what cast_to_storage throws (NaN/inf, refused out-of-range).
+// `read`: what a fused read did (its layers count as cast, not as stored as read; their fp8
+// bytes are not checked again; its saturations are added to the report).
 StorageReport apply_storage(torch::nn::Module& model, const std::string& model_name, const Fp8Options& options,
-                            const std::vector<std::string>& model_declared_skips);
+                            const std::vector<std::string>& model_declared_skips, const ReadCasts* read = nullptr);
 
 // Sum of nelement * element_size over every parameter of `model` (works on meta).
 int64_t param_bytes(torch::nn::Module& model);

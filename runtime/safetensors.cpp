@@ -408,14 +408,20 @@ void pread_exact(int fd, uint8_t* dst, uint64_t offset, uint64_t n, const std::s
 
 }  // namespace
 
-void File::read_into(const TensorInfo& info, void* dst) const {
+void File::read_into(const TensorInfo& info, void* dst) const { read_range(info, 0, info.nbytes(), dst); }
+
+void File::read_range(const TensorInfo& info, uint64_t offset, uint64_t n, void* dst) const {
+  if (offset > info.nbytes() || n > info.nbytes() - offset) {
+    throw InvalidArgument(c10::str("safetensors: read_range of ", n, " bytes at ", offset, " is outside tensor '",
+                                   printable(info.name), "' (", info.nbytes(), " bytes) of '", path_, "'"));
+  }
   if (fault::triggered("safetensors.read")) {
     fail_tensor(path_, info.name, "cannot read: I/O error (injected fault)");
   }
-  if (info.nbytes() == 0) {
+  if (n == 0) {
     return;
   }
-  pread_exact(mapping_->fd, static_cast<uint8_t*>(dst), header_.data_offset + info.begin, info.nbytes(), path_,
+  pread_exact(mapping_->fd, static_cast<uint8_t*>(dst), header_.data_offset + info.begin + offset, n, path_,
               "tensor '" + printable(info.name) + "'");
 }
 

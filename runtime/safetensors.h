@@ -83,6 +83,9 @@ class File {
   // not SIGBUS (Note [reading a changing file]). Loaders use this. Fault point
   // "safetensors.read".
   void read_into(const TensorInfo& info, void* dst) const;
+  // As read_into(), for the `n` bytes at byte `offset` of the tensor (offset + n <=
+  // info.nbytes(); checked): a chunk of a large tensor. Same errors and fault point.
+  void read_range(const TensorInfo& info, uint64_t offset, uint64_t n, void* dst) const;
   // read_into() a new contiguous CPU tensor (owned, never a view of the file).
   at::Tensor read(const std::string& name) const;
 

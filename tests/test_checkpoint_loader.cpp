@@ -585,6 +585,49 @@ TEST_CASE("convert: a converted checkpoint holds the stored bytes of a load-time
   }
 }
 
+TEST_CASE("fused load: casting as read stores the bytes of a cast after a plain load, for any thread count") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-small"), 5, at::kBFloat16, s.path("src.safetensors"));
+  for (const sluice::ScaleMode mode :
+       {sluice::ScaleMode::none, sluice::ScaleMode::per_tensor, sluice::ScaleMode::per_channel}) {
+    INFO("scale " << sluice::to_string(mode));
+    const sluice::Fp8Options o = fp8(mode);
+    // The reference: read in bf16, then offload::apply_storage casts each layer (cast_to_storage).
+    LoadOptions plain;
+    plain.dtype = at::kBFloat16;
+    AnimaModel ref = load_anima(s.path("src.safetensors"), plain);
+    sluice::offload::apply_storage(*ref, "ref", o, declared_fp8_skips());
+    for (const int threads : {1, 3}) {
+      INFO("threads " << threads);
+      sluice::offload::StorageReport rep;
+      LoadOptions lo = with_storage(o);
+      lo.threads = threads;
+      lo.report = &rep;
+      AnimaModel fused = load_anima(s.path("src.safetensors"), lo);
+      check_same_storage(ref, fused);
+      CHECK(rep.cast_layers > 0);
+      CHECK(rep.kept_layers == 0);  // cast as read, not stored as in the file
+      CHECK(rep.skipped.size() > 0);
+    }
+  }
+  // load_weights reports what it did.
+  AnimaModel m(preset("anima-small"), BuildOptions{at::kBFloat16, at::kCPU});
+  const auto f = st::File::open(s.path("src.safetensors"));
+  const sluice::Fp8Options o = fp8(sluice::ScaleMode::none);
+  WeightReadOptions wo;
+  wo.storage = &o;
+  wo.threads = 2;
+  const WeightReadReport r = load_weights(*m, *f, "net.", wo);
+  CHECK(r.threads == 2);
+  CHECK(r.fused == static_cast<int64_t>(m->named_parameters().size()));
+  CHECK(r.other == 0);
+  CHECK(r.cast > 0);
+  CHECK(static_cast<int64_t>(r.casts.cast.size()) <= r.cast);  // layers; r.cast counts weights and biases
+  CHECK(r.file_bytes > 0);
+  CHECK(m->named_parameters()["blocks.0.mlp.layer1.weight"].scalar_type() == at::kFloat8_e4m3fn);
+  CHECK(m->named_parameters()["t_embedder.1.linear_1.weight"].scalar_type() == at::kBFloat16);  // a skip
+}
+
 TEST_CASE("convert: refuses its input as output and a non-fp8 storage; an fp8 NaN in a file is refused on load") {
   Scratch s;
   write_random_checkpoint(preset("anima-tiny"), 4, at::kBFloat16, s.path("src.safetensors"));

@@ -90,6 +90,7 @@ typedef struct sluice_cache_options {
   const char* vram_headroom; /* vram_budget "auto" only: memory left free ("10%" of total); default max(512MiB, 5%) */
   const char* pin_memory_limit; /* page-locked host bytes for all models ("25%" of RAM); streamed layers past it
                                    stay pageable; default min(50% of RAM, RAM - 4GiB) */
+  int load_threads;          /* threads that read (and cast) a checkpoint; 0 (default): every core */
 } sluice_cache_options;
 
 /* Options of sluice_load; NULL means all defaults. */

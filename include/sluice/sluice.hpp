@@ -66,6 +66,7 @@ struct RuntimeOptions {
   uint64_t device_memory = 0;           // device memory to assume (the 100% of "50%"); 0: ask the device (CPU: physical RAM)
   double cpu_copy_gbps = 0;             // CPU device only: modelled host->device bandwidth in GB/s (1e9 B/s); 0: memcpy speed
   double cpu_copy_latency_us = 0;       // CPU device only: modelled fixed cost of each host->device copy
+  int load_threads = 0;                 // threads that read (and cast) a checkpoint; 0: every core
 };
 
 // How a model is loaded. Changing a field marked [reload] for a model already in the cache

@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -12,10 +13,12 @@
 #include "offload/layer.h"
 #include "offload/storage.h"
 #include "runtime/error.h"
+#include "runtime/fused_read.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
 #include "runtime/progress.h"
 #include "runtime/safetensors.h"
+#include "runtime/skip_patterns.h"
 
 namespace sluice::anima {
 namespace {
@@ -306,7 +309,8 @@ CheckpointProbe probe_checkpoint(const safetensors::File& f) {
   return p;
 }
 
-void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::string& prefix, bool keep_fp8) {
+WeightReadReport load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::string& prefix,
+                              const WeightReadOptions& options) {
   const auto sources = model_tensor_sources(f, prefix);
   const auto params = model.named_parameters(/*recurse=*/true);
 
@@ -346,48 +350,104 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
   }
 
   // Read everything first, assign after: a read that fails (a file truncated since it was
-  // opened, an I/O error) leaves every parameter as it was.
+  // opened, an I/O error, a NaN) leaves every parameter as it was.
   at::NoGradGuard no_grad;
-  // keep_fp8: the managed layers' fp8 tensors stay as read (Note [converted checkpoints]).
-  std::map<std::string, offload::ManagedLayerImpl*> layer_of;  // parameter name -> its layer
-  if (keep_fp8) {
+  WeightReadReport report;
+  const Fp8Options* storage = options.storage;
+  // With storage: each managed layer's parameters, and whether the layer is to be cast.
+  struct LayerOf {
+    offload::ManagedLayerImpl* layer;
+    bool to_storage;  // matches no skip pattern
+  };
+  std::map<std::string, LayerOf> layer_of;  // parameter name -> its layer
+  if (storage != nullptr) {
+    const SkipList skips = SkipList::from_options(*storage, declared_fp8_skips());
     for (const auto& [name, layer] : offload::managed_layers(model)) {
-      layer_of[name + ".weight"] = layer;
-      if (layer->has_bias()) layer_of[name + ".bias"] = layer;
+      const LayerOf l{layer, !skips.matches(name).has_value()};
+      layer_of[name + ".weight"] = l;
+      if (layer->has_bias()) layer_of[name + ".bias"] = l;
     }
   }
   std::vector<std::pair<offload::ManagedLayerImpl*, at::Tensor>> scales;  // set with the parameters
-  std::vector<at::Tensor> loaded;
-  loaded.reserve(params.size());
-  uint64_t file_bytes = 0;
-  for (const auto& item : params) file_bytes += f.find(sources.at(item.key()).key)->nbytes();
-  const std::string& path = f.path();
-  progress::Task task("reading " + path.substr(path.find_last_of('/') + 1), file_bytes);
+  std::vector<at::Tensor> loaded(params.size());
+  std::vector<safetensors::ReadTarget> fused;
+  std::vector<std::pair<size_t, offload::ManagedLayerImpl*>> fused_of;  // fused[k]: parameter index, layer
+  std::vector<size_t> one_by_one;                                       // parameter indices read alone
+  size_t i = 0;
   for (const auto& item : params) {
     const at::Tensor& param = item.value();
     const TensorSource& src = sources.at(item.key());
     const safetensors::TensorInfo& info = *f.find(src.key);
-    const auto layer = layer_of.find(item.key());
-    if (layer != layer_of.end() && is_fp8(info.dtype) && param.device().is_cpu()) {
-      at::Tensor owned = host_empty(info.shape, info.dtype);
-      f.read_into(info, owned.data_ptr());
-      loaded.push_back(std::move(owned));
+    report.file_bytes += info.nbytes();
+    const auto l = layer_of.find(item.key());
+    offload::ManagedLayerImpl* layer = l == layer_of.end() ? nullptr : l->second.layer;
+    const bool cpu = param.device().is_cpu();
+    // The dtype this tensor ends in: fp8 tensors of managed layers stay as they are (Note
+    // [converted checkpoints]), unscaled ones of layers to cast go to the storage dtype,
+    // anything else to the parameter's dtype.
+    at::ScalarType dtype = param.scalar_type();
+    ScaleMode scale_mode = ScaleMode::none;
+    bool fuse = src.scale_key.empty();  // a scaled source is dequantized, unless kept as read
+    if (layer != nullptr && cpu && is_fp8(info.dtype)) {
+      dtype = info.dtype;
+      fuse = true;
       if (!src.scale_key.empty()) {
-        scales.emplace_back(layer->second,
-                            read_scale(f, src, src.key, param.dim() > 0 ? param.size(0) : 1, param.dim()));
+        scales.emplace_back(layer, read_scale(f, src, src.key, param.dim() > 0 ? param.size(0) : 1, param.dim()));
       }
-    } else if (src.scale_key.empty() && info.dtype == param.scalar_type()) {
-      // Straight into one owned buffer in sluice's host memory (counted by host_memory_stats()).
-      at::Tensor owned = host_empty(info.shape, info.dtype);
-      f.read_into(info, owned.data_ptr());
-      loaded.push_back(std::move(owned));
-    } else {
-      const at::Tensor values = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
-      loaded.push_back(to_host_owned(values, param.scalar_type()));
+      report.casts.checked.insert(layer);
+    } else if (layer != nullptr && cpu && l->second.to_storage && src.scale_key.empty() &&
+               safetensors::can_fuse(info.dtype, storage->storage)) {
+      dtype = storage->storage;
+      scale_mode = storage->scale_mode;
+      if (dtype != info.dtype) report.casts.cast.insert(layer);
+      if (is_fp8(dtype)) report.casts.checked.insert(layer);
     }
-    task.advance(info.nbytes());
+    if (fuse && safetensors::can_fuse(info.dtype, dtype)) {
+      safetensors::ReadTarget t;
+      t.source = &info;
+      t.name = src.key;
+      t.dst = host_empty(info.shape, dtype);  // the final host storage of a CPU parameter
+      t.scale_mode = scale_mode;
+      fused.push_back(std::move(t));
+      fused_of.emplace_back(i, layer);
+    } else {
+      one_by_one.push_back(i);
+    }
+    ++i;
   }
-  size_t i = 0;
+
+  const std::string& path = f.path();
+  progress::Task task("reading " + path.substr(path.find_last_of('/') + 1), report.file_bytes);
+  safetensors::FusedReadOptions ro;
+  ro.threads = options.threads;
+  if (storage != nullptr) ro.out_of_range = storage->out_of_range;
+  uint64_t shown = 0;
+  ro.progress = [&](uint64_t done) {
+    task.advance(done - shown);
+    shown = done;
+  };
+  const safetensors::FusedReadStats rs = safetensors::read_tensors(f, fused, ro);
+  task.advance(rs.bytes_read - shown);
+  for (size_t k = 0; k < fused.size(); ++k) {
+    loaded[fused_of[k].first] = std::move(fused[k].dst);
+    if (fused[k].scale.defined()) scales.emplace_back(fused_of[k].second, std::move(fused[k].scale));
+  }
+  report.threads = rs.threads;
+  report.fused = static_cast<int64_t>(fused.size());
+  report.cast = rs.cast;
+  report.casts.clipped = rs.clipped;
+  fused.clear();
+  // The rest (scaled fp8 into another dtype, conversions the fused read lacks), one at a time.
+  for (size_t j : one_by_one) {
+    const auto& item = params[j];
+    const TensorSource& src = sources.at(item.key());
+    const at::Tensor& param = item.value();
+    const at::Tensor values = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
+    loaded[j] = to_host_owned(values, param.scalar_type());
+    task.advance(f.find(src.key)->nbytes());
+  }
+  report.other = static_cast<int64_t>(one_by_one.size());
+  i = 0;
   for (const auto& item : params) {
     at::Tensor param = item.value();
     if (param.device().is_cpu()) {
@@ -399,6 +459,7 @@ void load_weights(AnimaModelImpl& model, const safetensors::File& f, const std::
     loaded[i++] = at::Tensor();
   }
   for (auto& [layer, scale] : scales) layer->set_weight_scale(std::move(scale));
+  return report;
 }
 
 AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
@@ -423,15 +484,33 @@ AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
   } catch (const InvalidArgument& e) {
     throw CheckpointError("checkpoint '" + path + "': cannot build a model for it: " + e.what());
   }
-  load_weights(*model, *file, probe.prefix, /*keep_fp8=*/storage.has_value());
-  if (storage) {
-    offload::StorageReport r = offload::apply_storage(*model, config.name, *storage, declared_fp8_skips());
-    if (options.report != nullptr) *options.report = std::move(r);
-  }
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  WeightReadOptions ro;
+  ro.storage = storage ? &*storage : nullptr;
+  ro.threads = options.threads;
+  const WeightReadReport read = load_weights(*model, *file, probe.prefix, ro);
+  const auto t1 = clock::now();
+  offload::StorageReport report;
+  if (storage) report = offload::apply_storage(*model, config.name, *storage, declared_fp8_skips(), &read.casts);
+  const auto t2 = clock::now();
   std::ostringstream s;
+  s.setf(std::ios::fixed);
+  s.precision(2);
+  const double read_s = std::chrono::duration<double>(t1 - t0).count();
   s << "loaded " << probe.tensors << " tensors from '" << path << "' (prefix '" << probe.prefix << "', "
     << config.num_blocks << " blocks, " << (config.adapter.enabled ? "with" : "without") << " LLM adapter) as "
-    << build_dtype << " on " << options.device;
+    << build_dtype << " on " << options.device << ": read " << read_s << " s ("
+    << static_cast<double>(read.file_bytes) / 1e9 / std::max(read_s, 1e-9) << " GB/s, " << read.threads
+    << " threads; " << read.cast << " tensors cast as read";
+  if (read.other > 0) s << ", " << read.other << " converted after";
+  s << ")";
+  if (storage) {
+    s << ", storage " << std::chrono::duration<double>(t2 - t1).count() << " s (" << report.kept_layers << " of "
+      << report.cast_layers << " " << dtype_name(storage->storage) << " layers stored as in the file, "
+      << report.cast_layers - report.kept_layers << " cast)";
+    if (options.report != nullptr) *options.report = std::move(report);
+  }
   log::info(s.str());
   return model;
 }

@@ -36,13 +36,11 @@
 
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
+#include "offload/storage.h"
 #include "runtime/dtype_policy.h"
 
 namespace sluice::safetensors {
 class File;
-}
-namespace sluice::offload {
-struct StorageReport;
 }
 
 namespace sluice::anima {
@@ -104,6 +102,7 @@ struct LoadOptions {
   // With `storage`: receives offload::apply_storage's report (layers cast, kept as read,
   // skipped, values saturated) when set.
   offload::StorageReport* report = nullptr;
+  int threads = 0;  // read workers; 0: every core this process may use
 };
 
 // Opens, probes, builds and strictly loads, then applies options.storage. Throws FileError
@@ -112,15 +111,35 @@ struct LoadOptions {
 // A DiT-only file (no llm_adapter keys) loads with adapter.enabled = false.
 AnimaModel load_anima(const std::string& path, const LoadOptions& options = {});
 
+// How load_weights reads.
+struct WeightReadOptions {
+  // Layerwise storage, dtypes resolved (see load_anima). Set: a managed layer that matches
+  // no skip pattern is read straight into options.storage (bf16/fp16/fp32 files: cast as
+  // read, with its scale when scale_mode asks; fp8 files: as they are, scale attached), and
+  // the model must then go through offload::apply_storage with the returned casts.
+  const Fp8Options* storage = nullptr;
+  int threads = 0;  // read workers (runtime/fused_read.h); 0: every core
+};
+
+// What load_weights did.
+struct WeightReadReport {
+  int threads = 0;         // workers of the fused read
+  int64_t fused = 0;       // tensors read by the fused read: copied, or cast as read
+  int64_t cast = 0;        // of which cast to their storage dtype as read
+  int64_t other = 0;       // tensors read one at a time, then converted (e.g. scaled fp8 into bf16)
+  uint64_t file_bytes = 0;  // bytes of the file's model tensors
+  offload::ReadCasts casts;  // for offload::apply_storage
+};
+
 // Strictly copies a file's tensors into an existing model's parameters, converting to
-// each parameter's dtype and device. CPU parameters get one owned copy each (nothing
-// aliases the file). Throws CheckpointError listing missing, unexpected and mismatched
-// keys (first 10 of each and the count), and FileError when a tensor cannot be read (a
-// file truncated since it was opened), both before touching any parameter: every tensor
-// is read into host memory first, so loading onto a device holds the model in RAM once.
-// `keep_fp8`: fp8 tensors of managed layers stay fp8, scale attached (Note [converted
-// checkpoints]); the model must then go through offload::apply_storage.
-void load_weights(AnimaModelImpl& model, const safetensors::File& file, const std::string& prefix,
-                  bool keep_fp8 = false);
+// each parameter's dtype and device (or, with options.storage, to the storage dtype).
+// CPU parameters get one owned buffer each, written once (nothing aliases the file):
+// Note [fused read]. Throws CheckpointError listing missing, unexpected and mismatched
+// keys (first 10 of each and the count), FileError when a tensor cannot be read (a file
+// truncated since it was opened), and InvalidArgument for NaN/Inf weights cast to fp8, all
+// before touching any parameter: every tensor is read into host memory first, so loading
+// onto a device holds the model in RAM once.
+WeightReadReport load_weights(AnimaModelImpl& model, const safetensors::File& file, const std::string& prefix,
+                              const WeightReadOptions& options = {});
 
 }  // namespace sluice::anima

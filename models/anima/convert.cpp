@@ -49,7 +49,8 @@ uint64_t file_size(const std::string& path) {
 
 }  // namespace
 
-ConvertReport convert_checkpoint(const std::string& in, const std::string& out, const Fp8Options& storage) {
+ConvertReport convert_checkpoint(const std::string& in, const std::string& out, const Fp8Options& storage,
+                                 int threads) {
   if (!is_fp8(storage.storage)) {
     throw InvalidArgument("convert: --storage " + dtype_name(storage.storage) +
                           " is not an fp8 dtype (float8_e4m3fn or float8_e5m2)");
@@ -57,6 +58,7 @@ ConvertReport convert_checkpoint(const std::string& in, const std::string& out, 
   if (same_file(in, out)) throw InvalidArgument("convert: --out '" + out + "' is the input file '" + in + "'");
   LoadOptions lo;
   lo.storage = storage;
+  lo.threads = threads;
   AnimaModel model = load_anima(in, lo);  // CPU: the stored dtypes are exactly the requested ones
   AnimaConfig config = model->config();
   config.name = source_name(in);

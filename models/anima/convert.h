@@ -37,7 +37,9 @@ struct ConvertReport {
 // Loads `in` with `storage` (offload::apply_storage: skips, scales, range checks) and
 // writes it to `out` in the layout above, through a temporary file renamed into place.
 // Throws InvalidArgument when `out` is `in` (the same file, by inode) or `storage` is not
-// an fp8 dtype, and what load_anima() and safetensors::save() throw.
-ConvertReport convert_checkpoint(const std::string& in, const std::string& out, const Fp8Options& storage);
+// an fp8 dtype, and what load_anima() and safetensors::save() throw. `threads`: read
+// workers (LoadOptions::threads).
+ConvertReport convert_checkpoint(const std::string& in, const std::string& out, const Fp8Options& storage,
+                                 int threads = 0);
 
 }  // namespace sluice::anima

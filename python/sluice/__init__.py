@@ -171,7 +171,7 @@ class ModelCache:
     prefetch ("auto" or a number of layers), pin_memory ("auto"|"on"|"off"),
     pin_memory_limit (page-locked bytes of all models, "25%" of RAM),
     policy ("balanced"|"spread"|"front-first"), timing, trace,
-    device_memory, cpu_copy_gbps.
+    device_memory, cpu_copy_gbps, load_threads (threads that read a checkpoint; 0: every core).
     """
 
     def __init__(self, device: str = "cpu", vram_budget: str = "", **options):

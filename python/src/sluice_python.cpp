@@ -27,7 +27,7 @@ sluice::RuntimeOptions runtime_options(const std::string& device, const std::str
                                        const std::string& working_memory, int64_t resolution, const std::string& ram_limit,
                                        const py::object& prefetch, const std::string& pin_memory, const std::string& pin_memory_limit,
                                        const std::string& policy, bool timing, bool trace, uint64_t device_memory,
-                                       double cpu_copy_gbps, const std::string& vram_headroom) {
+                                       double cpu_copy_gbps, const std::string& vram_headroom, int load_threads) {
   sluice::RuntimeOptions o;
   o.device = device;
   o.vram_budget = vram_budget;
@@ -44,6 +44,7 @@ sluice::RuntimeOptions runtime_options(const std::string& device, const std::str
   o.device_memory = device_memory;
   o.cpu_copy_gbps = cpu_copy_gbps;
   o.vram_headroom = vram_headroom;
+  o.load_threads = load_threads;
   return o;
 }
 
@@ -100,7 +101,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("working_memory") = "", py::arg("resolution") = 1024, py::arg("ram_limit") = "",
            py::arg("prefetch") = "auto", py::arg("pin_memory") = "auto", py::arg("pin_memory_limit") = "",
            py::arg("policy") = "balanced", py::arg("timing") = true, py::arg("trace") = false,
-           py::arg("device_memory") = 0, py::arg("cpu_copy_gbps") = 0.0, py::arg("vram_headroom") = "")
+           py::arg("device_memory") = 0, py::arg("cpu_copy_gbps") = 0.0, py::arg("vram_headroom") = "",
+           py::arg("load_threads") = 0)
       .def_readonly("device", &sluice::RuntimeOptions::device)
       .def_readonly("vram_budget", &sluice::RuntimeOptions::vram_budget)
       .def_readonly("prefetch", &sluice::RuntimeOptions::prefetch);
