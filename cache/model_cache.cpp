@@ -344,8 +344,8 @@ void ModelCache::attach(Entry& e, uint64_t share) {
     // InvokeAI's wording first (frontends parse it), then the split.
     line << "Loaded model '" << e.name << "' onto " << device_->name() << " in " << e.load_seconds + secs
          << "s. Total model size: " << format_mib(e.needs.model_bytes) << ", VRAM: " << format_mib(plan.resident_bytes)
-         << " (" << percent(plan.resident_bytes, e.needs.model_bytes) << "); host load (read or generate, cast) " << e.load_seconds
-         << "s, attach " << secs << "s";
+         << " (" << percent(plan.resident_bytes, e.needs.model_bytes) << "); host load (read or generate, cast) "
+         << e.load_seconds << "s, attach " << secs << "s";
     log::info(line.str());
     e.announced = true;
   } else {

@@ -43,16 +43,12 @@ bool scale_fits(const at::Tensor& scale, const at::Tensor& w, ScaleMode mode) {
 }
 
 // An fp8 tensor kept as read: refuses NaN/Inf bytes (the only check an fp8 tensor needs,
-// its values are in range by construction). e4m3fn: NaN is S.1111.111; e5m2: Inf and NaN
-// are S.11111.xx.
+// its values are in range by construction).
 void check_fp8_finite(const at::Tensor& t, const std::string& name) {
   if (!is_fp8(t.scalar_type()) || !t.device().is_cpu()) return;
-  const at::Tensor bytes = t.contiguous().view(at::kByte);
-  const int mask = t.scalar_type() == at::kFloat8_e4m3fn ? 0x7F : 0x7C;
-  if (bytes.bitwise_and(mask).eq(mask).any().item<bool>()) {
-    throw InvalidArgument("tensor '" + name + "' holds NaN or Inf values (" + dtype_name(t.scalar_type()) +
-                          "); refusing to store it");
-  }
+  const at::Tensor c = t.contiguous();
+  const Fp8NonFinite bad = count_fp8_non_finite(c.scalar_type(), static_cast<const uint8_t*>(c.data_ptr()), c.numel());
+  refuse_non_finite(name, bad.nans, bad.infs, c.scalar_type());
 }
 
 Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Options& options, bool checked) {

@@ -207,6 +207,58 @@ DeviceUpcastFn device_upcast(c10::DeviceType type) {
   return i < device_kernels().size() ? device_kernels()[i].load() : nullptr;
 }
 
+Fp8NonFinite count_fp8_non_finite(at::ScalarType fp8, const uint8_t* b, int64_t n) {
+  Fp8NonFinite r;
+  int64_t bad = 0;
+  switch (fp8) {
+    case at::kFloat8_e4m3fn:
+      for (int64_t i = 0; i < n; ++i) bad += (b[i] & 0x7F) == 0x7F;
+      r.nans = bad;
+      break;
+    case at::kFloat8_e5m2:
+      for (int64_t i = 0; i < n; ++i) bad += (b[i] & 0x7C) == 0x7C;
+      if (bad != 0) {
+        for (int64_t i = 0; i < n; ++i) {
+          if ((b[i] & 0x7C) == 0x7C) (b[i] & 0x03) != 0 ? ++r.nans : ++r.infs;
+        }
+      }
+      break;
+    case at::kFloat8_e4m3fnuz:
+    case at::kFloat8_e5m2fnuz:
+      for (int64_t i = 0; i < n; ++i) bad += b[i] == 0x80;
+      r.nans = bad;
+      break;
+    default: throw InvalidArgument("count_fp8_non_finite: " + dtype_name(fp8) + " is not a float8 dtype");
+  }
+  return r;
+}
+
+void refuse_non_finite(const std::string& name, int64_t nans, int64_t infs, at::ScalarType storage) {
+  if (nans + infs == 0) return;
+  throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' holds ", nans, " NaN and ", infs,
+                                 " inf values; refusing to store it as ", dtype_name(storage)));
+}
+
+void report_out_of_range(const std::string& name, int64_t clipped, int64_t numel, double amax, at::ScalarType storage,
+                         OutOfRangePolicy policy) {
+  const double max_finite = fp8_max_finite(storage);
+  if (policy == OutOfRangePolicy::refuse) {
+    throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' has ", clipped, " of ", numel,
+                                   " values beyond +-", max_finite, " (max |w| = ", amax, "), the range of ",
+                                   dtype_name(storage), "; use scaled storage or out_of_range=saturate"));
+  }
+  log::warn(c10::str("fp8: tensor '", name, "': ", clipped, " of ", numel, " values beyond +-", max_finite,
+                     " (max |w| = ", amax, ") saturated to +-", max_finite, " for ", dtype_name(storage)));
+}
+
+float fp8_tensor_scale(double amax, at::ScalarType fp8) {
+  // Floored at FLT_MIN so that w / scale cannot overflow (amax / FLT_MIN <= max finite
+  // holds whenever that floor applies).
+  float s = static_cast<float>(amax / fp8_max_finite(fp8));
+  if (amax == 0.0) s = 1.0f;
+  return std::max(s, FLT_MIN);
+}
+
 StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const std::string& name,
                             const Fp8Options& options) {
   check_storage_dtype(storage);
@@ -229,10 +281,7 @@ StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const s
   // One reduction answers both questions: NaN propagates through amax, inf is its own max.
   const double amax = x.abs().amax().item<double>();
   if (!std::isfinite(amax)) {
-    const int64_t nans = at::isnan(x).sum().item<int64_t>();
-    const int64_t infs = at::isinf(x).sum().item<int64_t>();
-    throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' holds ", nans, " NaN and ", infs,
-                                   " inf values; refusing to store it as ", dtype_name(storage)));
+    refuse_non_finite(name, at::isnan(x).sum().item<int64_t>(), at::isinf(x).sum().item<int64_t>(), storage);
   }
 
   const bool scaled = options.scale_mode != ScaleMode::none && x.dim() >= 2;
@@ -240,13 +289,7 @@ StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const s
     at::Tensor src = x;
     if (amax > max_finite) {
       r.clipped = x.abs().gt(max_finite).sum().item<int64_t>();
-      if (options.out_of_range == OutOfRangePolicy::refuse) {
-        throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' has ", r.clipped, " of ", x.numel(),
-                                       " values beyond +-", max_finite, " (max |w| = ", amax, "), the range of ",
-                                       dtype_name(storage), "; use scaled storage or out_of_range=saturate"));
-      }
-      log::warn(c10::str("fp8: tensor '", name, "': ", r.clipped, " of ", x.numel(), " values beyond +-", max_finite,
-                         " (max |w| = ", amax, ") saturated to +-", max_finite, " for ", dtype_name(storage)));
+      report_out_of_range(name, r.clipped, x.numel(), amax, storage, options.out_of_range);
       src = x.clamp(-max_finite, max_finite);
     }
     r.stored = src.to(storage);
@@ -259,10 +302,7 @@ StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const s
   const at::Tensor wf = x.to(at::kFloat);
   at::Tensor scale;
   if (options.scale_mode == ScaleMode::per_tensor) {
-    float s = static_cast<float>(amax / max_finite);
-    if (amax == 0.0) s = 1.0f;
-    s = std::max(s, FLT_MIN);
-    scale = at::full({}, s, wf.options());
+    scale = at::full({}, fp8_tensor_scale(amax, storage), wf.options());
   } else {
     std::vector<int64_t> dims;
     for (int64_t d = 1; d < x.dim(); ++d) dims.push_back(d);

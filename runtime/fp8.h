@@ -55,6 +55,25 @@ struct StorageCast {
 StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const std::string& name,
                             const Fp8Options& options = {});
 
+// The pieces of cast_to_storage that other casts (runtime/fused_read.h) share, so that
+// every path refuses, warns and scales alike:
+// NaN and Inf among `n` fp8 bytes of dtype `fp8` (e4m3fn: NaN is S.1111.111, no Inf; e5m2:
+// Inf S.11111.00, NaN S.11111.xx; the fnuz types: NaN is 0x80 only).
+struct Fp8NonFinite {
+  int64_t nans = 0;
+  int64_t infs = 0;
+};
+Fp8NonFinite count_fp8_non_finite(at::ScalarType fp8, const uint8_t* bytes, int64_t n);
+// Throws InvalidArgument naming `name`, the counts and `storage` when nans + infs > 0.
+void refuse_non_finite(const std::string& name, int64_t nans, int64_t infs, at::ScalarType storage);
+// `clipped` of `numel` values beyond +-max finite of `storage` (largest |w| `amax`): throws
+// InvalidArgument under OutOfRangePolicy::refuse, else logs the one saturation warning.
+void report_out_of_range(const std::string& name, int64_t clipped, int64_t numel, double amax, at::ScalarType storage,
+                         OutOfRangePolicy policy);
+// The per-tensor scale of a tensor whose largest |w| is `amax`: amax / max finite in
+// double, then fp32; 1 for an all-zero tensor; at least FLT_MIN.
+float fp8_tensor_scale(double amax, at::ScalarType fp8);
+
 // Returns `stored` as `compute` dtype on the same device, multiplied by `scale` when it
 // is defined (per tensor [] / [1], or per output channel [size(0)]). Returns `stored`
 // itself, not a copy, when no conversion is needed. A float8 `compute` throws

@@ -24,7 +24,7 @@
 #include <thread>
 
 #include "runtime/error.h"
-#include "runtime/logging.h"
+#include "runtime/fp8.h"
 #include "runtime/safetensors.h"
 
 namespace sluice::safetensors {
@@ -179,29 +179,6 @@ void cast_float(at::ScalarType t, const uint8_t* in, uint8_t* out, int64_t n, fl
   }
 }
 
-// fp8 bytes that are NaN/Inf, counted.
-void check_fp8(at::ScalarType t, const uint8_t* b, int64_t n, ChunkResult& r) {
-  int64_t bad = 0;
-  switch (t) {
-    case at::kFloat8_e4m3fn:  // NaN: S.1111.111; no Inf
-      for (int64_t i = 0; i < n; ++i) bad += (b[i] & 0x7F) == 0x7F;
-      r.nans += bad;
-      return;
-    case at::kFloat8_e5m2:  // Inf: S.11111.00, NaN: S.11111.xx
-      for (int64_t i = 0; i < n; ++i) bad += (b[i] & 0x7C) == 0x7C;
-      if (bad != 0) {
-        for (int64_t i = 0; i < n; ++i) {
-          if ((b[i] & 0x7C) == 0x7C) (b[i] & 0x03) != 0 ? ++r.nans : ++r.infs;
-        }
-      }
-      return;
-    default:  // the fnuz types: NaN is 0x80 only
-      for (int64_t i = 0; i < n; ++i) bad += b[i] == 0x80;
-      r.nans += bad;
-      return;
-  }
-}
-
 // ---- the work ---------------------------------------------------------------------
 
 // Faults in the whole pages of [p, p + n) with one call (MADV_POPULATE_WRITE, Linux 5.14)
@@ -236,7 +213,6 @@ struct Plan {
 struct Chunk {
   size_t target;
   int64_t begin, end;  // elements
-  int phase;           // 0: the amax pass of per-tensor scaled targets; 1: everything else
 };
 
 Plan plan_of(const ReadTarget& t) {
@@ -306,7 +282,7 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return targets[a].source->begin < targets[b].source->begin; });
   const uint64_t chunk_bytes = std::max<uint64_t>(options.chunk_bytes, 64);
-  std::vector<Chunk> chunks[2];
+  std::vector<Chunk> chunks[2];  // [0]: the amax pass of per-tensor scaled targets; [1]: everything
   int64_t buffer_bytes = 0;  // a worker's buffer: the largest chunk that needs one
   for (size_t i : order) {
     const Plan& p = plans[i];
@@ -317,8 +293,8 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
     const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(chunk_bytes) / (p.elem_src * unit)) * unit;
     for (int64_t b = 0; b < n; b += per) {
       const int64_t e = std::min(n, b + per);
-      if (p.kind == Kind::scaled_tensor) chunks[0].push_back({i, b, e, 0});
-      chunks[1].push_back({i, b, e, 1});
+      if (p.kind == Kind::scaled_tensor) chunks[0].push_back({i, b, e});
+      chunks[1].push_back({i, b, e});
       buffer_bytes = std::max(buffer_bytes, (e - b) * p.elem_src);
     }
   }
@@ -357,7 +333,11 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
             uint8_t* at = dst + c.begin * p.elem_src;
             file.read_range(*t.source, static_cast<uint64_t>(c.begin * p.elem_src), nbytes, buf.get());
             std::memcpy(at, buf.get(), nbytes);
-            if (is_fp8(p.dst)) check_fp8(p.dst, at, n, r);
+            if (is_fp8(p.dst)) {
+              const Fp8NonFinite bad = count_fp8_non_finite(p.dst, at, n);
+              r.nans += bad.nans;
+              r.infs += bad.infs;
+            }
           } else {
             file.read_range(*t.source, static_cast<uint64_t>(c.begin * p.elem_src), nbytes, buf.get());
             const auto maxf = static_cast<float>(fp8_max_finite(p.dst));
@@ -428,50 +408,31 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
     }
     return sum;
   };
-  auto refuse_non_finite = [&](const std::vector<ChunkResult>& sum) {
-    for (size_t i : order) {
-      if (sum[i].nans + sum[i].infs > 0) {
-        throw InvalidArgument(c10::str("cast_to_storage: tensor '", targets[i].name, "' holds ", sum[i].nans,
-                                       " NaN and ", sum[i].infs, " inf values; refusing to store it as ",
-                                       sluice::dtype_name(targets[i].dst.scalar_type())));
-      }
-    }
+  auto refuse_any_non_finite = [&](const std::vector<ChunkResult>& sum) {
+    for (size_t i : order) refuse_non_finite(targets[i].name, sum[i].nans, sum[i].infs, targets[i].dst.scalar_type());
   };
 
   std::vector<ChunkResult> results;
   if (!chunks[0].empty()) {
     run_phase(0, results);
     const auto sum = totals(chunks[0], results);
-    refuse_non_finite(sum);
+    refuse_any_non_finite(sum);
     for (const Chunk& c : chunks[0]) {
-      // As cast_to_storage: amax / max finite in double, then fp32; 1 when all zero; >= FLT_MIN.
-      const double amax = sum[c.target].amax;
-      float s = static_cast<float>(amax / fp8_max_finite(targets[c.target].dst.scalar_type()));
-      if (amax == 0.0) s = 1.0f;
-      tensor_scale[c.target] = std::max(s, FLT_MIN);
+      tensor_scale[c.target] = fp8_tensor_scale(sum[c.target].amax, targets[c.target].dst.scalar_type());
     }
   }
   run_phase(1, results);
   const auto sum = totals(chunks[1], results);
-  refuse_non_finite(sum);
+  refuse_any_non_finite(sum);
   for (size_t i : order) {
     ReadTarget& t = targets[i];
     const Plan& p = plans[i];
     if (p.kind == Kind::scaled_tensor) t.scale = at::full({}, tensor_scale[i], at::kFloat);
     if (t.cast) ++stats.cast;
     if (sum[i].over == 0) continue;
-    const double max_finite = fp8_max_finite(t.dst.scalar_type());
-    const std::string what = c10::str("tensor '", t.name, "' has ", sum[i].over, " of ", t.dst.numel(),
-                                      " values beyond +-", max_finite, " (max |w| = ", sum[i].amax, ")");
-    if (options.out_of_range == OutOfRangePolicy::refuse) {
-      throw InvalidArgument(c10::str("cast_to_storage: ", what, ", the range of ", sluice::dtype_name(t.dst.scalar_type()),
-                                     "; use scaled storage or out_of_range=saturate"));
-    }
+    report_out_of_range(t.name, sum[i].over, t.dst.numel(), sum[i].amax, t.dst.scalar_type(), options.out_of_range);
     t.clipped = sum[i].over;
     stats.clipped += t.clipped;
-    log::warn(c10::str("fp8: tensor '", t.name, "': ", sum[i].over, " of ", t.dst.numel(), " values beyond +-",
-                       max_finite, " (max |w| = ", sum[i].amax, ") saturated to +-", max_finite, " for ",
-                       sluice::dtype_name(t.dst.scalar_type())));
   }
   stats.bytes_read = done.load();
   return stats;

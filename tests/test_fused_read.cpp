@@ -232,6 +232,19 @@ TEST_CASE("fused read: fp8 bytes are copied as they are and NaN/Inf bytes are re
              Catch::Contains("'w'") && Catch::Contains("1 NaN and 0 inf"));
   CHECK_THAT(error_text([&] { read(path, {"e5"}, at::kFloat8_e5m2, ScaleMode::none); }),
              Catch::Contains("'e5'") && Catch::Contains("1 NaN and 1 inf"));
+
+  // The byte check both paths use (count_fp8_non_finite), for every dtype; safetensors
+  // has no fnuz dtype, so those are checked on bytes: 0x80 is their only NaN, and 0x7F /
+  // 0xFF are their largest finite values.
+  const uint8_t bytes[] = {0x7F, 0xFF, 0x80, 0x7C, 0x7E, 0x00, 0xFC};
+  const auto e4 = count_fp8_non_finite(at::kFloat8_e4m3fn, bytes, 7);
+  CHECK((e4.nans == 2 && e4.infs == 0));
+  const auto e5b = count_fp8_non_finite(at::kFloat8_e5m2, bytes, 7);
+  CHECK((e5b.nans == 3 && e5b.infs == 2));
+  for (const at::ScalarType fnuz : {at::kFloat8_e4m3fnuz, at::kFloat8_e5m2fnuz}) {
+    const auto r = count_fp8_non_finite(fnuz, bytes, 7);
+    CHECK((r.nans == 1 && r.infs == 0));
+  }
 }
 
 TEST_CASE("fused read: a file truncated after open and an injected read error are FileErrors") {
