@@ -1,258 +1,400 @@
-// Checkpoint load speed against a raw read() of the same file.
+// sluice_bench_load: time-to-ready of an anima-2b-sized checkpoint, sluice against a raw
+// read and against what a Python frontend does, in one run (issue 14's table).
 //
-// Generates a ~1 GiB safetensors file of bf16 tensors shaped like a DiT checkpoint
-// (per block: four 2048x2048 attention projections, 8192x2048 and 2048x8192 MLP weights,
-// two 2048 norm scales), then times, with the file already in the page cache:
-//   BM_RawRead        read() of the whole file into one reused, pre-touched buffer
-//   BM_RawReadFresh   read() into fresh host_empty() memory: adds the first-touch faults
-//   BM_Load           File::open + to_host_owned(every tensor, its own dtype) + unmap
-//   BM_LoadToFloat32  the same with a bf16 -> float32 conversion into the owned copy
-// and prints each time / raw read time. All start from a warm page cache, so the ratios
-// compare memory work (mapping faults, first touch of new host memory, copies), not disk
-// speed. Freeing the loaded weights is outside the timed region.
+// It writes a random checkpoint of the config (default anima-2b: bf16, ~4.2 GB) and its fp8
+// twin (`sluice convert`), then, with both files warm in the page cache, times three cases:
+//   bf16 -> fp8    the bf16 file into float8_e4m3fn storage (cast as read)
+//   bf16 -> bf16   the bf16 file into bfloat16 storage (no cast)
+//   fp8 -> fp8     the converted file into float8_e4m3fn storage (no cast, byte check only)
+// and, for each case and rep, four paths, each in a fresh child process so that no path
+// reuses memory another one freed:
+//   raw read       read() of the whole file into one reused 16 MiB buffer (what `cat` does)
+//   python         safetensors.torch.load_file, then .to(float8_e4m3fn) of each 2-d ".weight"
+//                  when the storage is fp8, and .clone() of the rest, through the project
+//                  venv's Python (SLUICE_PYTHON at configure time, or --python)
+//   sluice         anima::load_anima(file, storage, device cpu): read, cast and checks
+//                  into the final host storage, the load a ModelCache miss does
+//   cache          ModelCache(device cpu).load(): the same plus attach to the CPU device,
+//                  which copies every resident byte into the device's own memory
+// It prints every time, the best of each, the ratios the issue's targets name (sluice ÷ raw
+// read, sluice ÷ python) and each path's peak RSS: VmHWM at the end minus VmRSS before the
+// load, against the final host storage (sluice: host_memory_stats; python: the bytes of the
+// tensors it kept) plus one chunk per read thread.
 //
-// Measured while writing this (2-core shared VM): BM_Load costs about what
-// BM_RawReadFresh does, i.e. the ~260k first-touch page faults of 1 GiB of new memory
-// dominate a load; the mapping and ATen's copy add little. Two things tried and dropped:
-// MADV_POPULATE_READ on the mapping (slower) and MADV_HUGEPAGE on the new blocks (2-3x
-// slower here: THP "madvise" defrag compacts synchronously on a busy host).
+//   sluice_bench_load [--config anima-2b] [--reps 3] [--threads 0] [--dir /tmp]
+//                     [--python PATH] [--bf16 FILE] [--fp8 FILE] [--keep] [--paths raw,python,sluice,cache]
 //
-// Environment (read once here): SLUICE_BENCH_LOAD_MB (file size, default 1024),
-// SLUICE_BENCH_DIR (where the file goes, default /tmp). The file is deleted at exit.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <benchmark/benchmark.h>
+// --bf16/--fp8 reuse files written before (then nothing is generated or deleted).
+// Generated files are deleted at exit unless --keep. The targets (≤ 0.5× python and
+// ≤ 1.5× raw for bf16 -> fp8, ≤ 1.2× raw for fp8 -> fp8, peak ≤ storage + a chunk per
+// thread) are printed as met or not; they are benchmark goals, never test assertions.
+#include <CLI/CLI.hpp>
 #include <fcntl.h>
-#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <iostream>
+#include <fstream>
 #include <map>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "cache/model_cache.h"
+#include "models/anima/checkpoint.h"
+#include "models/anima/config.h"
+#include "models/anima/convert.h"
+#include "models/anima/generator.h"
+#include "runtime/dtype_policy.h"
+#include "runtime/error.h"
+#include "runtime/fused_read.h"
 #include "runtime/host_memory.h"
-#include "runtime/safetensors.h"
 
-namespace st = sluice::safetensors;
+#ifndef SLUICE_BENCH_PYTHON
+#define SLUICE_BENCH_PYTHON "python3"
+#endif
+
+using namespace sluice;
 
 namespace {
 
-std::string g_path;   // the generated checkpoint
-uint64_t g_size = 0;  // its size in bytes
-char g_path_c[4096];  // a copy the signal handler can unlink without allocating
+using clock_type = std::chrono::steady_clock;
+constexpr uint64_t MiB = 1ull << 20;
 
-void remove_file() {
-  if (g_path_c[0] != 0) {
-    ::unlink(g_path_c);
-    g_path_c[0] = 0;
+// ---- what a child measures --------------------------------------------------------
+
+// A field of /proc/self/status in bytes (VmRSS, VmHWM).
+uint64_t status_bytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return std::stoull(line.substr(key.size())) * 1024;
   }
+  return 0;
+}
+
+// The line a child prints and the parent parses.
+void report(double seconds, uint64_t rss_before, uint64_t storage) {
+  std::printf("RESULT %.4f %llu %llu\n", seconds,
+              static_cast<unsigned long long>(status_bytes("VmHWM") - std::min(rss_before, status_bytes("VmHWM"))),
+              static_cast<unsigned long long>(storage));
+  std::fflush(stdout);
+}
+
+Fp8Options storage_of(const std::string& storage) {
+  Fp8Options o;
+  o.storage = storage == "bfloat16" ? at::kBFloat16 : at::kFloat8_e4m3fn;
+  o.compute = at::kBFloat16;
+  return o;
+}
+
+int child(const std::string& path, const std::string& storage, const std::string& what, int threads) {
+  if (what == "raw") {
+    std::vector<char> buf(16 * MiB);
+    const uint64_t before = status_bytes("VmRSS");
+    const auto t0 = clock_type::now();
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw FileError("cannot open '" + path + "'");
+    while (::read(fd, buf.data(), buf.size()) > 0) {
+    }
+    ::close(fd);
+    report(std::chrono::duration<double>(clock_type::now() - t0).count(), before, 0);
+    return 0;
+  }
+  // libtorch's own start-up allocations happen before the baseline.
+  (void)at::ones({8}, at::kBFloat16).sum().item<float>();
+  const uint64_t before = status_bytes("VmRSS");
+  if (what == "sluice") {
+    anima::LoadOptions lo;
+    lo.storage = storage_of(storage);
+    lo.threads = threads;
+    const auto t0 = clock_type::now();
+    anima::AnimaModel model = anima::load_anima(path, lo);
+    const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    report(s, before, static_cast<uint64_t>(host_memory_stats().current_bytes()));
+    return 0;
+  }
+  if (what == "cache") {
+    cache::CacheOptions co;
+    co.load_threads = threads;
+    auto cache = cache::ModelCache::create(co);
+    cache::LoadSpec spec;
+    spec.source = path;
+    spec.storage = storage_of(storage);
+    const auto t0 = clock_type::now();
+    auto entry = cache->load(spec);
+    const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    report(s, before, static_cast<uint64_t>(host_memory_stats().current_bytes()));
+    return 0;
+  }
+  throw InvalidArgument("--child: unknown path '" + what + "'");
+}
+
+// The Python path, one process: prints the same RESULT line.
+const char* kPythonScript = R"PY(
+import sys, time
+import torch, safetensors.torch as sft
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+path, storage = sys.argv[1], sys.argv[2]
+torch.ones(8, dtype=torch.bfloat16).sum().item()
+before = status("VmRSS")
+t0 = time.perf_counter()
+out = {}
+for k, v in sft.load_file(path).items():
+    if storage.startswith("float8") and v.dim() == 2 and k.endswith(".weight") and v.element_size() > 1:
+        out[k] = v.to(torch.float8_e4m3fn)
+    else:
+        out[k] = v.clone()
+t = time.perf_counter() - t0
+kept = sum(v.numel() * v.element_size() for v in out.values())
+print("RESULT %.4f %d %d" % (t, max(0, status("VmHWM") - before), kept), flush=True)
+)PY";
+
+// ---- the parent -------------------------------------------------------------------
+
+struct Sample {
+  double seconds = 0;
+  uint64_t peak = 0;     // VmHWM - VmRSS before the load
+  uint64_t storage = 0;  // final storage bytes
+};
+
+// Runs argv, returns its RESULT line parsed, or an error string.
+std::optional<Sample> run_child(const std::vector<std::string>& argv, std::string& error) {
+  int out[2];
+  if (::pipe2(out, O_CLOEXEC) != 0) {
+    error = "pipe failed";
+    return std::nullopt;
+  }
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out[1], STDOUT_FILENO);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(out[0], buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
+  ::close(out[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const auto at = text.rfind("RESULT ");
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || at == std::string::npos) {
+    error = argv[0] + " exited with status " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    return std::nullopt;
+  }
+  Sample s;
+  unsigned long long peak = 0, storage = 0;
+  if (std::sscanf(text.c_str() + at, "RESULT %lf %llu %llu", &s.seconds, &peak, &storage) != 3) {
+    error = "unreadable result line";
+    return std::nullopt;
+  }
+  s.peak = peak;
+  s.storage = storage;
+  return s;
+}
+
+std::vector<std::string> g_remove;  // generated files, deleted at exit
+char g_remove_c[2][4096];
+
+void remove_generated() {
+  for (const auto& p : g_remove) ::unlink(p.c_str());
+  g_remove.clear();
 }
 
 void on_signal(int sig) {
-  if (g_path_c[0] != 0) {
-    ::unlink(g_path_c);
+  for (auto& p : g_remove_c) {
+    if (p[0] != 0) ::unlink(p);
   }
   std::signal(sig, SIG_DFL);
   std::raise(sig);
 }
 
-void generate(const std::string& path, uint64_t target_bytes) {
-  constexpr int64_t kDim = 2048, kMlp = 8192;
-  // One source tensor per shape, saved under many names: memory stays small.
-  const at::Tensor square = at::full({kDim, kDim}, 0.5, at::kBFloat16);
-  const at::Tensor up = at::full({kMlp, kDim}, -1.25, at::kBFloat16);
-  const at::Tensor down = at::full({kDim, kMlp}, 2.0, at::kBFloat16);
-  const at::Tensor norm = at::ones({kDim}, at::kBFloat16);
-  const uint64_t per_block = 4 * square.nbytes() + up.nbytes() + down.nbytes() + 2 * norm.nbytes();
-  const uint64_t blocks = std::max<uint64_t>(1, (target_bytes + per_block - 1) / per_block);
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (uint64_t b = 0; b < blocks; ++b) {
-    const std::string p = "blocks." + std::to_string(b) + ".";
-    for (const char* n : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.output_proj"}) {
-      tensors.emplace_back(p + n + ".weight", square);
-    }
-    tensors.emplace_back(p + "mlp.layer1.weight", up);
-    tensors.emplace_back(p + "mlp.layer2.weight", down);
-    tensors.emplace_back(p + "norm1.weight", norm);
-    tensors.emplace_back(p + "norm2.weight", norm);
-  }
-  st::save(path, tensors, {{"format", "pt"}});
+void remember(const std::string& path) {
+  const size_t i = g_remove.size();
+  g_remove.push_back(path);
+  if (i < 2) std::snprintf(g_remove_c[i], sizeof g_remove_c[i], "%s", path.c_str());
 }
 
-// read() of the whole file into `buf`; returns the bytes read.
-uint64_t read_whole(const std::string& path, char* buf, uint64_t cap) {
+void warm(const std::string& path) {
+  std::vector<char> buf(16 * MiB);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return 0;
-  }
-  uint64_t got = 0;
-  while (got < cap) {
-    const ssize_t r = ::read(fd, buf + got, std::min<uint64_t>(cap - got, uint64_t{1} << 30));
-    if (r <= 0) {
-      break;
-    }
-    got += static_cast<uint64_t>(r);
+  if (fd < 0) throw FileError("cannot open '" + path + "'");
+  while (::read(fd, buf.data(), buf.size()) > 0) {
   }
   ::close(fd);
-  return got;
 }
 
-int64_t minor_faults() {
-  rusage ru{};
-  ::getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_minflt;
-}
-
-void BM_RawRead(benchmark::State& state) {
-  std::vector<char> buf(g_size);  // zero-filled: every page is touched before timing
-  const int64_t faults0 = minor_faults();
-  for (auto _ : state) {
-    const uint64_t got = read_whole(g_path, buf.data(), g_size);
-    if (got != g_size) {
-      state.SkipWithError("short read");
-      break;
-    }
-    benchmark::DoNotOptimize(buf.data());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * g_size));
-  state.counters["minflt"] = benchmark::Counter(static_cast<double>(minor_faults() - faults0),
-                                                benchmark::Counter::kAvgIterations);
-}
-
-// Like BM_RawRead, but into fresh host memory each time: the first-touch page faults a
-// real load cannot avoid, without any mapping or conversion.
-void BM_RawReadFresh(benchmark::State& state) {
-  int64_t faults = 0;
-  for (auto _ : state) {
-    const int64_t f0 = minor_faults();
-    at::Tensor buf = sluice::host_empty({static_cast<int64_t>(g_size)}, at::kByte);
-    const uint64_t got = read_whole(g_path, static_cast<char*>(buf.data_ptr()), g_size);
-    if (got != g_size) {
-      state.SkipWithError("short read");
-      break;
-    }
-    benchmark::DoNotOptimize(buf.data_ptr());
-    faults += minor_faults() - f0;
-    state.PauseTiming();
-    buf.reset();
-    state.ResumeTiming();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * g_size));
-  state.counters["minflt"] = benchmark::Counter(static_cast<double>(faults), benchmark::Counter::kAvgIterations);
-}
-
-void load(benchmark::State& state, bool to_float) {
-  int64_t faults = 0;
-  for (auto _ : state) {
-    const int64_t f0 = minor_faults();
-    std::vector<at::Tensor> owned;
-    {
-      auto file = st::File::open(g_path);
-      owned.reserve(file->tensors().size());
-      for (const auto& info : file->tensors()) {
-        owned.push_back(sluice::to_host_owned(file->tensor(info.name), to_float ? at::kFloat : info.dtype));
-      }
-    }  // the File and its views die here: the mapping is gone, the owned copies stay
-    benchmark::DoNotOptimize(owned.data());
-    faults += minor_faults() - f0;
-    state.PauseTiming();
-    owned.clear();
-    state.ResumeTiming();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * g_size));
-  state.counters["minflt"] = benchmark::Counter(static_cast<double>(faults), benchmark::Counter::kAvgIterations);
-  state.counters["peakGB"] = static_cast<double>(sluice::host_memory_stats().peak_bytes()) / 1e9;
-}
-
-void BM_Load(benchmark::State& state) { load(state, false); }
-void BM_LoadToFloat32(benchmark::State& state) { load(state, true); }
-
-BENCHMARK(BM_RawRead)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
-BENCHMARK(BM_RawReadFresh)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
-BENCHMARK(BM_Load)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
-BENCHMARK(BM_LoadToFloat32)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
-
-// Prints as usual and keeps each benchmark's real time per iteration (seconds).
-class RecordingReporter : public benchmark::ConsoleReporter {
- public:
-  // Colours only on a terminal (--benchmark_color applies to the default reporter only).
-  RecordingReporter() : ConsoleReporter(::isatty(STDOUT_FILENO) ? OO_Defaults : OO_Tabular) {}
-  std::map<std::string, double> seconds;
-  void ReportRuns(const std::vector<Run>& runs) override {
-    for (const auto& r : runs) {
-      if (!r.error_occurred && r.iterations > 0 && r.run_type == Run::RT_Iteration) {
-        const std::string key = r.run_name.function_name + (r.run_name.args.empty() ? "" : "/" + r.run_name.args);
-        seconds[key] = r.real_accumulated_time / static_cast<double>(r.iterations);
-      }
-    }
-    ConsoleReporter::ReportRuns(runs);
-  }
-};
-
-uint64_t env_u64(const char* name, uint64_t fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != 0 ? std::strtoull(v, nullptr, 10) : fallback;
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
-    return 1;
-  }
-  const uint64_t mb = env_u64("SLUICE_BENCH_LOAD_MB", 1024);
-  const char* dir_env = std::getenv("SLUICE_BENCH_DIR");
-  const std::string dir = dir_env != nullptr && *dir_env != 0 ? dir_env : "/tmp";
-  g_path = dir + "/sluice_bench_load_" + std::to_string(::getpid()) + ".safetensors";
-  std::snprintf(g_path_c, sizeof g_path_c, "%s", g_path.c_str());
-  std::atexit(remove_file);
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
-
+  CLI::App app{"sluice_bench_load: checkpoint time-to-ready against a raw read and the safetensors+torch path"};
+  std::string config_name = "anima-2b", dir = "/tmp", python = SLUICE_BENCH_PYTHON, bf16_file, fp8_file;
+  std::string paths_arg = "raw,python,sluice,cache";
+  int reps = 3, threads = 0;
+  bool keep = false;
+  std::vector<std::string> child_args;
+  app.add_option("--config", config_name, "Model config of the generated checkpoint");
+  app.add_option("--reps", reps, "Runs of each path and case")->check(CLI::Range(1, 100));
+  app.add_option("--threads", threads, "sluice read workers (0: every core)")->check(CLI::Range(0, 1024));
+  app.add_option("--dir", dir, "Where generated checkpoints go");
+  app.add_option("--python", python, "Python with torch and safetensors");
+  app.add_option("--bf16", bf16_file, "Use this bf16 checkpoint instead of generating one");
+  app.add_option("--fp8", fp8_file, "Use this fp8 checkpoint instead of converting one");
+  app.add_option("--paths", paths_arg, "Comma-separated subset of raw,python,sluice,cache");
+  app.add_flag("--keep", keep, "Keep generated checkpoints");
+  app.add_option("--child", child_args, "(internal) FILE STORAGE PATH: one timed load")->expected(3);
+  CLI11_PARSE(app, argc, argv);
   try {
-    generate(g_path, mb << 20);
-    g_size = static_cast<uint64_t>(st::File::open(g_path)->file_size());
-    // Warm the page cache so every timed pass reads from memory.
-    std::vector<char> warm(g_size);
-    if (read_whole(g_path, warm.data(), g_size) != g_size) {
-      std::cerr << "cannot read back " << g_path << "\n";
-      return 1;
+    if (!child_args.empty()) return child(child_args[0], child_args[1], child_args[2], threads);
+
+    std::vector<std::string> paths;
+    std::stringstream ps(paths_arg);
+    for (std::string p; std::getline(ps, p, ',');) {
+      if (p != "raw" && p != "python" && p != "sluice" && p != "cache") {
+        throw InvalidArgument("--paths: unknown path '" + p + "' (raw, python, sluice, cache)");
+      }
+      paths.push_back(p);
     }
-  } catch (const std::exception& e) {
-    std::cerr << "bench_load: " << e.what() << "\n";
-    return 1;
-  }
-  std::cout << "checkpoint: " << g_path << ", " << g_size / (1 << 20) << " MiB of bf16 tensors; "
-            << "page cache warmed before timing, so load/raw compares memory work, not disk. "
-            << "ATen intra-op threads: " << at::get_num_threads() << "\n";
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+    std::atexit(remove_generated);
+    const anima::AnimaConfig config = anima::config_from_name_or_file(config_name);
+    if (bf16_file.empty()) {
+      bf16_file = dir + "/sluice_bench_load_" + std::to_string(::getpid()) + ".safetensors";
+      remember(bf16_file);
+      const auto t0 = clock_type::now();
+      anima::write_random_checkpoint(config, 1, at::kBFloat16, bf16_file);
+      std::printf("wrote %s (%s, bf16) in %.1f s\n", bf16_file.c_str(), config_name.c_str(),
+                  std::chrono::duration<double>(clock_type::now() - t0).count());
+    }
+    if (fp8_file.empty()) {
+      fp8_file = dir + "/sluice_bench_load_" + std::to_string(::getpid()) + "_fp8.safetensors";
+      remember(fp8_file);
+      const auto t0 = clock_type::now();
+      anima::convert_checkpoint(bf16_file, fp8_file, storage_of("float8_e4m3fn"), threads);
+      std::printf("converted to %s in %.1f s\n", fp8_file.c_str(),
+                  std::chrono::duration<double>(clock_type::now() - t0).count());
+    }
+    if (keep) remove_generated();  // forget them: kept
+    const int workers = safetensors::resolve_threads(threads);
+    const uint64_t chunk = safetensors::FusedReadOptions{}.chunk_bytes;
+    std::printf("read threads %d, chunk %llu MiB, python %s, %d reps, a fresh process per load\n", workers,
+                static_cast<unsigned long long>(chunk / MiB), python.c_str(), reps);
 
-  RecordingReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  benchmark::Shutdown();
-
-  const auto& s = reporter.seconds;
-  if (s.count("BM_RawRead") != 0) {
-    std::printf("ratios are time per pass over the same %.2f GB; >1 means slower than read()\n",
-                static_cast<double>(g_size) / 1e9);
-    const double raw = s.at("BM_RawRead");
-    std::printf("raw read: %.1f ms (%.2f GB/s)\n", raw * 1e3, static_cast<double>(g_size) / raw / 1e9);
-    for (const auto& [name, sec] : s) {
-      if (name != "BM_RawRead") {
-        std::printf("%-24s / raw read = %5.2f (%.1f ms, %.2f GB/s of checkpoint)\n", name.c_str(), sec / raw,
-                    sec * 1e3, static_cast<double>(g_size) / sec / 1e9);
+    struct Case {
+      const char* name;
+      std::string file, storage;
+    };
+    const Case cases[] = {{"bf16 -> fp8", bf16_file, "float8_e4m3fn"},
+                          {"bf16 -> bf16", bf16_file, "bfloat16"},
+                          {"fp8 -> fp8", fp8_file, "float8_e4m3fn"}};
+    const std::string self = "/proc/self/exe";
+    char exe[4096];
+    const ssize_t n = ::readlink(self.c_str(), exe, sizeof exe - 1);
+    const std::string me = n > 0 ? std::string(exe, static_cast<size_t>(n)) : std::string(argv[0]);
+    bool all_met = true;
+    for (const Case& c : cases) {
+      warm(c.file);
+      std::map<std::string, std::vector<Sample>> got;
+      std::map<std::string, std::string> failed;
+      for (int r = 0; r < reps; ++r) {
+        for (const auto& p : paths) {
+          std::vector<std::string> argv_child;
+          if (p == "python") {
+            argv_child = {python, "-c", kPythonScript, c.file, c.storage};
+          } else {
+            argv_child = {me, "--threads", std::to_string(threads), "--child", c.file, c.storage, p};
+          }
+          std::string error;
+          if (auto s = run_child(argv_child, error)) {
+            got[p].push_back(*s);
+          } else {
+            failed[p] = error;
+          }
+        }
+      }
+      std::printf("\n%s (%s, %.2f GB)\n", c.name, c.file.c_str(),
+                  static_cast<double>(std::ifstream(c.file, std::ios::ate | std::ios::binary).tellg()) / 1e9);
+      std::printf("  %-8s %-22s %8s %14s %14s\n", "path", "times (s)", "best", "peak RSS MiB", "storage MiB");
+      std::map<std::string, double> best;
+      for (const auto& p : paths) {
+        if (failed.count(p)) {
+          std::printf("  %-8s not measured: %s\n", p.c_str(), failed[p].c_str());
+          continue;
+        }
+        std::string times;
+        double b = 1e30;
+        uint64_t peak = 0, storage = 0;
+        for (const Sample& s : got[p]) {
+          times += fmt("%.2f ", s.seconds);
+          b = std::min(b, s.seconds);
+          peak = std::max(peak, s.peak);
+          storage = s.storage;
+        }
+        best[p] = b;
+        std::printf("  %-8s %-22s %8.3f %14.0f %14.0f\n", p.c_str(), times.c_str(), b,
+                    static_cast<double>(peak) / MiB, static_cast<double>(storage) / MiB);
+        if (p == "sluice") {
+          const uint64_t bound = storage + static_cast<uint64_t>(workers) * chunk;
+          const bool met = peak <= bound;
+          all_met &= met;
+          std::printf("  peak RSS of sluice: %.0f MiB, storage + %d chunks = %.0f MiB: %s (%+.0f MiB)\n",
+                      static_cast<double>(peak) / MiB, workers, static_cast<double>(bound) / MiB,
+                      met ? "met" : "NOT met", (static_cast<double>(peak) - static_cast<double>(bound)) / MiB);
+        }
+      }
+      auto ratio = [&](const char* what, const char* base, double target) {
+        if (!best.count(what) || !best.count(base)) return;
+        const double r = best[what] / best[base];
+        if (target <= 0) {
+          std::printf("  %s / %s = %.2f\n", what, base, r);
+          return;
+        }
+        const bool met = r <= target;
+        all_met &= met;
+        std::printf("  %s / %s = %.2f (target <= %.2f: %s)\n", what, base, r, target, met ? "met" : "NOT met");
+      };
+      const std::string name = c.name;
+      if (name == "bf16 -> fp8") {
+        ratio("sluice", "python", 0.5);
+        ratio("sluice", "raw", 1.5);
+      } else if (name == "fp8 -> fp8") {
+        ratio("sluice", "raw", 1.2);
+      } else {
+        ratio("sluice", "python", 0);
+        ratio("sluice", "raw", 0);
+      }
+      if (best.count("cache") && best.count("sluice")) {
+        std::printf("  cache / sluice = %.2f (attach to the CPU device)\n", best["cache"] / best["sluice"]);
       }
     }
-    if (s.count("BM_RawReadFresh") != 0 && s.count("BM_Load") != 0) {
-      std::printf("BM_Load / raw read into fresh memory = %.2f\n", s.at("BM_Load") / s.at("BM_RawReadFresh"));
-    }
+    std::printf("\nTARGETS %s\n", all_met ? "all met" : "not all met");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sluice_bench_load: %s\n", e.what());
+    return 1;
   }
-  remove_file();
-  return 0;
 }
