@@ -6,9 +6,12 @@
 //   bf16 -> fp8    the bf16 file into float8_e4m3fn storage (cast as read)
 //   bf16 -> bf16   the bf16 file into bfloat16 storage (no cast)
 //   fp8 -> fp8     the converted file into float8_e4m3fn storage (no cast, byte check only)
-// and, for each case and rep, four paths, each in a fresh child process so that no path
+// and, for each case and rep, five paths, each in a fresh child process so that no path
 // reuses memory another one freed:
 //   raw read       read() of the whole file into one reused 16 MiB buffer (what `cat` does)
+//   fresh          the file read with sluice's threads and chunks into fresh memory of its
+//                  size (pages faulted in per chunk, as the fused read does): the floor of
+//                  any load into owned memory on this machine, printed as sluice / fresh
 //   python         safetensors.torch.load_file, then .to(float8_e4m3fn) of each 2-d ".weight"
 //                  when the storage is fp8, and .clone() of the rest, through the project
 //                  venv's Python (SLUICE_PYTHON at configure time, or --python)
@@ -30,10 +33,12 @@
 // thread) are printed as met or not; they are benchmark goals, never test assertions.
 #include <CLI/CLI.hpp>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -44,6 +49,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cache/model_cache.h"
@@ -106,6 +112,42 @@ int child(const std::string& path, const std::string& storage, const std::string
     }
     ::close(fd);
     report(std::chrono::duration<double>(clock_type::now() - t0).count(), before, 0);
+    return 0;
+  }
+  if (what == "fresh") {
+    // The floor of any load into memory the process owns: every file byte read with the
+    // sluice path's threads and chunks straight into fresh memory, each chunk's pages
+    // faulted in with one madvise first, as the fused read does; no cast, no checks.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw FileError("cannot open '" + path + "'");
+    const auto size = static_cast<uint64_t>(::lseek(fd, 0, SEEK_END));
+    const uint64_t before = status_bytes("VmRSS");
+    const auto t0 = clock_type::now();
+    at::Tensor dst = host_empty({static_cast<int64_t>(size)}, at::kByte);
+    auto* base = static_cast<uint8_t*>(dst.data_ptr());
+    const uint64_t chunk = safetensors::FusedReadOptions{}.chunk_bytes;
+    const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    std::atomic<uint64_t> next{0};
+    std::atomic<bool> failed{false};
+    auto work = [&] {
+      for (uint64_t off; (off = next.fetch_add(chunk)) < size;) {
+        const uint64_t n = std::min(chunk, size - off);
+#ifdef MADV_POPULATE_WRITE
+        const uint64_t b = (reinterpret_cast<uintptr_t>(base) + off + page - 1) / page * page;
+        const uint64_t e = (reinterpret_cast<uintptr_t>(base) + off + n) / page * page;
+        if (e > b) (void)::madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE);
+#endif
+        if (::pread(fd, base + off, n, static_cast<off_t>(off)) != static_cast<ssize_t>(n)) failed = true;
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int i = 1; i < safetensors::resolve_threads(threads); ++i) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+    const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    ::close(fd);
+    if (failed) throw FileError("short read of '" + path + "'");
+    report(s, before, size);
     return 0;
   }
   // libtorch's own start-up allocations happen before the baseline.
@@ -218,6 +260,12 @@ void remove_generated() {
   g_remove.clear();
 }
 
+// Keeps the generated files: nothing is removed at exit or on a signal.
+void forget_generated() {
+  g_remove.clear();
+  for (auto& p : g_remove_c) p[0] = 0;
+}
+
 void on_signal(int sig) {
   for (auto& p : g_remove_c) {
     if (p[0] != 0) ::unlink(p);
@@ -252,7 +300,7 @@ std::string fmt(const char* f, double v) {
 int main(int argc, char** argv) {
   CLI::App app{"sluice_bench_load: checkpoint time-to-ready against a raw read and the safetensors+torch path"};
   std::string config_name = "anima-2b", dir = "/tmp", python = SLUICE_BENCH_PYTHON, bf16_file, fp8_file;
-  std::string paths_arg = "raw,python,sluice,cache";
+  std::string paths_arg = "raw,fresh,python,sluice,cache";
   int reps = 3, threads = 0;
   bool keep = false;
   std::vector<std::string> child_args;
@@ -263,7 +311,7 @@ int main(int argc, char** argv) {
   app.add_option("--python", python, "Python with torch and safetensors");
   app.add_option("--bf16", bf16_file, "Use this bf16 checkpoint instead of generating one");
   app.add_option("--fp8", fp8_file, "Use this fp8 checkpoint instead of converting one");
-  app.add_option("--paths", paths_arg, "Comma-separated subset of raw,python,sluice,cache");
+  app.add_option("--paths", paths_arg, "Comma-separated subset of raw,fresh,python,sluice,cache");
   app.add_flag("--keep", keep, "Keep generated checkpoints");
   app.add_option("--child", child_args, "(internal) FILE STORAGE PATH: one timed load")->expected(3);
   CLI11_PARSE(app, argc, argv);
@@ -273,8 +321,8 @@ int main(int argc, char** argv) {
     std::vector<std::string> paths;
     std::stringstream ps(paths_arg);
     for (std::string p; std::getline(ps, p, ',');) {
-      if (p != "raw" && p != "python" && p != "sluice" && p != "cache") {
-        throw InvalidArgument("--paths: unknown path '" + p + "' (raw, python, sluice, cache)");
+      if (p != "raw" && p != "fresh" && p != "python" && p != "sluice" && p != "cache") {
+        throw InvalidArgument("--paths: unknown path '" + p + "' (raw, fresh, python, sluice, cache)");
       }
       paths.push_back(p);
     }
@@ -298,7 +346,7 @@ int main(int argc, char** argv) {
       std::printf("converted to %s in %.1f s\n", fp8_file.c_str(),
                   std::chrono::duration<double>(clock_type::now() - t0).count());
     }
-    if (keep) remove_generated();  // forget them: kept
+    if (keep) forget_generated();
     const int workers = safetensors::resolve_threads(threads);
     const uint64_t chunk = safetensors::FusedReadOptions{}.chunk_bytes;
     std::printf("read threads %d, chunk %llu MiB, python %s, %d reps, a fresh process per load\n", workers,
@@ -387,6 +435,7 @@ int main(int argc, char** argv) {
         ratio("sluice", "python", 0);
         ratio("sluice", "raw", 0);
       }
+      ratio("sluice", "fresh", 0);
       if (best.count("cache") && best.count("sluice")) {
         std::printf("  cache / sluice = %.2f (attach to the CPU device)\n", best["cache"] / best["sluice"]);
       }

@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "runtime/error.h"
+#include "runtime/fp8_kernels.h"
 #include "runtime/logging.h"
 
 namespace sluice {
@@ -212,11 +213,10 @@ Fp8NonFinite count_fp8_non_finite(at::ScalarType fp8, const uint8_t* b, int64_t 
   int64_t bad = 0;
   switch (fp8) {
     case at::kFloat8_e4m3fn:
-      for (int64_t i = 0; i < n; ++i) bad += (b[i] & 0x7F) == 0x7F;
-      r.nans = bad;
+      r.nans = fp8_kernels::count_masked(b, n, 0x7F, 0x7F);
       break;
     case at::kFloat8_e5m2:
-      for (int64_t i = 0; i < n; ++i) bad += (b[i] & 0x7C) == 0x7C;
+      bad = fp8_kernels::count_masked(b, n, 0x7C, 0x7C);
       if (bad != 0) {
         for (int64_t i = 0; i < n; ++i) {
           if ((b[i] & 0x7C) == 0x7C) (b[i] & 0x03) != 0 ? ++r.nans : ++r.infs;
@@ -225,8 +225,7 @@ Fp8NonFinite count_fp8_non_finite(at::ScalarType fp8, const uint8_t* b, int64_t 
       break;
     case at::kFloat8_e4m3fnuz:
     case at::kFloat8_e5m2fnuz:
-      for (int64_t i = 0; i < n; ++i) bad += b[i] == 0x80;
-      r.nans = bad;
+      r.nans = fp8_kernels::count_masked(b, n, 0xFF, 0x80);
       break;
     default: throw InvalidArgument("count_fp8_non_finite: " + dtype_name(fp8) + " is not a float8 dtype");
   }

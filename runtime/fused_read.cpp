@@ -25,6 +25,7 @@
 
 #include "runtime/error.h"
 #include "runtime/fp8.h"
+#include "runtime/fp8_kernels.h"
 #include "runtime/safetensors.h"
 
 namespace sluice::safetensors {
@@ -100,18 +101,21 @@ struct ChunkResult {
   float amax = 0;    // max |v| over finite values
 };
 
-// bf16/fp16 -> fp8 through the table; counts and the amax from the magnitude bits.
-void cast_16(const uint16_t* in, uint8_t* out, int64_t n, const CastTable& tab, uint16_t maxb, uint16_t infb,
-             at::ScalarType src, ChunkResult& r) {
-  int64_t over = 0;
-  uint16_t worst = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint16_t p = in[i];
-    const auto m = static_cast<uint16_t>(p & 0x7FFF);
-    over += m > maxb;
-    worst = std::max(worst, m);
-    out[i] = tab.byte[p];
+// bf16/fp16 -> fp8: bf16 -> e4m3fn by the vectorized conversion, the rest through the
+// table (Note [vectorized fp8 loops]); counts and the amax from the magnitude bits.
+void cast_16(const uint16_t* in, uint8_t* out, int64_t n, at::ScalarType src, at::ScalarType fp8, ChunkResult& r) {
+  const uint16_t maxb = max_bits(src, fp8);
+  const uint16_t infb = inf_bits(src);
+  fp8_kernels::Cast16Stats s;
+  if (src == at::kBFloat16 && fp8 == at::kFloat8_e4m3fn) {
+    s = fp8_kernels::cast_bf16_e4m3fn(in, out, n, maxb);
+  } else {
+    const CastTable& tab = cast_table(src, fp8);
+    for (int64_t i = 0; i < n; ++i) out[i] = tab.byte[in[i]];
+    s = fp8_kernels::stats_16(in, n, maxb);
   }
+  int64_t over = s.over;
+  uint16_t worst = s.worst;
   if (worst >= infb) {  // the error path: count what is not finite, and the finite amax
     worst = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -283,7 +287,7 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
             [&](size_t a, size_t b) { return targets[a].source->begin < targets[b].source->begin; });
   const uint64_t chunk_bytes = std::max<uint64_t>(options.chunk_bytes, 64);
   std::vector<Chunk> chunks[2];  // [0]: the amax pass of per-tensor scaled targets; [1]: everything
-  int64_t buffer_bytes = 0;  // a worker's buffer: the largest chunk that needs one
+  int64_t buffer_bytes = 0;  // a worker's buffer: the largest chunk that is cast from one
   for (size_t i : order) {
     const Plan& p = plans[i];
     const int64_t n = targets[i].dst.numel();
@@ -295,7 +299,7 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
       const int64_t e = std::min(n, b + per);
       if (p.kind == Kind::scaled_tensor) chunks[0].push_back({i, b, e});
       chunks[1].push_back({i, b, e});
-      buffer_bytes = std::max(buffer_bytes, (e - b) * p.elem_src);
+      if (p.kind != Kind::copy) buffer_bytes = std::max(buffer_bytes, (e - b) * p.elem_src);
     }
   }
   const int threads = resolve_threads(options.threads);
@@ -327,12 +331,9 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
           populate(dst + c.begin * static_cast<int64_t>(t.dst.element_size()),
                    static_cast<uint64_t>(n * static_cast<int64_t>(t.dst.element_size())));
           if (p.kind == Kind::copy) {
-            // Through the worker's buffer, not pread straight into `dst`: the kernel's copy
-            // into pages never touched takes each first-touch fault inside the copy, which
-            // measured slower (Note [fused read]) than faulting them from this memcpy.
+            // Straight into `dst`, whose pages populate() has just faulted in.
             uint8_t* at = dst + c.begin * p.elem_src;
-            file.read_range(*t.source, static_cast<uint64_t>(c.begin * p.elem_src), nbytes, buf.get());
-            std::memcpy(at, buf.get(), nbytes);
+            file.read_range(*t.source, static_cast<uint64_t>(c.begin * p.elem_src), nbytes, at);
             if (is_fp8(p.dst)) {
               const Fp8NonFinite bad = count_fp8_non_finite(p.dst, at, n);
               r.nans += bad.nans;
@@ -344,8 +345,7 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
             uint8_t* out = dst + c.begin;
             switch (p.kind) {
               case Kind::cast16:
-                cast_16(reinterpret_cast<const uint16_t*>(buf.get()), out, n, cast_table(p.src, p.dst),
-                        max_bits(p.src, p.dst), inf_bits(p.src), p.src, r);
+                cast_16(reinterpret_cast<const uint16_t*>(buf.get()), out, n, p.src, p.dst, r);
                 break;
               case Kind::cast_float: cast_float(p.src, buf.get(), out, n, 0.0f, maxf, encoder(p.dst), r); break;
               case Kind::scaled_tensor:

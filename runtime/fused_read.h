@@ -13,12 +13,13 @@
 //  - read into the worker's own buffer (one chunk) and cast from it into the target when
 //    the target is fp8 and the file holds bf16, fp16 or fp32: the range check (NaN/Inf
 //    found, values beyond +-max finite counted and saturated) happens in the same loop.
-//    bf16 and fp16 go through a 65536-entry table of fp8 bytes, one per 16-bit pattern.
+//    bf16 -> e4m3fn is a vectorized conversion; other 16-bit pairs go through a
+//    65536-entry table of fp8 bytes, one per pattern (Note [vectorized fp8 loops]).
 // No other copy is made: no full-size temporary in the source dtype, no fp32 tensor. So the
-// peak memory of a read is the targets plus one chunk per worker. Plain copies also pass
-// through the worker's buffer, and each chunk's destination pages are faulted in with one
-// madvise(MADV_POPULATE_WRITE) first: on a 2-core VM, fresh pages faulted one at a time
-// (inside pread, or by the cast loop) dominated a load (docs/BENCHMARKS.md, "Load").
+// peak memory of a read is the targets plus one chunk per worker that casts. Each chunk's
+// destination pages are faulted in with one madvise(MADV_POPULATE_WRITE) before it is
+// written: on a 2-core VM, fresh pages faulted one at a time (inside pread, or by the cast
+// loop) dominated a load (docs/BENCHMARKS.md, "Load"; see also Note [host huge pages]).
 //
 // Results are bit-identical to cast_to_storage (runtime/fp8.h), the checked ATen cast the
 // rest of sluice uses: the same clamp, the same rounding, the same scales (per channel:

@@ -4,7 +4,11 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/DispatchKeySet.h>
 #include <mimalloc.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -22,6 +26,60 @@ namespace {
 constexpr size_t kPrefix = kHostAlignment;
 static_assert(kPrefix >= sizeof(uint64_t), "prefix must hold the size");
 
+// Note [host huge pages]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A load writes every weight byte into memory the process has never touched, so its time
+// is bounded by how fast the kernel hands out fresh pages. Blocks of at least kHugeBlockMin
+// bytes are therefore mapped on their own: munmap gives them back to the system at once,
+// and each is 2 MiB aligned so that, with SLUICE_HOST_HUGE_PAGES=1, MADV_HUGEPAGE lets the
+// kernel back every whole 2 MiB extent with one transparent huge page. That advice is off
+// by default because it measured both ways on the 2-core development VM (docs/BENCHMARKS.md,
+// "Load"): faulting in 2 GB took 0.12 s per thread on huge pages against 0.25 s on 4 KiB
+// pages in one session, and 0.25-0.49 s against 0.24 s an hour later, when a whole
+// anima-2b load went from 0.85 s to 1.4-4.3 s. A VM that hands free 2 MiB blocks back to its
+// host (free page reporting) must fault each huge page in again from the host. On a host
+// that keeps its memory, huge pages should help, the upcast's TLB misses as well. Smaller
+// blocks stay in mimalloc.
+constexpr size_t kHugePage = size_t{2} << 20;
+
+bool huge_pages_wanted() {
+  static const bool wanted = [] {
+    const char* v = std::getenv("SLUICE_HOST_HUGE_PAGES");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return wanted;
+}
+
+// A mapped block: what the deleter needs to unmap it and keep the counters exact.
+struct MappedBlock {
+  void* base;
+  size_t length;
+  uint64_t nbytes;
+};
+
+void free_mapped(void* context) {
+  auto* b = static_cast<MappedBlock*>(context);
+  host_memory_stats().record_free(static_cast<int64_t>(b->nbytes));
+  ::munmap(b->base, b->length);
+  delete b;
+}
+
+// n bytes at a 2 MiB boundary, or nullptr when the mapping fails.
+void* map_aligned(size_t n, size_t& length) {
+  const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  length = (n + page - 1) / page * page;
+  // Over-map by one huge page, then trim the unaligned head and the tail.
+  const size_t over = length + kHugePage;
+  void* raw = ::mmap(nullptr, over, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  const auto start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  if (aligned > start) ::munmap(raw, aligned - start);
+  const uintptr_t end = aligned + length;
+  if (start + over > end) ::munmap(reinterpret_cast<void*>(end), start + over - end);
+  return reinterpret_cast<void*>(aligned);
+}
+
 void free_block(void* block) {
   uint64_t nbytes = 0;
   std::memcpy(&nbytes, block, sizeof nbytes);
@@ -36,6 +94,7 @@ class MimallocHostAllocator final : public c10::Allocator {
         n > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
       throw ResourceError(c10::str("host memory: cannot allocate ", n, " bytes"));
     }
+    if (n >= kHugeBlockMin) return allocate_mapped(n);
     void* block = mi_malloc_aligned(n + kPrefix, kHostAlignment);
     if (block == nullptr) {
       throw ResourceError(c10::str("host memory: out of memory allocating ", n, " bytes (",
@@ -46,6 +105,24 @@ class MimallocHostAllocator final : public c10::Allocator {
     host_memory_stats().record_alloc(static_cast<int64_t>(n));
     void* data = static_cast<uint8_t*>(block) + kPrefix;
     return {data, block, &free_block, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  // Note [host huge pages].
+  static c10::DataPtr allocate_mapped(size_t n) {
+    size_t length = 0;
+    void* data = map_aligned(n, length);
+    if (data == nullptr) {
+      throw ResourceError(c10::str("host memory: cannot map ", n, " bytes (", std::strerror(errno), "; ",
+                                   host_memory_stats().current_bytes(), " bytes in use)"));
+    }
+    if (huge_pages_wanted()) {
+#ifdef MADV_HUGEPAGE
+      (void)::madvise(data, length, MADV_HUGEPAGE);  // advice only: EINVAL without THP
+#endif
+    }
+    auto* block = new MappedBlock{data, length, n};
+    host_memory_stats().record_alloc(static_cast<int64_t>(n));
+    return {data, block, &free_mapped, c10::Device(c10::DeviceType::CPU)};
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {

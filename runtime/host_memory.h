@@ -1,10 +1,12 @@
 #pragma once
-// Host (CPU) memory that holds model weights, backed by mimalloc.
+// Host (CPU) memory that holds model weights: mimalloc for small blocks, mappings of
+// their own for large ones.
 //
 // Weights loaded from a checkpoint are copied out of the read-only file mapping into
 // memory sluice owns (see to_host_owned), so the mapping can be dropped after loading
 // and the weights can be downcast, pinned or streamed freely. mimalloc stays behind this
-// header; callers see plain CPU tensors whose deleter returns the memory to mimalloc.
+// header; callers see plain CPU tensors whose deleter returns the memory to mimalloc or
+// unmaps it.
 #include <ATen/ATen.h>
 
 #include <atomic>
@@ -46,9 +48,15 @@ HostMemoryStats& host_memory_stats();
 // Alignment of every host_empty() buffer: a cache line, enough for any vector load.
 constexpr size_t kHostAlignment = 64;
 
-// An uninitialised, contiguous CPU tensor in mimalloc memory (64-byte aligned), freed
-// with mi_free when its storage dies. Throws InvalidArgument for negative or overflowing
-// sizes and ResourceError when the memory cannot be had.
+// Blocks of at least this many bytes are mapped on their own, 2 MiB aligned (on
+// transparent huge pages with SLUICE_HOST_HUGE_PAGES=1, Note [host huge pages] in
+// host_memory.cpp); smaller ones come from mimalloc.
+constexpr size_t kHugeBlockMin = size_t{2} << 20;
+
+// An uninitialised, contiguous CPU tensor (64-byte aligned), in mimalloc memory freed with
+// mi_free, or for kHugeBlockMin bytes and more in its own mapping, unmapped when its
+// storage dies. Throws InvalidArgument for negative or overflowing sizes and ResourceError
+// when the memory cannot be had.
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 
 // Copies `t` (any device, any strides, e.g. a zero-copy view on a mapped checkpoint)

@@ -128,3 +128,28 @@ TEST_CASE("to_host_owned copies and converts into owned mimalloc memory") {
     CHECK_THROWS_AS(to_host_owned(at::Tensor(), at::kFloat), sluice::InvalidArgument);
   }
 }
+
+TEST_CASE("large host blocks are mappings of their own, 2 MiB aligned, counted exactly") {
+  auto& stats = host_memory_stats();
+  const int64_t base = stats.current_bytes();
+  const int64_t big = static_cast<int64_t>(sluice::kHugeBlockMin) + 12345;  // not a page multiple
+  {
+    at::Tensor t = host_empty({big}, at::kByte);
+    CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % (uintptr_t{2} << 20) == 0);
+    CHECK(stats.current_bytes() == base + big);
+    // Every byte is writable and keeps what was written.
+    t.fill_(7);
+    t.narrow(0, big - 1, 1).fill_(9);
+    CHECK(t.sum().item<int64_t>() == 7 * (big - 1) + 9);
+    // Just under the threshold stays in mimalloc (64-byte aligned, the prefix block).
+    at::Tensor s = host_empty({static_cast<int64_t>(sluice::kHugeBlockMin) - 1}, at::kByte);
+    CHECK(stats.current_bytes() == base + big + static_cast<int64_t>(sluice::kHugeBlockMin) - 1);
+  }
+  CHECK(stats.current_bytes() == base);
+  // Many allocate/free rounds neither leak mappings nor drift the counters.
+  for (int i = 0; i < 64; ++i) {
+    at::Tensor t = host_empty({4, static_cast<int64_t>(sluice::kHugeBlockMin)}, at::kByte);
+    t[3][0] = 1;
+  }
+  CHECK(stats.current_bytes() == base);
+}
