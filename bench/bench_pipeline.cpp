@@ -16,8 +16,8 @@
 // With --storages bfloat16 the same rows run on bf16 storage: the streamed bytes are the
 // bf16 weights themselves (no upcast), over the same bus, and compute is the bf16 resident
 // step.
-// Each row prints the median step time, bytes streamed per
-// step, the H2D rate the copy stream achieved, the compute time spent waiting on copies
+// Each row prints the step time (the mean of --reps forwards run back to back), bytes
+// streamed per step, the H2D rate the copy stream achieved, the compute time spent waiting on copies
 // (stall), the peak device bytes the engine held, and these ratios:
 //   /base:  step time / the resident step of the same storage in the same run;
 //   /floor: step time / max(compute, streamed bytes / H2D rate), compute being that
@@ -28,10 +28,20 @@
 // Warm-up forwards (4 by default) cover the plan's calibration: the first forward is
 // measured, the plan is made, the next warms the ring and the one after is checked.
 //
+// Note [back-to-back forwards]
+// The forwards of a row run back to back, with one synchronize after the warm-ups and one
+// after the last measured forward, and the step is their mean. A synchronize after every
+// forward (as this bench did up to commit 30b3651) is not what a sampling loop does, and
+// it costs a streamed plan time no real loop loses: the copy stream drains the prefetches
+// of the next forward, the ring is then full, and the next forward's first resident layers
+// compute while the copy stream idles. Where copies decide the step that idle time is added
+// to it: anima-small with bf16 storage at max_resident 0.5 (block 0 resident) ran 1.107-1.112x
+// its floor in three runs, and its check forward missed the plan's prediction by 10%.
+//
 // On the CPU device the copy rate is set from the measured fp8 resident step so that
 // streaming every streamable byte takes --copy-ratio times the compute (default 1.5:
 // anima-2b at 1024^2 on an H200 over PCIe Gen5 is about 38 ms of copy against 25 ms of
-// compute, DESIGN.md §4). The CPU device uses one intra-op thread, because its copy
+// compute, from published bus and compute figures). The CPU device uses one intra-op thread, because its copy
 // worker needs the other core (offload/cpu_device.h).
 //
 //   sluice_bench_pipeline [--device cpu|cuda[:N]] [--presets anima-small,anima-medium]
@@ -162,12 +172,6 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 // --- Copy rates --------------------------------------------------------------------
@@ -282,19 +286,19 @@ Row run_engine(anima::AnimaModel& model, const Inputs& in, const Args& a, const 
   o.policy = a.policy;
   StreamingEngine engine(o);
   engine.attach(*model, model->config().name);
-  std::vector<double> ms;
-  for (int i = 0; i < a.reps + a.warmup; ++i) {
-    const auto t0 = Clock::now();
-    {
-      ForwardScope scope(engine, "dit");
-      model->forward(in.x, in.t, in.ctx);
-    }
-    dev->synchronize();
-    if (i >= a.warmup) ms.push_back(ms_since(t0));
-  }
+  auto forward = [&] {
+    ForwardScope scope(engine, "dit");
+    model->forward(in.x, in.t, in.ctx);
+  };
+  // Back to back, as a sampling loop runs its steps (Note [back-to-back forwards]).
+  for (int i = 0; i < a.warmup; ++i) forward();
+  dev->synchronize();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < a.reps; ++i) forward();
+  dev->synchronize();
   const EngineStats s = engine.stats();
   Row r;
-  r.step_ms = median(ms);
+  r.step_ms = ms_since(t0) / a.reps;
   const size_t n = std::min(s.forward_records.size(), static_cast<size_t>(a.reps));
   for (size_t i = s.forward_records.size() - n; i < s.forward_records.size(); ++i) {
     const auto& f = s.forward_records[i];
