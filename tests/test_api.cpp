@@ -244,7 +244,14 @@ TEST_CASE("api: residency and budget changes at runtime") {
   CHECK(model.partial_load(full.device_bytes / 2) > 0);
   CHECK(model.stats().resident_bytes > low.resident_bytes);
   CHECK(model.partial_unload(1ull << 40) < 0);
-  CHECK(model.stats().resident_bytes == low.resident_bytes);
+  // Back at the minimum share. Its resident set need not be `low`'s: the forwards in between
+  // gave the plan measured costs (Note [balanced plan]), and on the strict device their
+  // random latencies made it keep other layers (one CI run saw 203520 resident bytes against
+  // 596736 at `low`).
+  const sluice::ModelStats back = model.stats();
+  CHECK(back.share_bytes == back.minimum_bytes);
+  CHECK(back.streamed_bytes > 0);
+  CHECK(back.resident_bytes < full.resident_bytes);
   CHECK(model.full_load() > 0);
   CHECK(model.stats().streamed_bytes == 0);
   // A smaller budget shrinks the model; a larger one lets it grow back.
