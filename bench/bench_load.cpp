@@ -10,8 +10,10 @@
 // reuses memory another one freed:
 //   raw read       read() of the whole file into one reused 16 MiB buffer (what `cat` does)
 //   fresh          the file read with sluice's threads and chunks into fresh memory of its
-//                  size (pages faulted in per chunk, as the fused read does): the floor of
-//                  any load into owned memory on this machine, printed as sluice / fresh
+//                  size, one mapping (pages faulted in per chunk, as the fused read does),
+//                  printed as sluice / fresh: for the fp8 file, the floor of a load into
+//                  owned memory; for the bf16 file it measured slower than sluice's own
+//                  bf16 -> bf16 load (docs/BENCHMARKS.md, "Load")
 //   python         safetensors.torch.load_file, then .to(float8_e4m3fn) of each 2-d ".weight"
 //                  when the storage is fp8, and .clone() of the rest, through the project
 //                  venv's Python (SLUICE_PYTHON at configure time, or --python)
@@ -33,7 +35,6 @@
 // thread) are printed as met or not; they are benchmark goals, never test assertions.
 #include <CLI/CLI.hpp>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -126,17 +127,12 @@ int child(const std::string& path, const std::string& storage, const std::string
     at::Tensor dst = host_empty({static_cast<int64_t>(size)}, at::kByte);
     auto* base = static_cast<uint8_t*>(dst.data_ptr());
     const uint64_t chunk = safetensors::FusedReadOptions{}.chunk_bytes;
-    const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
     std::atomic<uint64_t> next{0};
     std::atomic<bool> failed{false};
     auto work = [&] {
       for (uint64_t off; (off = next.fetch_add(chunk)) < size;) {
         const uint64_t n = std::min(chunk, size - off);
-#ifdef MADV_POPULATE_WRITE
-        const uint64_t b = (reinterpret_cast<uintptr_t>(base) + off + page - 1) / page * page;
-        const uint64_t e = (reinterpret_cast<uintptr_t>(base) + off + n) / page * page;
-        if (e > b) (void)::madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE);
-#endif
+        populate_pages(base + off, n);
         if (::pread(fd, base + off, n, static_cast<off_t>(off)) != static_cast<ssize_t>(n)) failed = true;
       }
     };

@@ -17,8 +17,8 @@
 // bf16 weights themselves (no upcast), over the same bus, and compute is the bf16 resident
 // step.
 // Each row prints the step time (the mean of --reps forwards run back to back), bytes
-// streamed per step, the H2D rate the copy stream achieved, the compute time spent waiting on copies
-// (stall), the peak device bytes the engine held, and these ratios:
+// streamed per step, the H2D rate the copy stream achieved, the compute time spent waiting
+// on copies (stall), the peak device bytes the engine held, and these ratios:
 //   /base:  step time / the resident step of the same storage in the same run;
 //   /floor: step time / max(compute, streamed bytes / H2D rate), compute being that
 //           resident step: the best any overlap could do;
@@ -41,8 +41,8 @@
 // On the CPU device the copy rate is set from the measured fp8 resident step so that
 // streaming every streamable byte takes --copy-ratio times the compute (default 1.5:
 // anima-2b at 1024^2 on an H200 over PCIe Gen5 is about 38 ms of copy against 25 ms of
-// compute, from published bus and compute figures). The CPU device uses one intra-op thread, because its copy
-// worker needs the other core (offload/cpu_device.h).
+// compute, from published bus and compute figures). The CPU device uses one intra-op
+// thread, because its copy worker needs the other core (offload/cpu_device.h).
 //
 //   sluice_bench_pipeline [--device cpu|cuda[:N]] [--presets anima-small,anima-medium]
 //                         [--resolutions 256,...] [--reps N] [--warmup N] [--copy-ratio R]

@@ -8,13 +8,10 @@
 #include <c10/util/Half.h>
 #include <c10/util/StringUtil.h>
 #include <sched.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cerrno>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -26,6 +23,7 @@
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "runtime/fp8_kernels.h"
+#include "runtime/host_memory.h"
 #include "runtime/safetensors.h"
 
 namespace sluice::safetensors {
@@ -185,26 +183,6 @@ void cast_float(at::ScalarType t, const uint8_t* in, uint8_t* out, int64_t n, fl
 
 // ---- the work ---------------------------------------------------------------------
 
-// Faults in the whole pages of [p, p + n) with one call (MADV_POPULATE_WRITE, Linux 5.14)
-// instead of one trap per 4 KiB page as the chunk is written. Best effort: an older kernel
-// says EINVAL and the pages fault in as they are written.
-void populate(uint8_t* p, uint64_t n) {
-#ifdef MADV_POPULATE_WRITE
-  static std::atomic<bool> unsupported{false};
-  if (unsupported.load(std::memory_order_relaxed)) return;
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
-  if (end <= begin) return;
-  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0 && errno == EINVAL) {
-    unsupported.store(true, std::memory_order_relaxed);
-  }
-#else
-  (void)p;
-  (void)n;
-#endif
-}
-
 enum class Kind { copy, cast16, cast_float, scaled_rows, scaled_tensor };
 
 struct Plan {
@@ -328,10 +306,10 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
         const uint64_t nbytes = static_cast<uint64_t>(n * p.elem_src);
         try {
           auto* dst = static_cast<uint8_t*>(t.dst.data_ptr());
-          populate(dst + c.begin * static_cast<int64_t>(t.dst.element_size()),
+          populate_pages(dst + c.begin * static_cast<int64_t>(t.dst.element_size()),
                    static_cast<uint64_t>(n * static_cast<int64_t>(t.dst.element_size())));
           if (p.kind == Kind::copy) {
-            // Straight into `dst`, whose pages populate() has just faulted in.
+            // Straight into `dst`, whose pages populate_pages() has just faulted in.
             uint8_t* at = dst + c.begin * p.elem_src;
             file.read_range(*t.source, static_cast<uint64_t>(c.begin * p.elem_src), nbytes, at);
             if (is_fp8(p.dst)) {

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -181,6 +182,23 @@ at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   }
   return at::detail::empty_generic(sizes, &host_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                    dtype, std::nullopt);
+}
+
+void populate_pages(void* p, uint64_t n) {
+#ifdef MADV_POPULATE_WRITE
+  static std::atomic<bool> unsupported{false};
+  if (unsupported.load(std::memory_order_relaxed)) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
+  if (end <= begin) return;
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0 && errno == EINVAL) {
+    unsupported.store(true, std::memory_order_relaxed);
+  }
+#else
+  (void)p;
+  (void)n;
+#endif
 }
 
 at::Tensor to_host_owned(const at::Tensor& t, at::ScalarType dtype) {
