@@ -4,6 +4,9 @@
 set(SLUICE_PCH_OWNER "" CACHE INTERNAL "")
 
 set(SLUICE_WARNINGS -Wall -Wextra -Wno-unused-parameter)
+# Sanitizer flags (SLUICE_SANITIZE) are GCC/Clang driver flags: they go to C and C++
+# compiles and to the host link only, never to nvcc (which refuses -fsanitize=...): a
+# sanitizer build with CUDA sources compiles its .cu files without instrumentation.
 set(SLUICE_SAN_FLAGS "")
 if(SLUICE_SANITIZE)
   string(REPLACE ";" "," _san "${SLUICE_SANITIZE}")
@@ -11,9 +14,12 @@ if(SLUICE_SANITIZE)
 endif()
 
 function(sluice_apply_common target)
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${SLUICE_WARNINGS}> ${SLUICE_SAN_FLAGS})
-  if(SLUICE_SAN_FLAGS)
-    target_link_options(${target} PRIVATE ${SLUICE_SAN_FLAGS})
+  target_compile_options(${target} PRIVATE "$<$<COMPILE_LANGUAGE:CXX>:${SLUICE_WARNINGS}>"
+    "$<$<COMPILE_LANGUAGE:C,CXX>:${SLUICE_SAN_FLAGS}>")
+  get_target_property(_type ${target} TYPE)
+  if(SLUICE_SAN_FLAGS AND NOT _type STREQUAL "STATIC_LIBRARY")
+    # HOST_LINK: the link by the host compiler driver (a device-link step, if any, gets none).
+    target_link_options(${target} PRIVATE "$<HOST_LINK:${SLUICE_SAN_FLAGS}>")
   endif()
   if(SLUICE_USE_PCH)
     if(SLUICE_PCH_OWNER STREQUAL "")

@@ -99,8 +99,9 @@
 
 namespace sluice::offload {
 
-// Page-locked host memory for streamed layers. auto_: on where the device really pins
-// (CUDA; see Note [pinned memory on ROCm] for ROCm stalls), off on the CPU device.
+// Page-locked host memory for streamed layers. auto_: on wherever the device's
+// pins_memory() is true, which is every TorchDevice (CUDA and ROCm alike; see Note [pinned
+// memory on ROCm] for ROCm stalls) and the strict CPU device; off on the plain CPU device.
 enum class PinMode { auto_, on, off };
 // "auto" | "on" | "off"; throws InvalidArgument naming `flag`.
 PinMode parse_pin_mode(std::string_view text, const std::string& flag = "--pin");

@@ -18,9 +18,10 @@
 // Note [pinned memory on ROCm]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Many ROCm stalls and hangs reported against other offloaders trace back to pinned host
-// memory. PinMode::auto_ pins on CUDA; ROCm users who see stalls or hangs should run with
-// pinning off (--pin off), which makes every copy go through pageable memory (slower,
-// correct).
+// memory. PinMode::auto_ pins on ROCm exactly as on CUDA (pins_memory() is true for every
+// TorchDevice; nothing tells the two apart): ROCm users who see stalls or hangs should run
+// with pinning off (`sluice run --pin-memory off`, pin_memory = "off" in the APIs), which
+// sends every copy from pageable memory through the bounce ring (slower, correct).
 #include <c10/core/Device.h>
 
 #include <cstdint>

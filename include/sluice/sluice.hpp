@@ -58,7 +58,7 @@ struct RuntimeOptions {
   int64_t resolution = 1024;            // image side (pixels) the default working memory is sized for
   std::string ram_limit;                // host bytes for cached models ("50%" of RAM), LRU eviction; "0": unlimited; empty: max(4GiB, 50% of RAM - 2GiB)
   std::string prefetch = "auto";        // most streamed layers copied ahead of compute: "auto" (as far as the staging ring's bytes allow) or "0".."65536"
-  std::string pin_memory = "auto";      // page-locked host copies of streamed layers: "auto" (on for CUDA), "on", "off" (turn off on ROCm if it stalls)
+  std::string pin_memory = "auto";      // page-locked host copies of streamed layers: "auto" (on for CUDA and ROCm), "on", "off" (turn off on ROCm if it stalls)
   std::string pin_memory_limit;         // page-locked host bytes for all models together ("25%" of RAM); streamed layers past it stay pageable; empty: min(50% of RAM, RAM - 4GiB)
   std::string policy = "balanced";      // residency plan: "balanced" (minimises the predicted step from measured costs), "spread" or "front-first"
   bool timing = true;                   // device-timed stall/upcast/copy numbers per forward (a few events per layer)
