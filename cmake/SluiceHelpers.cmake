@@ -14,12 +14,15 @@ if(SLUICE_SANITIZE)
 endif()
 
 function(sluice_apply_common target)
+  # Inside a generator expression a bare ',' separates arguments (-fsanitize=address,undefined
+  # would reach the link as "address undefined"): $<COMMA> keeps it.
+  string(REPLACE "," "$<COMMA>" _san "${SLUICE_SAN_FLAGS}")
   target_compile_options(${target} PRIVATE "$<$<COMPILE_LANGUAGE:CXX>:${SLUICE_WARNINGS}>"
-    "$<$<COMPILE_LANGUAGE:C,CXX>:${SLUICE_SAN_FLAGS}>")
+    "$<$<COMPILE_LANGUAGE:C,CXX>:${_san}>")
   get_target_property(_type ${target} TYPE)
   if(SLUICE_SAN_FLAGS AND NOT _type STREQUAL "STATIC_LIBRARY")
     # HOST_LINK: the link by the host compiler driver (a device-link step, if any, gets none).
-    target_link_options(${target} PRIVATE "$<HOST_LINK:${SLUICE_SAN_FLAGS}>")
+    target_link_options(${target} PRIVATE "$<HOST_LINK:${_san}>")
   endif()
   if(SLUICE_USE_PCH)
     if(SLUICE_PCH_OWNER STREQUAL "")
