@@ -7,6 +7,10 @@
 #                    device_all.sh unpacks them there with `dpkg -x` into .gpu/sysroot, never /;
 #   .gpu/whl/        the diffusers wheel (pure Python), which the GPU machine's image lacks;
 #                    device_all.sh installs it there only when it does not import;
+#   .gpu/buildwhl/   scikit-build-core and what it imports (packaging, pathspec), pure Python:
+#                    the Python bindings' build backend, for a python without it.
+#                    scripts/python_install.sh installs them from there with --no-index into
+#                    a temporary folder (SLUICE_WHEELHOUSE); nothing is fetched there;
 #   .gpu/reference/  InvokeAI's reference Anima DiT (scripts/fetch_reference.sh), for
 #                    compare.py's InvokeAI-style contender;
 #   .gpu/commit.txt  the commit (and whether the tree was dirty) the folder was made at.
@@ -29,12 +33,17 @@ DEBS=(libspdlog-dev libspdlog1.10 libfmt-dev libfmt9 nlohmann-json3-dev libcli11
 # names anything missing in env.txt. (importlib_metadata, also listed by diffusers, is
 # imported only on Python < 3.8.)
 WHEELS=("diffusers==0.42.1")
+# The bindings' build backend (python/pyproject.toml) and its needs on Python >= 3.11, at
+# the versions the project venv builds with.
+BUILD_WHEELS=("scikit-build-core==1.1.2" "packaging==26.4" "pathspec==1.1.1")
 
-rm -rf "$OUT/debs" "$OUT/whl" "$OUT/sysroot"
-mkdir -p "$OUT/whl" "$OUT/debs" "$OUT/reference"
+rm -rf "$OUT/debs" "$OUT/whl" "$OUT/buildwhl" "$OUT/sysroot"
+mkdir -p "$OUT/whl" "$OUT/buildwhl" "$OUT/debs" "$OUT/reference"
 (cd "$OUT/debs" && apt-get download -q "${DEBS[@]}" >/dev/null)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$OUT/whl" "${WHEELS[@]}"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$OUT/buildwhl" "${BUILD_WHEELS[@]}"
 VENV="$ROOT/.venv" bash scripts/fetch_reference.sh
 cp .deps/reference/invokeai_anima/anima_transformer.py "$OUT/reference/"
 {
@@ -43,7 +52,7 @@ cp .deps/reference/invokeai_anima/anima_transformer.py "$OUT/reference/"
   echo "prepared $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 } >"$OUT/commit.txt"
 
-ls -1 "$OUT/debs" "$OUT/whl"
+ls -1 "$OUT/debs" "$OUT/whl" "$OUT/buildwhl"
 kb=$(du -sk "$OUT" | cut -f1)
 echo "prepare_carry: $OUT is $((kb / 1024)).$(((kb % 1024) * 10 / 1024)) MB ($kb KiB; limit $LIMIT_MB MB)"
 if ((kb > LIMIT_MB * 1024)); then
