@@ -2,9 +2,12 @@
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <sstream>
 
 #include "offload/cpu_device.h"
 #include "offload/torch_device.h"
@@ -176,7 +179,30 @@ uint64_t physical_ram_bytes() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
+// Note [device libraries]: SLUICE_DEVICE_LIBRARY names torch backend libraries (':'
+// between several) to load before the first torch device is made, read once. Loading one
+// registers its device type with torch (the test accelerator, tests/accel/, registers
+// "testaccel"), so "--device testaccel" then parses like "cuda".
+void load_device_libraries() {
+  static const std::string error = [] {
+    const char* env = std::getenv("SLUICE_DEVICE_LIBRARY");
+    if (!env || !*env) return std::string();
+    std::stringstream paths(env);
+    std::string path;
+    while (std::getline(paths, path, ':')) {
+      if (path.empty()) continue;
+      if (!dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
+        const char* why = dlerror();
+        return "SLUICE_DEVICE_LIBRARY: cannot load '" + path + "': " + (why ? why : "unknown error");
+      }
+    }
+    return std::string();
+  }();
+  if (!error.empty()) throw InvalidArgument(error);
+}
+
 std::unique_ptr<DeviceBackend> make_device(std::string_view spec, uint64_t total_memory, const std::string& flag) {
+  if (spec != "cpu") load_device_libraries();
   if (spec == "cpu") {
     CpuDeviceOptions o;
     o.total_memory = total_memory;

@@ -203,8 +203,13 @@ class DeviceBackend {
 // Physical RAM of this machine (sysconf), 0 if unknown.
 uint64_t physical_ram_bytes();
 
+// Loads the torch backend libraries SLUICE_DEVICE_LIBRARY names (once per process; later
+// calls rethrow a failure as InvalidArgument naming the library). make_device() calls it.
+void load_device_libraries();
+
 // The backend for a --device value: "cpu" is the CPU device (cpu_device.h), anything else
-// c10 parses ("cuda", "cuda:1") the torch device (torch_device.h). `total_memory` (0:
+// c10 parses ("cuda", "cuda:1", a device type a library in SLUICE_DEVICE_LIBRARY registered)
+// the torch device (torch_device.h). Note [device libraries] in device.cpp. `total_memory` (0:
 // query) is the device memory to report. Throws InvalidArgument naming `flag` for a value
 // that is malformed or a device that is not available.
 std::unique_ptr<DeviceBackend> make_device(std::string_view spec, uint64_t total_memory = 0,

@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include "offload/cpu_device.h"
+#include "offload/repoint.h"
 #include "offload/upcast_registry.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
@@ -202,7 +203,7 @@ void StreamingEngine::attach(torch::nn::Module& model, std::string model_name, s
       device_->copy_to_device(e.dev, e.host);
     }
     device_->synchronize();  // reports a failed parameter copy here (apply_plan's first synchronize orders them)
-    for (auto& e : extras_) e.handle.set_data(e.dev);
+    for (auto& e : extras_) repoint(e.handle, e.dev);
     if (scratch_bytes_) {
       scratch_.push_back({device_->allocate({static_cast<int64_t>(scratch_bytes_)}, at::kByte, MemoryKind::scratch,
                                             "upcast scratch", budget_),
@@ -264,7 +265,7 @@ void StreamingEngine::restore_to_host() noexcept {
   }
   for (auto& e : extras_) {
     try {
-      if (e.host.defined()) e.handle.set_data(e.host);
+      if (e.host.defined()) repoint(e.handle, e.host);
       e.dev = at::Tensor();
     } catch (const std::exception& ex) {
       log::error(std::string("detach: restoring a parameter failed: ") + ex.what());

@@ -242,7 +242,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
     at::Tensor written;                  // scratch buffer the upcast writes
   };
   struct ExtraRec {
-    at::Tensor handle;  // the module's tensor (same impl), re-pointed with set_data
+    at::Tensor handle;  // the module's tensor (same impl), re-pointed in place (repoint.h)
     at::Tensor host;
     at::Tensor dev;
   };

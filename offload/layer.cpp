@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "offload/repoint.h"
 #include "runtime/fault_injection.h"
 
 #include <c10/util/Exception.h>
@@ -19,12 +20,12 @@ ManagedLayerImpl::ManagedLayerImpl(LayerKind kind, at::Tensor weight, std::optio
 void ManagedLayerImpl::set_stored(at::Tensor weight, std::optional<at::Tensor> bias) {
   TORCH_CHECK(weight.sizes() == weight_.sizes(), "set_stored: weight shape ", weight.sizes(), " differs from ",
               weight_.sizes(), " in ", qualified_name_);
-  weight_.set_data(weight);
+  repoint(weight_, weight);
   if (bias) {
     TORCH_CHECK(bias_.defined(), "set_stored: ", qualified_name_, " has no bias");
     TORCH_CHECK(bias->sizes() == bias_.sizes(), "set_stored: bias shape ", bias->sizes(), " differs from ",
                 bias_.sizes(), " in ", qualified_name_);
-    bias_.set_data(*bias);
+    repoint(bias_, *bias);
   }
 }
 

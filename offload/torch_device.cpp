@@ -1,5 +1,6 @@
 #include "offload/torch_device.h"
 
+#include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -94,10 +95,20 @@ c10::Event& event_of(DeviceEvent& e) {
 
 const c10::Event& event_of(const DeviceEvent& e) { return event_of(const_cast<DeviceEvent&>(e)); }
 
+// Note [lazy device init]: torch initialises a device lazily, in the tensor factories.
+// Until then CUDA's (and HIP's) caching allocator refuses to allocate ("Allocator not
+// initialized for device 0: did you call init?"), getDeviceStats throws and no pointer
+// reads as pinned, while getMemoryInfo, the stream pool and emptyCache work. sluice
+// allocates through the allocator directly, so it initialises the device itself, first.
+c10::DeviceType initialized(c10::DeviceType type) {
+  at::globalContext().lazyInitDevice(type);
+  return type;
+}
+
 class TorchDevice final : public DeviceBackend {
  public:
   TorchDevice(c10::Device device, const TorchDeviceOptions& options)
-      : impl_(device.type()),
+      : impl_(initialized(device.type())),
         device_(device.has_index() ? device : c10::Device(device.type(), impl_.getDevice().index())),
         copy_stream_(impl_.getStreamFromGlobalPool(device_, options.high_priority_copy_stream)),
         total_override_(static_cast<int64_t>(options.total_memory)) {}
@@ -209,12 +220,26 @@ class TorchDevice final : public DeviceBackend {
     }
   }
 
-  bool is_pinned(const at::Tensor& src) const override { return src.is_pinned(); }
+  // Asked of this device's type, not of whichever accelerator torch would pick.
+  bool is_pinned(const at::Tensor& src) const override {
+    return at::globalContext().isPinnedPtr(src.storage().data(), device_.type());
+  }
 
   uint64_t compute_stream_id() const override { return static_cast<uint64_t>(impl_.getStream(device_).id()); }
 
   // Exact-size page-locked memory straight from the driver (Note [pinned arena]).
+  // An out-of-tree backend (PrivateUse1, such as the test accelerator) has no driver call
+  // sluice knows: its hooks' pinned allocator, whose exact size is that backend's contract.
   c10::DataPtr allocate_pinned(size_t bytes) override {
+    if (device_.type() == c10::DeviceType::PrivateUse1) {
+      try {
+        return at::globalContext().getPinnedMemoryAllocator(device_.type())->allocate(std::max<size_t>(bytes, 1));
+      } catch (const c10::Error& e) {
+        log::debug(name() + ": pinned allocation of " + std::to_string(bytes) + " bytes failed: " +
+                   e.what_without_backtrace());
+        return {};
+      }
+    }
     const HostAllocApi& api = host_alloc_api();
     if (!api.alloc) {
       if (!pin_warned_.exchange(true)) {

@@ -1,9 +1,10 @@
 #pragma once
-// The device that the device-generic test cases (tagged [env-device]) run on: the
-// environment variable SLUICE_TEST_DEVICE, "cpu" (the default: the CPU-as-device backend),
-// "cuda" or "cuda:N". bench/gpu/device_all.sh sets it to cuda on a GPU machine; CI runs the
-// same cases on the CPU device. When the named accelerator is not available here, each
-// such case warns once and returns (a clean skip: Catch2 v2 has no SKIP).
+// The device that the device-generic test cases run on: the environment variable
+// SLUICE_TEST_DEVICE, "cpu" (the default: the CPU-as-device backend), "cuda", "cuda:N" or
+// "testaccel" (the torch test accelerator, tests/accel/, with SLUICE_DEVICE_LIBRARY naming
+// its library, as ctest's "accel ..." entries set both). bench/gpu/device_all.sh sets it to
+// cuda on a GPU machine. When the named accelerator is not available here, each [env-device]
+// case warns once and returns (a clean skip: Catch2 v2 has no SKIP).
 //
 // These cases compare only results computed on the same device (streamed against fully
 // resident), never against a host reference, so they hold on any backend.
@@ -32,6 +33,19 @@ inline std::shared_ptr<offload::DeviceBackend> test_device() {
   if (spec == "cpu") return std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
   if (spec.rfind("cuda", 0) == 0 && !at::hasCUDA()) return nullptr;
   return std::shared_ptr<offload::DeviceBackend>(offload::make_device(spec, 0, "SLUICE_TEST_DEVICE"));
+}
+
+// Whether SLUICE_TEST_DEVICE names a device other than the CPU device: tests that are
+// device-generic then run on it (test_device_or_cpu()).
+inline bool testing_torch_device() { return test_device_spec() != "cpu"; }
+
+// The device for device-generic tests: the SLUICE_TEST_DEVICE device when one is named
+// (it must then be available), else a CPU device made with `cpu_options`.
+inline std::shared_ptr<offload::DeviceBackend> test_device_or_cpu(const offload::CpuDeviceOptions& cpu_options = {}) {
+  if (!testing_torch_device()) return std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device(cpu_options));
+  auto dev = test_device();
+  REQUIRE(dev);
+  return dev;
 }
 
 }  // namespace sluice::testing
