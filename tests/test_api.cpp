@@ -20,6 +20,7 @@
 #include "runtime/error.h"        // exception types callers catch
 #include "runtime/logging.h"      // raising the level for the log-line test
 #include "runtime/safetensors.h"  // writing the LoRA fixture
+#include "tests/device_env.h"     // SLUICE_TEST_DEVICE
 
 namespace {
 
@@ -48,7 +49,7 @@ struct TempDir {
 
 sluice::RuntimeOptions cpu(const std::string& budget = "512MiB", const std::string& working = "1MiB") {
   sluice::RuntimeOptions o;
-  o.device = "cpu";
+  o.device = sluice::testing::test_device_spec();  // "cpu" unless SLUICE_TEST_DEVICE names another
   o.vram_budget = budget;
   o.working_memory = working;
   o.ram_limit = "0";

@@ -111,7 +111,7 @@ void require_unchanged(torch::nn::Module& m, const Snapshot& before) {
   }
 }
 
-std::shared_ptr<DeviceBackend> cpu_device() { return std::shared_ptr<DeviceBackend>(make_cpu_device()); }
+std::shared_ptr<DeviceBackend> cpu_device() { return sluice::testing::test_device_or_cpu(); }
 
 EngineOptions engine_options(std::shared_ptr<DeviceBackend> dev, double max_resident = 0.5) {
   EngineOptions o;

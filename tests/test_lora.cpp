@@ -24,6 +24,7 @@
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "runtime/safetensors.h"
+#include "tests/device_env.h"
 
 using namespace sluice;
 using namespace sluice::anima;
@@ -400,7 +401,7 @@ TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the mod
   // model's budget; the plan streams layers to make room, and the allocator's own count of
   // device bytes alive never passes the budget.
   AnimaModel m = fp8_model("anima-medium");  // 512 wide: a rank-64 bf16 pair is a quarter to a half of an fp8 weight
-  auto dev = std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  auto dev = sluice::testing::test_device_or_cpu();
   const offload::EngineOptions o = engine_options(dev);
   const offload::WeightNeeds n = offload::StreamingEngine::needs(*m, o);
   offload::StreamingEngine engine(o);
@@ -446,7 +447,7 @@ TEST_CASE("lora: sidecars placed by the engine give the outputs of the patched m
     patched = step(*m, in);
   }
   CHECK_FALSE(at::equal(patched, plain));
-  auto dev = std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  auto dev = sluice::testing::test_device_or_cpu();
   const offload::EngineOptions o = engine_options(dev);
   const offload::WeightNeeds n = offload::StreamingEngine::needs(*m, o);
   offload::StreamingEngine engine(o);
@@ -469,7 +470,7 @@ TEST_CASE("lora: sidecars that cannot fit even with every layer streamed give on
   AnimaModel m = fp8_tiny();
   const Inputs in = inputs();
   const at::Tensor plain = step(*m, in);
-  auto dev = std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  auto dev = sluice::testing::test_device_or_cpu();
   const offload::EngineOptions o = engine_options(dev);
   const offload::WeightNeeds n = offload::StreamingEngine::needs(*m, o);
   offload::StreamingEngine engine(o);

@@ -3,6 +3,7 @@
 #include "offload/cpu_device.h"
 #include "offload/staging_ring.h"
 #include "runtime/error.h"
+#include "tests/device_env.h"
 
 using namespace sluice::offload;
 
@@ -22,7 +23,7 @@ void make_slots(DeviceBackend& dev, StagingRing& ring, int n, uint64_t bytes) {
 }  // namespace
 
 TEST_CASE("staging ring: slots are ring memory charged to the budget, within the capacity") {
-  auto dev = make_cpu_device();
+  auto dev = sluice::testing::test_device_or_cpu();
   auto budget = std::make_shared<MemoryLedger>("budget", 4096);
   {
     StagingRing ring(*dev, budget, 3072);
@@ -53,7 +54,7 @@ TEST_CASE("staging ring: slots are ring memory charged to the budget, within the
 }
 
 TEST_CASE("staging ring: small layers share the capacity and a large one frees others") {
-  auto dev = make_cpu_device();
+  auto dev = sluice::testing::test_device_or_cpu();
   StagingRing ring(*dev, nullptr, 4096);
   at::Tensor x = at::ones({64});  // 256 bytes
   std::vector<int> small;
@@ -78,7 +79,7 @@ TEST_CASE("staging ring: small layers share the capacity and a large one frees o
 }
 
 TEST_CASE("staging ring: dropping unread copies counts them as wasted") {
-  auto dev = make_cpu_device();
+  auto dev = sluice::testing::test_device_or_cpu();
   StagingRing ring(*dev, nullptr, 1024);
   at::Tensor x = at::ones({64});
   const int s = ring.pick(256, 2, true);
@@ -96,7 +97,7 @@ TEST_CASE("staging ring: dropping unread copies counts them as wasted") {
 }
 
 TEST_CASE("staging ring: fill packs parts and views read them back") {
-  auto dev = make_cpu_device();
+  auto dev = sluice::testing::test_device_or_cpu();
   StagingRing ring(*dev, nullptr, 8192);
   REQUIRE(ring.pick(4096, 1, true) == 0);
   at::Tensor w = at::arange(12, at::kFloat).reshape({3, 4}).to(at::kFloat8_e4m3fn);
@@ -114,7 +115,7 @@ TEST_CASE("staging ring: fill packs parts and views read them back") {
 }
 
 TEST_CASE("staging ring: pick never returns a slot in use or an unread prefetch") {
-  auto dev = make_cpu_device();
+  auto dev = sluice::testing::test_device_or_cpu();
   StagingRing ring(*dev, nullptr, 3 * 256);
   make_slots(*dev, ring, 3, 256);
   at::Tensor x = at::ones({8});

@@ -9,6 +9,7 @@
 #include "runtime/fault_injection.h"
 #include "runtime/logging.h"
 #include "tests/toy_model.h"
+#include "tests/device_env.h"
 
 using namespace sluice::offload;
 using sluice::testing::ToyModel;
@@ -27,7 +28,7 @@ std::shared_ptr<DeviceBackend> strict_cpu() {
   o.strict = true;
   o.hazard_policy = HazardTracker::Policy::abort;
   o.copy_latency_us = 30;
-  return std::shared_ptr<DeviceBackend>(make_cpu_device(o));
+  return sluice::testing::test_device_or_cpu(o);
 }
 
 EngineOptions options(double max_resident) {
@@ -46,7 +47,7 @@ at::Tensor input() {
 
 at::Tensor run(StreamingEngine& e, ToyModel& m, const at::Tensor& x) {
   ForwardScope scope(e);
-  return m->forward(x);
+  return m->forward(x.to(e.device().device())).cpu();  // any SLUICE_TEST_DEVICE
 }
 
 }  // namespace

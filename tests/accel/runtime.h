@@ -30,7 +30,7 @@
 //  6. Host memory. Pinned host memory comes from the backend's pinned allocator (exact
 //     size); a copy from pageable memory blocks the host until it is done, as a pageable
 //     cudaMemcpyAsync does, while one from pinned memory is asynchronous. Freeing pinned
-//     memory that an unfinished copy still reads aborts the process (undefined on CUDA).
+//     memory synchronizes the device first, as cudaFreeHost does.
 //  7. Devices do not mix: an operator given device tensors and non-scalar CPU tensors is
 //     refused, as CUDA kernels refuse them.
 #include <c10/core/CachingDeviceAllocator.h>
@@ -123,7 +123,9 @@ class PinnedAllocator final : public c10::Allocator {
 };
 PinnedAllocator& pinned_allocator();
 bool is_pinned(const void* p);
-// A copy reading pinned `p` was queued / has finished (contract 6's check).
+// Frees of pinned memory that had to wait for copies still reading it (contract 6).
+int64_t pinned_free_waits();
+// A copy reading pinned `p` was queued / has finished (contract 6's bookkeeping).
 void pinned_read_begin(const void* p);
 void pinned_read_end(const void* p);
 
