@@ -402,10 +402,12 @@ PY
   echo "build folder: $BUILD; state: $STATE; results: $OUT"
   echo "CMAKE_PREFIX_PATH: $(IFS=';'; echo "${PREFIXES[*]}")"
 } 2>&1 | tee "$OUT/env.txt"
-if [ "$MODE" = gpu ] && [ "$(cat "$WORK/cuda_ok" 2>/dev/null)" != 1 ]; then
-  step env fail "(torch sees no CUDA device: the GPU steps below would prove nothing; env.txt)"
-elif [ -n "$UNPACK_ERR" ]; then
-  step env fail "($UNPACK_ERR; env.txt)"
+ENV_PROBLEMS=""
+[ "$MODE" = gpu ] && [ "$(cat "$WORK/cuda_ok" 2>/dev/null)" != 1 ] &&
+  ENV_PROBLEMS+="torch sees no CUDA device: the GPU steps below would prove nothing; "
+[ -n "$UNPACK_ERR" ] && ENV_PROBLEMS+="$UNPACK_ERR; "
+if [ -n "$ENV_PROBLEMS" ]; then
+  step env fail "(${ENV_PROBLEMS}env.txt)"
 else
   step env pass "(env.txt)"
 fi
