@@ -182,6 +182,11 @@ LoraScope::LoraScope(torch::nn::Module& model, const LoraAdapter& adapter, doubl
     throw InvalidArgument(c10::str("LoRA '", adapter.source, "': strength ", strength, " is not finite"));
   }
   const auto layers = layers_by_name(model);
+  if (!placer && !device) {  // attached: the engine that streams the model places them
+    for (const auto& [name, layer] : layers) {
+      if ((placer = dynamic_cast<offload::SidecarPlacer*>(layer->provider()))) break;
+    }
+  }
   // Validate and convert everything first, so that a failure patches nothing.
   std::vector<std::pair<std::shared_ptr<offload::ManagedLayerImpl>, offload::LoraSidecar>> staged;
   std::vector<std::string> missing, mismatched;

@@ -48,6 +48,13 @@ inline std::shared_ptr<offload::DeviceBackend> test_device_or_cpu(const offload:
   return dev;
 }
 
+// The most device memory an allocator may have handed out under a weights limit: the CPU
+// device's allocator sees only what sluice allocates, a torch device's also the forward's
+// activations (and its block rounding), which the working memory beside the limit is for.
+inline uint64_t allocator_bound(const offload::DeviceBackend& dev, uint64_t weights_limit, uint64_t working_memory) {
+  return weights_limit + (dev.device().is_cpu() ? 0 : working_memory);
+}
+
 }  // namespace sluice::testing
 
 // Declares `var`, the test device, or skips the test case when it is unavailable.

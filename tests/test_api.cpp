@@ -47,6 +47,12 @@ struct TempDir {
   std::string file(const std::string& name) const { return path + "/" + name; }
 };
 
+// How the device of cpu() below names itself ("cpu", "testaccel:0").
+std::string device_name() {
+  const std::string s = sluice::testing::test_device_spec();
+  return s == "cpu" || s.find(':') != std::string::npos ? s : s + ":0";
+}
+
 sluice::RuntimeOptions cpu(const std::string& budget = "512MiB", const std::string& working = "1MiB") {
   sluice::RuntimeOptions o;
   o.device = sluice::testing::test_device_spec();  // "cpu" unless SLUICE_TEST_DEVICE names another
@@ -272,7 +278,7 @@ TEST_CASE("api: vram_budget auto is the free device memory minus vram_headroom, 
   sluice::ModelCache cache(o);
   sluice::CacheStats cs = cache.stats();
   CHECK(cs.vram_budget_bytes == 768 * MiB);
-  CHECK(cs.vram_budget_source == "auto: free 1.0GiB - headroom 256.0MiB = 768.0MiB on cpu");
+  CHECK(cs.vram_budget_source == "auto: free 1.0GiB - headroom 256.0MiB = 768.0MiB on " + device_name());
   sluice::Model model = cache.load("anima-tiny");
   (void)model.lock();
   // Again with a model on the device: what sluice holds counts as free for its budget.
@@ -282,7 +288,7 @@ TEST_CASE("api: vram_budget auto is the free device memory minus vram_headroom, 
   CHECK(cs.vram_budget_source.find("sluice holds") != std::string::npos);
   cache.set_vram_budget("50%");
   CHECK(cache.stats().vram_budget_bytes == 512 * MiB);
-  CHECK(cache.stats().vram_budget_source == "50% of total 1.0GiB = 512.0MiB on cpu");
+  CHECK(cache.stats().vram_budget_source == "50% of total 1.0GiB = 512.0MiB on " + device_name());
   cache.set_vram_budget("300MiB");  // the headroom applies to auto only: no error here
   CHECK(cache.stats().vram_budget_source.empty());
   // A headroom that leaves nothing, or one given with another budget, is refused.
@@ -392,7 +398,7 @@ TEST_CASE("api: the load log line and the residency map are printed at INFO") {
   }
   sluice::log::set_level(level);
   INFO(text);
-  CHECK(std::regex_search(text, std::regex(R"(Loaded model 'anima-tiny' onto cpu in \d+\.\d\ds\. Total model size: )"
+  CHECK(std::regex_search(text, std::regex(R"(Loaded model 'anima-tiny' onto )" + device_name() + R"( in \d+\.\d\ds\. Total model size: )"
                                            R"(\d+\.\dMB, VRAM: \d+\.\dMB \(100\.0%\))")));
   CHECK(std::regex_search(text, std::regex(R"(Residency of 'anima-tiny' \(balanced\): blocks: RR)")));
 }

@@ -75,15 +75,17 @@ Inputs inputs() {
 // One adapter pass and one DiT forward (each its own engine forward when `engine` is set).
 at::Tensor step(AnimaModelImpl& m, const Inputs& in, StreamingEngine* engine = nullptr) {
   at::Tensor ctx, v;
+  // Inputs on the engine's device (any SLUICE_TEST_DEVICE), results back on the host.
+  const c10::Device d = engine ? engine->device().device() : c10::Device(c10::kCPU);
   {
     std::optional<ForwardScope> s;
     if (engine) s.emplace(*engine, "adapter");
-    ctx = m.encode_text(in.qwen, in.ids);
+    ctx = m.encode_text(in.qwen.to(d), in.ids.to(d)).cpu();
   }
   {
     std::optional<ForwardScope> s;
     if (engine) s.emplace(*engine, "dit");
-    v = m.forward(in.x, in.t, in.ctx);
+    v = m.forward(in.x.to(d), in.t.to(d), in.ctx.to(d)).cpu();
   }
   return at::cat({v.flatten(), ctx.flatten()});
 }
@@ -107,7 +109,7 @@ void require_unchanged(torch::nn::Module& m, const Snapshot& before) {
   REQUIRE(params.size() == before.size());
   for (const auto& p : params) {
     INFO(p.key());
-    REQUIRE(same_bits(p.value(), before.at(p.key())));
+    REQUIRE(same_bits(p.value().cpu(), before.at(p.key())));
   }
 }
 
@@ -158,7 +160,8 @@ std::string error_of(const std::function<void()>& f) {
 at::Tensor dit(AnimaModelImpl& m, const Inputs& in, StreamingEngine* engine = nullptr) {
   std::optional<ForwardScope> s;
   if (engine) s.emplace(*engine, "dit");
-  return m.forward(in.x, in.t, in.ctx);
+  const c10::Device d = engine ? engine->device().device() : c10::Device(c10::kCPU);
+  return m.forward(in.x.to(d), in.t.to(d), in.ctx.to(d)).cpu();
 }
 
 // A model, its inputs, its plain (engine-less) reference outputs and parameter snapshot.
@@ -372,7 +375,8 @@ TEST_CASE("faults: pinning failing falls back to pageable memory with one warnin
   require_unchanged(*rig.model, rig.before);
 }
 
-TEST_CASE("faults: a streamed copy that fails or times out fails that forward only") {
+// [cpu-device]: only the CPU device's copy stream can fail a copy after its enqueue.
+TEST_CASE("faults: a streamed copy that fails or times out fails that forward only", "[cpu-device]") {
   DisarmAll guard;
   Rig rig;
   for (const char* point : {"copy.h2d", "copy.h2d.timeout"}) {
@@ -473,7 +477,8 @@ TEST_CASE("faults: a failed copy while making layers resident undoes the change"
   for (int i = 0; i < 2; ++i) CHECK(same_bits(step(*rig.model, rig.in, &engine), rig.ref));
 }
 
-TEST_CASE("faults: seeded random copy failures never corrupt a forward") {
+// [cpu-device]: its random failures include copies failing after their enqueue.
+TEST_CASE("faults: seeded random copy failures never corrupt a forward", "[cpu-device]") {
   DisarmAll guard;
   Rig rig;
   auto dev = cpu_device();

@@ -247,6 +247,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", set_source_storage);
   m.impl("set_.source_Storage_storage_offset", set_source_storage_offset);
   m.impl("record_stream", record_stream);
+  // Operators whose generic (CompositeExplicitAutograd) kernel would otherwise serve this
+  // device with other numerics than the CPU's: the fallback runs the CPU kernel, so a
+  // forward here is bit-identical to one on the CPU and host references hold.
+  for (const char* name : {"native_layer_norm", "native_group_norm", "scaled_dot_product_attention"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
