@@ -2,12 +2,14 @@
 
 
 #include <ATen/Context.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <cctype>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "offload/device.h"
 #include "offload/prefetch_scheduler.h"
 #include "offload/residency_plan.h"
 #include "offload/vram_budget.h"
@@ -27,8 +29,25 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// A device type that a library in SLUICE_DEVICE_LIBRARY registered with torch (Note
+// [device libraries] in offload/device.cpp), e.g. the test accelerator's "testaccel:0".
+bool library_device(const std::string& spec) {
+  try {
+    offload::load_device_libraries();
+    return c10::Device(spec).type() == c10::DeviceType::PrivateUse1;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // Splits "cuda:3" into ("cuda", 3); index -1 when absent. False when malformed.
 bool split_device(const std::string& spec, std::string& type, int& index) {
+  if (library_device(spec)) {
+    const c10::Device d(spec);
+    type = spec.substr(0, spec.find(':'));
+    index = d.has_index() ? d.index() : -1;
+    return true;
+  }
   const auto colon = spec.find(':');
   type = spec.substr(0, colon);
   index = -1;
@@ -100,6 +119,12 @@ at::Device resolve_device(const std::string& spec) {
   int index = -1;
   if (!split_device(spec, type, index)) throw InvalidArgument("bad device '" + spec + "' (expected cpu, cuda or cuda:N)");
   if (type == "cpu") return at::Device(at::kCPU);
+  if (library_device(spec)) {
+    const c10::Device d(spec);
+    const int n = c10::impl::getDeviceGuardImpl(d.type())->deviceCount();
+    if (index >= n) throw ResourceError("device '" + spec + "' does not exist (" + std::to_string(n) + " device(s))");
+    return c10::Device(d.type(), static_cast<c10::DeviceIndex>(index < 0 ? 0 : index));
+  }
   const int count = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
   if (count == 0) throw ResourceError("device '" + spec + "' requested but no CUDA/ROCm device is available");
   if (index >= count)
