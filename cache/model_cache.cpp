@@ -377,7 +377,7 @@ void ModelCache::resize(Entry& e, uint64_t share) {
   TORCH_INTERNAL_ASSERT(e.attached, "resize of a detached model");
   if (share == e.share) return;
   TORCH_INTERNAL_ASSERT(!e.running, "resize of '", e.name, "' during its forward");
-  e.engine->set_budget(share);
+  e.engine->set_budget(share, /*release_freed=*/false);  // Note [releasing cached memory]: the cache decides
   e.share = share;
   count_pinned_ram(e);
   publish(e);
@@ -895,6 +895,9 @@ void ModelCache::set_vram_budget(uint64_t budget_request) {
     }
   }
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
+  // A budget cut: what the shrunk models freed leaves the process (Note [releasing cached
+  // memory] in offload/device.h). Room made for another model stays cached for it.
+  if (new_limit < old_budget - std::min(old_budget, old_wm)) device_->release_cached_memory();
   device_->set_memory_limit(new_limit);
   device_->reset_memory_peak();  // peaks count under the current budget
   device_->reset_allocator_peak();
