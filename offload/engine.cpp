@@ -685,7 +685,7 @@ void StreamingEngine::end_forward(bool aborted) {
   }
   for (const auto& t : forward_sidecars_) {
     device_->end_access(t, StreamKind::compute);
-    device_->record_use(t, StreamKind::compute);
+    device_->record_use(t, StreamKind::compute);  // FENCE(F10): a free on another stream waits for this forward
   }
   forward_sidecars_.clear();
   if (!last_end_) last_end_ = device_->create_event();

@@ -199,6 +199,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
     return measured_any_ ? std::optional<uint64_t>(measured_working_) : std::nullopt;
   }
   uint64_t working_memory() const { return options_.working_memory_bytes; }
+  const std::string& last_forward_kind() const { return last_kind_name_; }
   uint64_t nested_reserve_bytes() const { return nested_reserve_; }
 
   // Delimit one forward (for per-forward stats, the recorded order and wrap-around

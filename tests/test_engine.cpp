@@ -737,9 +737,10 @@ TEST_CASE("engine: nested leases get their own slot and scratch") {
   CHECK(engine.stats().slot_violations == 0);
 }
 
-TEST_CASE("engine: unloading and detaching give freed device memory back to the allocator's driver") {
+TEST_CASE("engine: a budget cut and detaching give freed device memory back to the allocator's driver") {
   // The strict CPU device caches freed blocks like a GPU's caching allocator; its reserved
-  // bytes fall only when the engine asks for the cache to be emptied.
+  // bytes fall only when the engine asks for the cache to be emptied, which it does where
+  // memory must leave the process (Note [releasing cached memory] in offload/device.h).
   CpuDeviceOptions co;
   co.strict = true;
   auto dev = std::shared_ptr<DeviceBackend>(make_cpu_device(co));
@@ -752,11 +753,21 @@ TEST_CASE("engine: unloading and detaching give freed device memory back to the 
   const auto reserved = [&] { return dev->allocator_stats().reserved_bytes; };
   const int64_t full = reserved();
   CHECK(full >= static_cast<int64_t>(engine.device_bytes()) - static_cast<int64_t>(engine.plan().ring_bytes));
-  const int64_t freed = -engine.full_unload();
+  // Unloading keeps what it freed cached (for this process's next allocations).
+  const int64_t unloaded = -engine.full_unload();
+  REQUIRE(unloaded > 0);
+  CHECK(reserved() >= full);
+  engine.full_load();
+  run(engine, model, x);
+  const int64_t before_cut = reserved();
+  // A budget cut gives it back: everything the cut freed left the cache (`freed` is the
+  // demoted layers' bytes minus the ring's reservation, and the ring's slots are at most
+  // that reservation).
+  const uint64_t held = engine.device_bytes();
+  engine.set_budget(engine.minimum_budget());
+  const int64_t freed = static_cast<int64_t>(held) - static_cast<int64_t>(engine.device_bytes());
   REQUIRE(freed > 0);
-  // Everything the unload freed left the cache: `freed` is the demoted layers' bytes minus
-  // the ring's reservation, and the ring's slots are at most that reservation.
-  CHECK(reserved() <= full - freed);
+  CHECK(reserved() <= before_cut - freed);
   run(engine, model, x);
   engine.detach();
   CHECK(reserved() == 0);

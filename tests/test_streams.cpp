@@ -84,16 +84,21 @@ TEST_CASE("streams: a forward right after attach reads resident layers after the
   CHECK(hazard_tracker(*o.device)->hazards() == 0);
 }
 
-// F4: detach frees the ring while the next forward's prefetches are still being copied.
+// F4: detach frees the ring while the next forward's prefetches are still being copied,
+// from pinned layers and, gathered through the bounce ring, from pageable ones.
 TEST_CASE("streams: detach right after a forward with prefetches in flight") {
-  ToyModel model;
-  const at::Tensor x = input();
-  const at::Tensor ref = model->forward(x);
-  StreamingEngine engine(options(0.0));
-  engine.attach(*model, "toy");
-  CHECK(at::equal(run(engine, model, x), ref));
-  engine.detach();  // no stats() before: nothing has waited for the device
-  CHECK(at::equal(model->forward(x), ref));
+  for (const PinMode pin : {PinMode::auto_, PinMode::off}) {
+    ToyModel model;
+    const at::Tensor x = input();
+    const at::Tensor ref = model->forward(x);
+    EngineOptions o = options(0.0);
+    o.pin = pin;
+    StreamingEngine engine(o);
+    engine.attach(*model, "toy");
+    CHECK(at::equal(run(engine, model, x), ref));
+    engine.detach();  // no stats() before: nothing has waited for the device
+    CHECK(at::equal(model->forward(x), ref));
+  }
 }
 
 // F5: a forward the host ran on a stream of its own, then freed from the default stream.
@@ -220,6 +225,9 @@ TEST_CASE("streams: a forward right after placing LoRA sidecars reads them after
     sluice::LoraScope scope(*model, adapter, 0.7, std::nullopt, &engine);
     REQUIRE(engine.sidecar_bytes() > 0);
     CHECK(at::equal(run(engine, model, x), patched));
+    // F10: a forward on a stream of the host's reads the sidecars, which the scope then
+    // frees from the default stream: the free waits for that forward.
+    CpuComputeStreamGuard stream(1);
     CHECK(at::equal(run(engine, model, x), patched));
   }
   CHECK(hazard_tracker(*o.device)->hazards() == 0);
