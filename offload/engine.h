@@ -78,7 +78,12 @@
 //    given): the plan first streams more layers until the sidecars fit beside the resident
 //    ones, then they are allocated as MemoryKind::lora. Sidecars that cannot fit even with
 //    every streamable layer streamed give one ResourceError naming them and the bytes
-//    missing. When they are dropped (sidecars_released) the plan grows back.
+//    missing. When they are dropped (sidecars_released) the plan grows back. Their copies
+//    are done before place_sidecars() returns (FENCE(F9)); every forward declares them as
+//    compute reads (begin_access, so the strict device checks that order) and records its
+//    use of them (FENCE(F10)), as it does for the parameters, the resident weights, the
+//    staging slots and the upcast scratch. The model's inputs are the caller's tensors,
+//    not allocations of the engine: the strict device does not track them.
 //  - Upcasts write into the planned scratch buffer; the ATen fallback converts in place
 //    (runtime/fp8.h aten_upcast_into), without a temporary of the layer's size.
 //  - Leases nested beyond the plan (a module holding two layers' weights at once) need a

@@ -122,8 +122,15 @@ restore() { if compgen -G "$backup/*.orig" > /dev/null; then for f in "$backup"/
 trap 'restore; rm -rf "$backup" "$backup.log" "$backup.out"' EXIT
 
 build_target() { cmake --build "$build" --target "$1" -j"${JOBS:-2}" > "$backup.log" 2>&1 || { tail -20 "$backup.log" >&2; return 1; }; }
-run_test() {  # binary name -> 0 if the test passed
-  SLUICE_STRICT_DEVICE=1 SLUICE_LOG_LEVEL=off timeout 300 "$build/tests/$1" "$2" > "$backup.out" 2>&1
+run_test() {  # binary name -> 0 if the test ran and passed, 1 if it failed; exits if it did not run
+  local rc=0
+  # Catch reads a comma as a separator of test specs: escape it.
+  SLUICE_STRICT_DEVICE=1 SLUICE_LOG_LEVEL=off timeout 300 "$build/tests/$1" "${2//,/\\,}" > "$backup.out" 2>&1 || rc=1
+  if grep -qE 'No tests ran|No test cases matched' "$backup.out"; then
+    echo "fence_mutations: \"$2\" matched no test in $1" >&2
+    exit 2
+  fi
+  return $rc
 }
 save() { cp "$1" "$backup/$(tr '/' '%' <<< "$1").orig"; }
 

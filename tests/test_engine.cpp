@@ -774,7 +774,7 @@ TEST_CASE("engine: a budget cut and detaching give freed device memory back to t
   CHECK(dev->allocator_stats().current_bytes == 0);
 }
 
-TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache, not a shrinking replan") {
+TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache and a shrinking replan does not") {
   // Note [releasing cached memory] (offload/device.h): emptyCache synchronizes the device
   // and empties the cache other models allocate from; a plan that only shrinks keeps its
   // freed blocks cached for the next forward.
