@@ -70,6 +70,7 @@ declare -A not_fence=(
   ["offload/staging_ring.cpp|if (start) device_.record(*start, StreamKind::copy);"]="timing: the copy span's start event"
   ["offload/staging_ring.cpp|if (end) device_.record(*end, StreamKind::copy);"]="timing: the copy span's end event"
   ["offload/staging_ring.cpp|device_.synchronize();"]="end_use's fallback when recording the release throws (reached only through an exception from record())"
+  ["offload/residency_applier.cpp|for (const at::Tensor* t : {&w, &b, &s}) device_.record_use(*t, StreamKind::copy);  // a second guard behind F7"]="apply() synchronizes after the resident copies (F7, and its error path) before anything can free them: no free can meet a copy in flight; kept so that a free does not depend on that synchronize"
   ["offload/residency_applier.cpp|device_.synchronize();"]="apply()'s error path: waits before undoing a failed residency change (the frees that follow are stream-safe)"
   ["cache/model_cache.cpp|idle_.wait(g, [&] { return !e.running; });"]="a host condition variable (Note [cache locking]), no device call"
   ["cache/model_cache.cpp|loaded_.wait(g, [&] { return !e.loading; });"]="a host condition variable (Note [cache locking]), no device call"
@@ -125,7 +126,9 @@ build_target() { cmake --build "$build" --target "$1" -j"${JOBS:-2}" > "$backup.
 run_test() {  # binary name -> 0 if the test ran and passed, 1 if it failed; exits if it did not run
   local rc=0
   # Catch reads a comma as a separator of test specs: escape it.
-  SLUICE_STRICT_DEVICE=1 SLUICE_LOG_LEVEL=off timeout 300 "$build/tests/$1" "${2//,/\\,}" > "$backup.out" 2>&1 || rc=1
+  # (through sh, so that the abort a hazard causes is reported in the test's output, not here)
+  SLUICE_STRICT_DEVICE=1 SLUICE_LOG_LEVEL=off sh -c '"$@"; exit $?' sh timeout 300 "$build/tests/$1" "${2//,/\\,}" \
+    > "$backup.out" 2>&1 || rc=1
   if grep -qE 'No tests ran|No test cases matched' "$backup.out"; then
     echo "fence_mutations: \"$2\" matched no test in $1" >&2
     exit 2
