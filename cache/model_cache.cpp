@@ -126,6 +126,7 @@ nlohmann::json cache_json(const CacheStats& s) {
           {"pinned_used_bytes", s.pinned_used},
           {"vram_budget_bytes", s.vram_budget},
           {"working_memory_bytes", s.working_memory},
+          {"measured_working_memory_bytes", s.measured_working_memory},
           {"vram_limit_bytes", s.vram_limit},
           {"vram", stat_json(s.vram)},
           {"vram_reserved_bytes", s.vram_reserved}};
@@ -251,6 +252,7 @@ offload::EngineOptions ModelCache::engine_options(const Entry& e) const {
   o.device = device_;
   o.budget_bytes = e.share;
   o.working_memory_bytes = 0;  // the cache keeps the working memory out of every share
+  o.grow_working_memory = false;  // and grows it itself from the engines' measurements
   o.max_resident = e.max_resident;
   o.prefetch_depth = options_.prefetch;
   o.policy = options_.policy;
@@ -377,7 +379,7 @@ void ModelCache::resize(Entry& e, uint64_t share) {
   TORCH_INTERNAL_ASSERT(e.attached, "resize of a detached model");
   if (share == e.share) return;
   TORCH_INTERNAL_ASSERT(!e.running, "resize of '", e.name, "' during its forward");
-  e.engine->set_budget(share);
+  e.engine->set_budget(share, /*release_freed=*/false);  // Note [releasing cached memory]: the cache decides
   e.share = share;
   count_pinned_ram(e);
   publish(e);
@@ -838,7 +840,41 @@ void ModelCache::apply_max_resident(Entry& e, std::optional<double> fraction) {
   }
 }
 
-void ModelCache::set_vram_budget(uint64_t budget_request) {
+void ModelCache::set_vram_budget(uint64_t budget_request) { set_vram_budget_locked(budget_request, false); }
+
+void ModelCache::grow_working_memory(uint64_t used, const std::string& model, const std::string& kind) {
+  uint64_t budget = 0, before = 0, grown_before = 0;
+  {
+    Guard g(mutex_);
+    grown_before = grown_working_;
+    measured_working_ = std::max(measured_working_, used);
+    if (used <= working_memory_ || used <= working_refused_) return;
+    before = working_memory_;
+    grown_working_ = std::max(grown_working_, used + used / 8);
+    budget = budget_;
+  }
+  try {
+    set_vram_budget_locked(budget, true);
+  } catch (const ResourceError& e) {
+    Guard g(mutex_);
+    grown_working_ = grown_before;
+    working_refused_ = used;  // not tried again for this much
+    if (!working_warned_) {
+      working_warned_ = true;
+      log::warn("model '" + model + "': its first '" + kind + "' forward used " + format_mib(used) +
+                " of device memory beyond the weights, more than the working memory of " + format_mib(before) +
+                ", and the vram budget has no room to keep more: " + e.what());
+    }
+    return;
+  }
+  Guard g(mutex_);
+  log::info("model '" + model + "': its first '" + kind + "' forward used " + format_mib(used) +
+            " of device memory beyond the weights, more than the working memory of " + format_mib(before) +
+            ": working memory now " + format_mib(working_memory_) + " (measured plus a margin), vram limit " +
+            format_mib(limit()));
+}
+
+void ModelCache::set_vram_budget_locked(uint64_t budget_request, bool measured) {
   Guard g(mutex_);
   // Any attached model may be resized below: wait for every running forward first.
   budget_waiters_ += 1;
@@ -851,8 +887,9 @@ void ModelCache::set_vram_budget(uint64_t budget_request) {
   if (budget == 0) {
     throw InvalidArgument("the memory of device " + device_->name() + " is unknown: give the vram budget in bytes");
   }
-  const uint64_t wm = options_.working_memory ? *options_.working_memory
-                                              : default_working_memory(budget, options_.resolution);
+  const uint64_t wm = std::max(options_.working_memory ? *options_.working_memory
+                                                       : default_working_memory(budget, options_.resolution),
+                                grown_working_);
   if (budget <= wm) {
     throw ResourceError("vram budget " + format_mib(budget) + " leaves nothing beside the working memory of " +
                         format_mib(wm));
@@ -895,11 +932,16 @@ void ModelCache::set_vram_budget(uint64_t budget_request) {
     }
   }
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
+  // A budget cut: what the shrunk models freed leaves the process (Note [releasing cached
+  // memory] in offload/device.h). Room made for another model stays cached for it.
+  if (!measured && new_limit < old_budget - std::min(old_budget, old_wm)) device_->release_cached_memory();
   device_->set_memory_limit(new_limit);
   device_->reset_memory_peak();  // peaks count under the current budget
-  device_->reset_allocator_peak();
-  log::info("vram budget " + format_mib(budget) + " on " + device_->name() + " (working memory " + format_mib(wm) +
-            ")");
+  if (!measured) {
+    device_->reset_allocator_peak();
+    log::info("vram budget " + format_mib(budget) + " on " + device_->name() + " (working memory " + format_mib(wm) +
+              ")");
+  }
   // More room: attached models grow towards what they want, most recently used first.
   std::vector<Entry*> grow;
   for (auto& e : entries_) {
@@ -926,24 +968,30 @@ void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaMode
     e.running = true;
   }
   // The engine is ours until `running` is cleared, however fn ends (Note [cache locking]).
-  struct Idle {
-    ModelCache& cache;
-    Entry& e;
-    ~Idle() {
-      {
-        Guard g(cache.mutex_);
-        e.running = false;
+  std::optional<uint64_t> measured;
+  {
+    struct Idle {
+      ModelCache& cache;
+      Entry& e;
+      ~Idle() {
+        {
+          Guard g(cache.mutex_);
+          e.running = false;
+        }
+        cache.idle_.notify_all();
       }
-      cache.idle_.notify_all();
+    } idle{*this, e};
+    try {
+      fn(*e.model, *e.engine);
+    } catch (...) {
+      publish(e, /*settle=*/false);  // an aborted forward is counted too
+      throw;
     }
-  } idle{*this, e};
-  try {
-    fn(*e.model, *e.engine);
-  } catch (...) {
-    publish(e, /*settle=*/false);  // an aborted forward is counted too
-    throw;
+    publish(e, /*settle=*/false);
+    measured = e.engine->measured_working_memory();
   }
-  publish(e, /*settle=*/false);
+  // Note [measured working memory]: the engines measure, the cache keeps the working memory.
+  if (measured) grow_working_memory(*measured, e.name, e.engine->last_forward_kind());
 }
 
 void ModelCache::refresh_published(Entry& e) const {
@@ -977,6 +1025,7 @@ CacheStats ModelCache::stats_locked() const {
   s.pinned_used = pin_arena_->used_bytes();
   s.vram_budget = budget_;
   s.working_memory = working_memory_;
+  s.measured_working_memory = measured_working_;
   s.vram_limit = limit();
   s.vram = device_->memory_stats().total;
   s.vram_reserved = reserved();

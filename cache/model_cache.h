@@ -141,7 +141,8 @@ struct CacheStats {
   offload::Stat pinned;         // page-locked bytes of the pinned arena (its chunks)
   uint64_t pinned_used = 0;     // of which host weights (the rest is alignment padding)
   uint64_t vram_budget = 0;
-  uint64_t working_memory = 0;
+  uint64_t working_memory = 0;  // grown by measurements (Note [measured working memory] in offload/engine.h)
+  uint64_t measured_working_memory = 0;  // the most a first forward of a kind of any model used beyond the ledger
   uint64_t vram_limit = 0;      // budget - working memory
   offload::Stat vram;           // the device backend's total (all models); peak since the last budget change
   uint64_t vram_reserved = 0;   // sum of shares
@@ -246,6 +247,11 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // New budget in bytes (0: all device memory). See ModelCache::set_vram_budget in the
   // public header for the rules.
   void set_vram_budget(uint64_t budget);
+  // Note [measured working memory] (offload/engine.h), for the cache: after a forward whose
+  // engine measured more working memory than the cache keeps, the working memory grows to
+  // the measurement plus an eighth and the shares are fitted under the new limit (as for a
+  // budget change, without emptying the allocator's cache: the activations use it), with
+  // one INFO line. A budget too small for it keeps its working memory and warns once.
   // Resolves a budget string ("6GiB", "50%", "auto", "" = 0: all) on this device now, with
   // `headroom` for "auto" (offload/vram_budget.h, Note [vram budget]).
   offload::ResolvedVramBudget parse_budget(const std::string& text, const std::string& headroom,
@@ -293,6 +299,8 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   using Guard = std::unique_lock<std::mutex>;
 
   void unlock(Entry& e);
+  void set_vram_budget_locked(uint64_t budget_request, bool measured);
+  void grow_working_memory(uint64_t used, const std::string& model, const std::string& kind);
   void ensure_loaded(const std::shared_ptr<Entry>& e, Guard& g, bool count_hit);
   void ensure_device(Entry& e, Guard& g, bool required);
   void make_ram_room(uint64_t bytes, const Entry* exclude);
@@ -339,6 +347,10 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   std::list<std::shared_ptr<Entry>> entries_;
   uint64_t budget_ = 0;
   uint64_t working_memory_ = 0;
+  uint64_t measured_working_ = 0;  // the most any engine measured (Note [measured working memory])
+  uint64_t grown_working_ = 0;     // the working memory the measurements ask for (0: none)
+  bool working_warned_ = false;
+  uint64_t working_refused_ = 0;   // a measurement the budget had no room for
   uint64_t ram_limit_ = 0;
   uint64_t tick_ = 0;
   bool ram_warned_ = false;

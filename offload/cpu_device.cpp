@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <deque>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -165,6 +166,60 @@ struct CopyFailure {
   std::atomic<bool> reported{false};
 };
 
+// Note [host waits on compute]: which compute work the copy stream waits for, and which of
+// it the host knows to be finished, per compute stream. Host-side bookkeeping only (the
+// CPU device's compute really is done when recorded): it finds host waits that, on a GPU,
+// would block until the device finished compute.
+struct ComputeLag {
+  std::mutex mutex;
+  std::map<uint32_t, uint64_t> recorded;    // compute records per stream so far
+  std::map<uint32_t, uint64_t> host_known;  // per stream: the host waited for the record of this index
+  std::map<uint32_t, uint64_t> copy_deps;   // per stream: the latest compute record the copy stream waits for
+  std::optional<uint64_t> lag;              // CpuDeviceOptions::compute_lag
+  uint64_t waits = 0;
+  std::string last;
+
+  uint64_t on_record(uint32_t stream) {
+    std::lock_guard<std::mutex> l(mutex);
+    return ++recorded[stream];
+  }
+  // Whether compute record `index` of `stream` is still running on the modelled device.
+  bool running(uint32_t stream, uint64_t index) {
+    auto known = host_known.find(stream);
+    if (known != host_known.end() && known->second >= index) return false;
+    return !lag || recorded[stream] - index < *lag;
+  }
+  bool pending(const std::map<uint32_t, uint64_t>& deps) {
+    std::lock_guard<std::mutex> l(mutex);
+    for (const auto& [stream, index] : deps) {
+      if (running(stream, index)) return true;
+    }
+    return false;
+  }
+  // The host blocks until copy-stream work depending on `deps` is done: `what` names it.
+  void host_waits(const std::map<uint32_t, uint64_t>& deps, const char* what) {
+    std::lock_guard<std::mutex> l(mutex);
+    for (const auto& [stream, index] : deps) {
+      if (running(stream, index)) {
+        ++waits;
+        last = std::string(what) + " waited for compute record " + std::to_string(index) + " of compute stream " +
+               std::to_string(stream) + " (" + std::to_string(recorded[stream]) + " recorded)";
+      }
+      uint64_t& known = host_known[stream];
+      known = std::max(known, index);
+    }
+  }
+  void host_knows(uint32_t stream, uint64_t index) {
+    std::lock_guard<std::mutex> l(mutex);
+    uint64_t& known = host_known[stream];
+    known = std::max(known, index);
+  }
+  void host_knows_all() {
+    std::lock_guard<std::mutex> l(mutex);
+    for (const auto& [stream, n] : recorded) host_known[stream] = n;
+  }
+};
+
 // Shared between an event and the worker jobs that complete or wait on it, so a job never
 // outlives what it touches.
 struct CpuEventState {
@@ -178,6 +233,11 @@ struct CpuEventState {
   HazardTracker::VClock clock;
   bool lazy = false;        // recorded on a compute stream: done only once the host waited
   bool host_knows = false;  // the host waited for the latest record
+  // Note [host waits on compute]: a compute record's stream and index, or what a copy
+  // record follows of compute (the copy stream's waits on compute events before it).
+  int64_t compute_stream = -1;
+  uint64_t compute_index = 0;
+  std::map<uint32_t, uint64_t> deps;
 
   uint64_t next_record() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -209,13 +269,16 @@ struct CpuEventState {
 
 class CpuEvent final : public DeviceEvent {
  public:
-  explicit CpuEvent(std::shared_ptr<HazardTracker> t) : tracker(std::move(t)) {}
+  CpuEvent(std::shared_ptr<HazardTracker> t, std::shared_ptr<ComputeLag> l, bool model_lag)
+      : tracker(std::move(t)), lag(std::move(l)), model_lag(model_lag) {}
 
   bool query() const override {
     HazardTracker::VClock clock;
     {
       std::lock_guard<std::mutex> lock(state->mutex);
-      const bool done = state->completed >= state->recorded;
+      bool done = state->completed >= state->recorded;
+      // With a modelled compute lag a copy behind running compute is not done yet.
+      if (done && model_lag && state->compute_stream < 0 && lag->pending(state->deps)) done = false;
       if (!tracker || !done) return done;
       if (state->lazy && !state->host_knows) return false;  // Note [strict device]
       clock = state->clock;
@@ -225,6 +288,22 @@ class CpuEvent final : public DeviceEvent {
   }
   void synchronize() const override {
     (void)state->wait_for(state->latest_record());
+    if (lag) {
+      std::map<uint32_t, uint64_t> deps;
+      int64_t stream;
+      uint64_t index;
+      {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        deps = state->deps;
+        stream = state->compute_stream;
+        index = state->compute_index;
+      }
+      if (stream >= 0) {
+        lag->host_knows(static_cast<uint32_t>(stream), index);
+      } else {
+        lag->host_waits(deps, "a host wait for a copy-stream event");
+      }
+    }
     if (!tracker) return;
     HazardTracker::VClock clock;
     {
@@ -237,6 +316,8 @@ class CpuEvent final : public DeviceEvent {
 
   std::shared_ptr<CpuEventState> state = std::make_shared<CpuEventState>();
   std::shared_ptr<HazardTracker> tracker;  // strict device only
+  std::shared_ptr<ComputeLag> lag;         // null: not counted (the pageable copy's own staging event)
+  bool model_lag = false;                  // CpuDeviceOptions::compute_lag is set
 };
 
 const CpuEventState& state_of(const DeviceEvent& e) {
@@ -248,6 +329,7 @@ const CpuEventState& state_of(const DeviceEvent& e) {
 class CpuDevice final : public DeviceBackend {
  public:
   explicit CpuDevice(const CpuDeviceOptions& options) : options_(options), rng_(options.strict_seed) {
+    lag_->lag = options_.compute_lag;
     if (options_.strict) {
       tracker_ = std::make_shared<HazardTracker>(options_.hazard_policy);
       pool_ = std::make_shared<StrictPool>();
@@ -310,7 +392,17 @@ class CpuDevice final : public DeviceBackend {
   }
   uint64_t compute_stream_id() const override { return t_compute_stream; }
 
-  std::unique_ptr<DeviceEvent> create_event() override { return std::make_unique<CpuEvent>(tracker_); }
+  std::unique_ptr<DeviceEvent> create_event() override {
+    return std::make_unique<CpuEvent>(tracker_, lag_, options_.compute_lag.has_value());
+  }
+  uint64_t host_compute_waits() const {
+    std::lock_guard<std::mutex> lock(lag_->mutex);
+    return lag_->waits;
+  }
+  std::string last_host_compute_wait() const {
+    std::lock_guard<std::mutex> lock(lag_->mutex);
+    return lag_->last;
+  }
 
   void begin_access(const at::Tensor& t, StreamKind stream, Access a, const std::string& op) override {
     if (strict() && t.defined() && t.numel() > 0) tracker_->begin(t.data_ptr(), queue_of(stream), a, op);
@@ -331,6 +423,19 @@ class CpuDevice final : public DeviceBackend {
       state->clock = std::move(clock);
       state->lazy = stream == StreamKind::compute;
       state->host_knows = false;
+    }
+    {
+      // Note [host waits on compute]
+      const uint64_t index = stream == StreamKind::compute ? lag_->on_record(t_compute_stream) : 0;
+      std::map<uint32_t, uint64_t> deps;
+      if (stream == StreamKind::copy) {
+        std::lock_guard<std::mutex> lock(lag_->mutex);
+        deps = lag_->copy_deps;
+      }
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->compute_stream = stream == StreamKind::compute ? static_cast<int64_t>(t_compute_stream) : -1;
+      state->compute_index = index;
+      state->deps = std::move(deps);
     }
     const uint64_t seq = state->next_record();
     if (stream == StreamKind::compute) {
@@ -363,6 +468,15 @@ class CpuDevice final : public DeviceBackend {
         throw DeviceError("cpu: " + failure->message);
       }
     } else {
+      {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        if (state->compute_stream >= 0) {
+          // The copy stream now follows that compute record (Note [host waits on compute]).
+          std::lock_guard<std::mutex> l(lag_->mutex);
+          uint64_t& dep = lag_->copy_deps[static_cast<uint32_t>(state->compute_stream)];
+          dep = std::max(dep, state->compute_index);
+        }
+      }
       enqueue([this, state, target] {
         (void)state->wait_for(target);
         std::lock_guard<std::mutex> lock(state->mutex);
@@ -456,9 +570,15 @@ class CpuDevice final : public DeviceBackend {
       // From pageable memory a GPU copy returns only once the bytes are staged, i.e. when
       // the copy stream got to it (Note [strict device]). That tells the host its source
       // was read, not that the destination is written: the tracker learns nothing.
-      CpuEvent staged(nullptr);
+      CpuEvent staged(nullptr, nullptr, false);
       record(staged, StreamKind::copy);
       staged.synchronize();
+      std::map<uint32_t, uint64_t> deps;
+      {
+        std::lock_guard<std::mutex> lock(staged.state->mutex);
+        deps = staged.state->deps;
+      }
+      lag_->host_waits(deps, "a copy from pageable host memory");
     }
   }
 
@@ -477,6 +597,7 @@ class CpuDevice final : public DeviceBackend {
       tracker_->host_waits_for(HazardTracker::kCopy);
       tracker_->host_waits_for(compute_queue());
     }
+    lag_->host_knows_all();  // a device synchronize is an explicit wait for everything
     std::shared_ptr<CopyFailure> first;
     size_t count = 0;
     for (const auto& f : failures) {
@@ -578,6 +699,7 @@ class CpuDevice final : public DeviceBackend {
   std::shared_ptr<HazardTracker> tracker_;                 // strict device only
   std::shared_ptr<StrictPool> pool_;                       // strict device only
   std::shared_ptr<AliveCounter> alive_ = std::make_shared<AliveCounter>();  // plain device
+  std::shared_ptr<ComputeLag> lag_ = std::make_shared<ComputeLag>();      // Note [host waits on compute]
   std::thread worker_;
 };
 
@@ -605,6 +727,18 @@ bool strict_device_requested() {
 HazardTracker* hazard_tracker(DeviceBackend& device) {
   auto* cpu = dynamic_cast<CpuDevice*>(&device);
   return cpu ? cpu->tracker() : nullptr;
+}
+
+uint64_t host_compute_waits(const DeviceBackend& device) {
+  const auto* cpu = dynamic_cast<const CpuDevice*>(&device);
+  TORCH_CHECK(cpu, "host_compute_waits: not a CPU device");
+  return cpu->host_compute_waits();
+}
+
+std::string last_host_compute_wait(const DeviceBackend& device) {
+  const auto* cpu = dynamic_cast<const CpuDevice*>(&device);
+  TORCH_CHECK(cpu, "last_host_compute_wait: not a CPU device");
+  return cpu->last_host_compute_wait();
 }
 
 CpuComputeStreamGuard::CpuComputeStreamGuard(uint32_t stream) : previous_(t_compute_stream) {

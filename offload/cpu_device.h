@@ -39,12 +39,30 @@
 //    (begin_access/end_access); copies and frees are seen by the device itself.
 // Forwards on several compute streams are modelled by CpuComputeStreamGuard: the
 // calling thread's work belongs to that stream until the guard ends.
+//
+// Note [host waits on compute]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A GPU's host only enqueues compute; it learns that compute finished only by waiting for
+// it. A host wait for the copy stream (an event's synchronize(), a copy from pageable
+// memory) also waits for every compute event the copy stream was made to wait for before
+// it: the thread that queues the forward then blocks until the device finished that
+// compute, and the forward loses its lead. Both CPU devices (plain and strict) count such
+// waits, host_compute_waits(): a host wait on copy-stream work that follows a copy-stream
+// wait() on a compute record that is still running on the modelled device. A compute
+// record runs until the host waited for it (its event's synchronize(), a later record's
+// of the same stream through a copy event, a device synchronize) or, with
+// CpuDeviceOptions::compute_lag = n, until n later records were made on its stream (the
+// device runs n compute records behind the host). Unset: compute never finishes on its
+// own, and copy events behind it still read as done to query() (the CPU device's own
+// timing); set, they read as not done while it runs.
 // The copy worker needs a core of its own: with OpenMP intra-op threads on every core,
 // their spin-waiting between parallel regions starves it (tests and benches on small
 // machines run with at::set_num_threads(1)).
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "offload/device.h"
 #include "offload/hazard_tracker.h"
@@ -65,12 +83,21 @@ struct CpuDeviceOptions {
   bool strict = strict_device_requested();  // Note [strict device]
   HazardTracker::Policy hazard_policy = HazardTracker::Policy::abort;
   uint32_t strict_seed = 1;          // of the strict device's random copy latencies
+  // Note [host waits on compute]: compute records the modelled device runs behind the host
+  // (unset: compute finishes only when the host waits for it).
+  std::optional<uint64_t> compute_lag;
 };
 
 std::unique_ptr<DeviceBackend> make_cpu_device(const CpuDeviceOptions& options = {});
 
 // The strict CPU device's hazard tracker; nullptr for any other backend.
 HazardTracker* hazard_tracker(DeviceBackend& device);
+
+// Host waits of a CPU device (plain or strict) that waited for compute still running on
+// the modelled device (Note [host waits on compute]), and a description of the latest.
+// Throws for any other backend.
+uint64_t host_compute_waits(const DeviceBackend& device);
+std::string last_host_compute_wait(const DeviceBackend& device);
 
 // The CPU device's stand-in for a host-provided stream: while it lives, compute work of
 // the calling thread runs on compute stream `stream` (0 is the default stream).

@@ -101,8 +101,18 @@ class DeviceBackend {
   // Resets allocator_stats().peak_bytes to the current bytes (where available).
   virtual void reset_allocator_peak() {}
   // Hands memory the allocator caches but nothing uses back to the driver (emptyCache), so
-  // that other processes can use it; allocator_stats().reserved_bytes falls. The engine
-  // calls it after every residency change that freed memory and after detach.
+  // that other processes can use it; allocator_stats().reserved_bytes falls.
+  //
+  // Note [releasing cached memory]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // emptyCache synchronizes the whole device and empties the cache that every model's
+  // forwards in this process allocate from, so it is called only where memory must leave
+  // the process: a detach (StreamingEngine::detach, the model cache taking a model off the
+  // device) and a budget cut (StreamingEngine::set_budget lower, ModelCache::set_vram_budget
+  // lower), and before "--vram-budget auto" reads the free memory. A residency change that
+  // only shrinks the plan (partial_unload, set_max_resident, a plan from measurements,
+  // room made for another model of the same cache) leaves its freed blocks cached: the
+  // next allocation in this process reuses them without a device synchronize.
   virtual void release_cached_memory() {}
   // Whether allocate_pinned() really page-locks memory (false: the plain CPU device, whose
   // copies are asynchronous from any host memory; pin() then returns its input).

@@ -292,6 +292,10 @@ void StreamingEngine::clear_state() noexcept {
   extras_.clear();
   extra_bytes_ = scratch_bytes_ = 0;
   lora_bytes_ = nested_reserve_ = nested_seen_ = 0;
+  sidecars_.clear();
+  forward_sidecars_.clear();
+  measured_kinds_.clear();  // the next model's forwards are measured afresh
+  measuring_ = false;
   nested_flag_ = false;
   sched_.clear();
   acc_cur_ = ForwardAcc{};
@@ -422,7 +426,7 @@ void StreamingEngine::require_idle(const char* what) const {
   }
 }
 
-int64_t StreamingEngine::replan(uint64_t weight_budget, std::optional<double> max_resident) {
+int64_t StreamingEngine::replan(uint64_t weight_budget, std::optional<double> max_resident, bool release_freed) {
   TORCH_CHECK(attached_, "no model attached");
   require_idle("residency change");
   if (depth_ > 0) end_forward(false);  // an implicit forward
@@ -443,7 +447,9 @@ int64_t StreamingEngine::replan(uint64_t weight_budget, std::optional<double> ma
   budget_->reset_peak();  // the budget may have shrunk: peaks count from the new plan on
   check_invariants("residency change");
   const int64_t change = static_cast<int64_t>(budget_->current()) - before;
-  if (change < 0) device_->release_cached_memory();  // freed memory goes back to the driver, for other processes
+  // Note [releasing cached memory]: only a budget cut gives the freed blocks back to the
+  // driver; a shrinking replan leaves them in the allocator's cache for the next forward.
+  if (change < 0 && release_freed) device_->release_cached_memory();
   return change;
 }
 
@@ -527,7 +533,7 @@ int64_t StreamingEngine::full_unload() {
   return replan(minimum_weight_budget(plan_input(0, max_resident_)), max_resident_);
 }
 
-void StreamingEngine::set_budget(uint64_t budget_bytes) {
+void StreamingEngine::set_budget(uint64_t budget_bytes, bool release_freed) {
   TORCH_CHECK(attached_, "set_budget: no model attached");
   if (budget_bytes <= options_.working_memory_bytes) {
     throw ResourceError("budget " + format_mib(budget_bytes) + " for model '" + model_name_ +
@@ -536,7 +542,7 @@ void StreamingEngine::set_budget(uint64_t budget_bytes) {
   const uint64_t old = budget_bytes_;
   budget_bytes_ = budget_bytes;
   try {
-    replan(budget_bytes - options_.working_memory_bytes, max_resident_);
+    replan(budget_bytes - options_.working_memory_bytes, max_resident_, release_freed && budget_bytes < old);
   } catch (...) {
     budget_bytes_ = old;
     throw;
@@ -604,6 +610,25 @@ void StreamingEngine::open_forward(std::string_view kind, bool implicit) {
   if (last_end_ && stream != last_stream_) device_->wait(StreamKind::compute, *last_end_);  // FENCE(F6)
   last_stream_ = stream;
   for (auto& e : extras_) device_->begin_access(e.dev, StreamKind::compute, Access::read, "parameter read by a forward");
+  // LoRA sidecars: every forward may read them (Note [device extras]).
+  forward_sidecars_.clear();
+  sidecars_.erase(std::remove_if(sidecars_.begin(), sidecars_.end(), [](const auto& w) { return w.expired(); }),
+                  sidecars_.end());
+  for (const auto& w : sidecars_) {
+    auto impl = w.lock();
+    if (!impl) continue;
+    forward_sidecars_.emplace_back(std::move(impl));
+    device_->begin_access(forward_sidecars_.back(), StreamKind::compute, Access::read, "LoRA sidecar read by a forward");
+  }
+  measuring_ = false;
+  if (!measured_kinds_.count(kind_name_) && device_->allocator_stats().available) {
+    // Note [measured working memory]: this forward's peak, from now.
+    device_->reset_allocator_peak();
+    const DeviceMemoryStats ledger = device_->memory_stats();
+    measure_base_ = ledger.total.current;
+    measure_base_peak_ = ledger.total.peak;
+    measuring_ = true;
+  }
   anchor_ = std::make_shared<Anchor>();
   anchor_->event = device_->create_event();
   device_->record(*anchor_->event, StreamKind::compute);
@@ -659,6 +684,11 @@ void StreamingEngine::end_forward(bool aborted) {
     device_->end_access(e.dev, StreamKind::compute);
     device_->record_use(e.dev, StreamKind::compute);  // FENCE(F5)
   }
+  for (const auto& t : forward_sidecars_) {
+    device_->end_access(t, StreamKind::compute);
+    device_->record_use(t, StreamKind::compute);  // FENCE(F10): a free on another stream waits for this forward
+  }
+  forward_sidecars_.clear();
   if (!last_end_) last_end_ = device_->create_event();
   device_->record(*last_end_, StreamKind::compute);
   Unresolved u;
@@ -687,6 +717,7 @@ void StreamingEngine::end_forward(bool aborted) {
   resolve(measured);
   if (nested_seen_ > nested_reserve_ && !aborted) reserve_nesting();
   nested_seen_ = 0;
+  if (measuring_) measure_working_memory(aborted);
   if (!aborted && explicit_forward) {
     replan_if_measured();  // between forwards, before the next one's prefetches
     top_up(0, /*at_end=*/true);
@@ -703,6 +734,56 @@ void StreamingEngine::end_forward(bool aborted) {
     }
   }
   check_invariants("end of forward");
+}
+
+void StreamingEngine::measure_working_memory(bool aborted) {
+  measuring_ = false;
+  if (aborted) return;  // measured again by the next forward of the kind
+  measured_kinds_.insert(kind_name_);
+  const DeviceBackend::AllocatorStats a = device_->allocator_stats();
+  // The most the ledger held during the forward: its bytes at the start and the end, or
+  // its peak where the forward raised it (overflow slots, nested scratch freed before the end).
+  const DeviceMemoryStats now = device_->memory_stats();
+  int64_t ledger = std::max(measure_base_, now.total.current);
+  if (now.total.peak > measure_base_peak_) ledger = std::max(ledger, now.total.peak);
+  const uint64_t used = a.peak_bytes > ledger ? static_cast<uint64_t>(a.peak_bytes - ledger) : 0;
+  measured_any_ = true;
+  measured_working_ = std::max(measured_working_, used);
+  const uint64_t wm = options_.working_memory_bytes;
+  if (!options_.grow_working_memory || used <= wm) return;
+  const uint64_t min_weights = minimum_weight_budget(plan_input(0, max_resident_));
+  uint64_t want = used + used / 8;
+  const uint64_t most = budget_bytes_ > min_weights ? budget_bytes_ - min_weights : 0;
+  const bool short_of_it = want > most;
+  want = std::min(want, most);
+  if (want <= wm) {
+    log::warn("model '" + model_name_ + "': the first '" + kind_name_ + "' forward used " + format_mib(used) +
+              " of device memory beyond the weights, more than the working memory of " + format_mib(wm) +
+              ", and the budget of " + format_mib(budget_bytes_) + " has no room to reserve more");
+    return;
+  }
+  options_.working_memory_bytes = want;
+  try {
+    replan(std::min(weight_budget_, budget_bytes_ - want), max_resident_);
+  } catch (const std::exception& e) {
+    options_.working_memory_bytes = wm;
+    log::warn("model '" + model_name_ + "': growing the working memory to " + format_mib(want) +
+              " after measuring " + format_mib(used) + " failed, keeping " + format_mib(wm) + ": " + e.what());
+    return;
+  }
+  ++working_grown_;
+  std::ostringstream line;
+  line << "model '" << model_name_ << "': the first '" << kind_name_ << "' forward used " << format_mib(used)
+       << " of device memory beyond the weights (allocator peak " << format_mib(static_cast<uint64_t>(a.peak_bytes))
+       << ", sluice's ledger " << format_mib(static_cast<uint64_t>(ledger)) << "), more than the working memory of "
+       << format_mib(wm) << ": working memory now " << format_mib(want)
+       << (short_of_it ? " (all the budget leaves beside the minimum)" : " (measured plus a margin)")
+       << ", replanned: " << plan_.residency_map();
+  if (short_of_it) {
+    log::warn(line.str());
+  } else {
+    log::info(line.str());
+  }
 }
 
 void StreamingEngine::end_forward_noexcept(bool aborted) noexcept {
@@ -788,6 +869,7 @@ BounceRing* StreamingEngine::bounce_for(const std::vector<SlotPart>& parts) {
   if (!pageable) return nullptr;
   if (!bounce_) {
     bounce_ = std::make_unique<BounceRing>(*device_, options_.bounce_slots, options_.bounce_slot_bytes);
+    bounce_->set_limit(bounce_limit());
     if (bounce_->pinned()) {
       log::info("model '" + model_name_ + "': streamed layers are in pageable memory; copying them through a " +
                 format_mib(bounce_->bytes()) + " pinned bounce ring so copies still overlap compute");
@@ -797,7 +879,25 @@ BounceRing* StreamingEngine::bounce_for(const std::vector<SlotPart>& parts) {
                 " bounce ring could not be pinned: copies are synchronous (no overlap with compute)");
     }
   }
+  bounce_->set_limit(bounce_limit());  // the ring may have changed since
   return bounce_.get();
+}
+
+// Note [bounce ring sizing]: ceil(ring capacity / slot) + F + 2 * P slots, F the fills the
+// ring holds unread at most, P the pieces of the largest streamed layer.
+size_t StreamingEngine::bounce_limit() const {
+  const uint64_t slot = options_.bounce_slot_bytes;
+  uint64_t smallest = 0, largest = 0;
+  for (const auto& r : layers_) {
+    if (r.resident) continue;
+    smallest = smallest ? std::min(smallest, r.slot_bytes) : r.slot_bytes;
+    largest = std::max(largest, r.slot_bytes);
+  }
+  const uint64_t capacity = ring_ ? ring_->capacity() : plan_.ring_bytes;
+  if (largest == 0) return options_.bounce_slots;
+  const uint64_t fills = capacity / std::max<uint64_t>(smallest, 1);
+  const uint64_t pieces = (capacity + slot - 1) / slot + fills + 2 * ((largest + slot - 1) / slot);
+  return static_cast<size_t>(std::max<uint64_t>(pieces, options_.bounce_slots));
 }
 
 std::unique_ptr<DeviceEvent> StreamingEngine::take_event() {
@@ -975,7 +1075,9 @@ std::vector<at::Tensor> StreamingEngine::place_sidecars(const std::vector<at::Te
       device_->record_use(d, StreamKind::copy);  // freed later without waiting for anything else
       out.push_back(std::move(d));
     }
-    device_->synchronize();  // the copies are done before a forward reads them (and a failed one throws here)
+    // FENCE(F9): the copies are done before a forward reads them (and a failed one throws here)
+    device_->synchronize();  // FENCE(F9)
+    for (const auto& d : out) sidecars_.emplace_back(d.getIntrusivePtr());
   } catch (...) {
     out.clear();
     lora_bytes_ -= bytes;
@@ -1191,6 +1293,9 @@ EngineStats StreamingEngine::stats(bool wait) {
   s.device = device_->name();
   s.budget_bytes = budget_bytes_;
   s.working_memory_bytes = options_.working_memory_bytes;
+  s.measured_working_memory = measured_any_;
+  s.measured_working_memory_bytes = measured_working_;
+  s.working_memory_grown = working_grown_;
   s.model_total_bytes = extra_bytes_;
   for (const auto& r : layers_) {
     s.model_total_bytes += r.stored_bytes;
@@ -1236,6 +1341,8 @@ EngineStats StreamingEngine::stats(bool wait) {
     s.bounce_bytes = bounce_->bytes();
     s.bounce_copies = bounce_->copies();
     s.sync_copies = bounce_->sync_copies();
+    s.bounce_waits = bounce_->waits();
+    s.bounce_limit_bytes = bounce_->limit() * bounce_->slot_bytes();
   }
   s.forward_records.assign(records_.begin(), records_.end());
   set_allocator_stats(s, *device_);

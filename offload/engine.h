@@ -51,6 +51,24 @@
 // Stored weights are never written by any of these paths, and the device accounting
 // returns to what the engine holds (tests compare the ledgers before and after).
 //
+// Note [measured working memory]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The working memory (activations, cuBLAS workspaces, the allocator's rounding, blocks
+// still waiting on stream events) starts as a guess (EngineOptions::working_memory_bytes;
+// the CLI and the model cache use 1 GiB x (res/1024)^2, Note [working memory default]).
+// The first forward of each kind measures it: at its start the device allocator's peak is
+// reset (DeviceBackend::reset_allocator_peak), at its end the peak is compared with the
+// device bytes sluice's ledger holds (the larger of its start and end):
+//     measured = allocator peak - ledger
+// When the measurement passes the working memory, the working memory grows to it plus a
+// margin (an eighth) and the engine replans under the smaller weight
+// budget, with one INFO line; a budget too small for it keeps the most it can and warns.
+// The stats report the measurement (budget.measured_working_memory_bytes) and the grown
+// working memory. Only backends with allocator statistics measure (a GPU's caching
+// allocator, the CPU device's count of device bytes alive). The measurement is an upper
+// bound where other users allocate on the device during the forward (the whole device's
+// allocator is read).
+//
 // Note [device extras]
 // ~~~~~~~~~~~~~~~~~~~~
 // Every device byte the engine's model uses is charged to its budget before it is
@@ -60,7 +78,12 @@
 //    given): the plan first streams more layers until the sidecars fit beside the resident
 //    ones, then they are allocated as MemoryKind::lora. Sidecars that cannot fit even with
 //    every streamable layer streamed give one ResourceError naming them and the bytes
-//    missing. When they are dropped (sidecars_released) the plan grows back.
+//    missing. When they are dropped (sidecars_released) the plan grows back. Their copies
+//    are done before place_sidecars() returns (FENCE(F9)); every forward declares them as
+//    compute reads (begin_access, so the strict device checks that order) and records its
+//    use of them (FENCE(F10)), as it does for the parameters, the resident weights, the
+//    staging slots and the upcast scratch. The model's inputs are the caller's tensors,
+//    not allocations of the engine: the strict device does not track them.
 //  - Upcasts write into the planned scratch buffer; the ATen fallback converts in place
 //    (runtime/fp8.h aten_upcast_into), without a temporary of the layer's size.
 //  - Leases nested beyond the plan (a module holding two layers' weights at once) need a
@@ -83,6 +106,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "offload/calibration.h"
@@ -127,11 +151,14 @@ struct EngineOptions {
                                                // like any other by default: the stored bytes are sent, no upcast)
   bool timing = true;                          // device-timed stall/upcast/copy stats (a few events per layer)
   bool plan_from_measurements = true;          // measure compute and copies and replan by them (Note [calibration]; needs timing)
-  uint32_t bounce_slots = 4;                   // pinned bounce slots for pageable copies (Note [bounce ring])
+  uint32_t bounce_slots = 4;                   // pinned bounce slots for pageable copies to start with; the ring grows
+                                               // as far as Note [bounce ring sizing] says rather than wait on compute
   uint64_t bounce_slot_bytes = uint64_t{8} << 20;
   bool trace = false;                          // record per-layer spans for trace() (implies timing)
   size_t max_forward_records = 1024;           // per-forward records kept in stats()
   bool log_attach = true;                      // INFO "Loaded model ..." and residency lines at attach (the model cache logs its own)
+  bool grow_working_memory = true;             // grow working_memory_bytes to what forwards measure (Note [measured
+                                               // working memory]); the model cache grows its own instead
 };
 
 // Device bytes a model needs under an engine's options, known before attaching it (the
@@ -172,6 +199,13 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   void sidecars_released(uint64_t bytes) noexcept override;
   // Device bytes of the sidecars placed now, and reserved for nested leases.
   uint64_t sidecar_bytes() const { return lora_bytes_; }
+  // Note [measured working memory]: the most a first forward of a kind used beyond the
+  // ledger (none before one was measured), and the working memory now.
+  std::optional<uint64_t> measured_working_memory() const {
+    return measured_any_ ? std::optional<uint64_t>(measured_working_) : std::nullopt;
+  }
+  uint64_t working_memory() const { return options_.working_memory_bytes; }
+  const std::string& last_forward_kind() const { return last_kind_name_; }
   uint64_t nested_reserve_bytes() const { return nested_reserve_; }
 
   // Delimit one forward (for per-forward stats, the recorded order and wrap-around
@@ -199,8 +233,10 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   int64_t partial_unload(uint64_t bytes);  // free at least `bytes` (down to the minimum)
   int64_t full_load();                     // every layer resident; ResourceError if it does not fit
   int64_t full_unload();                   // the minimum: required layers, ring, scratch
-  // New budget (working memory unchanged); replans. ResourceError if too small.
-  void set_budget(uint64_t budget_bytes);
+  // New budget (working memory unchanged); replans. ResourceError if too small. A lower
+  // budget gives the memory it freed back to the driver (DeviceBackend::release_cached_memory)
+  // unless `release_freed` is false (the model cache releases once per budget cut itself).
+  void set_budget(uint64_t budget_bytes, bool release_freed = true);
   // New cap on resident streamable bytes (fraction 0..1, nullopt: none); replans under the
   // current limit (or only kept for the next attach when detached). InvalidArgument for
   // a fraction outside 0..1.
@@ -301,7 +337,9 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   void plan_from_layers();               // plan_'s residency and sizes from the layers as they are
   void ensure_ring();                    // a ring for plan_ if there is none (ResourceError if it does not fit)
   void make_ring(uint64_t capacity);     // a new ring with its first slots made (ResourceError if it does not fit)
-  int64_t replan(uint64_t weight_budget, std::optional<double> max_resident);
+  // `release_freed`: a budget cut, whose freed device memory goes back to the driver
+  // (Note [releasing cached memory]).
+  int64_t replan(uint64_t weight_budget, std::optional<double> max_resident, bool release_freed = false);
   void planned();              // tells the calibrator what plan_ predicts (Note [calibration])
   void replan_if_measured();   // between forwards: a plan from new measurements, when due
   void require_idle(const char* what) const;
@@ -313,6 +351,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   void retire_ring();  // drops the ring, counting its unread copies as wasted
   int take_scratch(uint64_t bytes);
   BounceRing* bounce_for(const std::vector<SlotPart>& parts);  // the bounce ring when a part is pageable
+  size_t bounce_limit() const;  // the most slots it grows to (Note [bounce ring sizing])
   std::unique_ptr<DeviceEvent> take_event();  // from the pool of finished events
   std::unique_ptr<DeviceEvent> mark();        // take_event() recorded on the compute stream
   void add_span(ForwardAcc& acc, TraceTrack track, int kind, int64_t layer, std::unique_ptr<DeviceEvent> a,
@@ -338,6 +377,10 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   uint64_t extra_bytes_ = 0;
   uint64_t scratch_bytes_ = 0;
   uint64_t lora_bytes_ = 0;        // sidecars placed through place_sidecars()
+  // The sidecars placed, without keeping them alive: every forward declares them as compute
+  // reads (begin_access) and records its use of them, like the parameters.
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> sidecars_;
+  std::vector<at::Tensor> forward_sidecars_;  // the live ones the open forward reads
   uint64_t nested_reserve_ = 0;    // room every plan leaves for nested leases (Note [device extras])
   uint64_t nested_seen_ = 0;       // the most leases beyond the plan held at once in this forward
   bool nested_warned_ = false;
@@ -379,6 +422,15 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   TraceWriter trace_;
   std::string deferred_error_;  // from end_forward_noexcept(), raised by the next acquire()
   LayerProgressFn layer_progress_;
+  // Note [measured working memory]
+  std::unordered_set<std::string> measured_kinds_;
+  bool measuring_ = false;       // the open forward is measured
+  int64_t measure_base_ = 0;     // the backend ledger's bytes at its start
+  int64_t measure_base_peak_ = 0;  // and its peak
+  bool measured_any_ = false;
+  uint64_t measured_working_ = 0;
+  uint64_t working_grown_ = 0;
+  void measure_working_memory(bool aborted);  // at the end of a measured forward
   int64_t released_ = 0;  // leases released in the open forward (for layer_progress_)
 };
 

@@ -37,7 +37,7 @@ void ResidencyApplier::make_resident(LayerRecord& r) {
   device_.copy_to_device(w, r.host_w);
   if (b.defined()) device_.copy_to_device(b, r.host_b);
   if (s.defined()) device_.copy_to_device(s, r.host_s);
-  for (const at::Tensor* t : {&w, &b, &s}) device_.record_use(*t, StreamKind::copy);  // FENCE(F4)
+  for (const at::Tensor* t : {&w, &b, &s}) device_.record_use(*t, StreamKind::copy);  // a second guard behind F7
   r.dev_w = w;
   r.dev_b = b;
   r.dev_s = s;

@@ -22,8 +22,10 @@
 //  - The caller synchronizes and drops its staging ring before apply() (a failed prefetch
 //    is reported there, and no slot of the old ring is read afterwards).
 //  - Layers leaving the device go first, so that their bytes are free for the promoted ones.
-//  - Each resident copy's use by the copy stream is recorded (FENCE(F4)), so that freeing it
-//    later (a demotion, a detach) waits for the copy even when nothing synchronized.
+//  - Each resident copy's use by the copy stream is recorded, so that freeing it later (a
+//    demotion, a detach) waits for the copy even when nothing synchronized. Today apply()'s
+//    synchronize (F7) always comes first, so this is a second guard, not a fence of its own
+//    (scripts/fence_mutations.sh lists it so).
 //  - apply() synchronizes after the copies and before returning (FENCE(F7)): no compute
 //    reads a resident layer before its copy is done, and a failed copy throws DeviceError
 //    there, before anything reads it.

@@ -144,7 +144,24 @@ void StagingRing::fill(int index, int64_t layer, uint64_t epoch, const std::vect
   uint64_t copy_bytes = 0;
   device_.wait(StreamKind::copy, *s.compute_done);  // FENCE(F2): the slot's last reader is done
   if (start) device_.record(*start, StreamKind::copy);
-  for (const auto& part : parts) {
+  bool pageable = false;
+  for (const auto& part : parts) pageable = pageable || (bounce && !device_.is_pinned(part.host));
+  if (pageable) {
+    // All parts gathered through the bounce ring (Note [bounce ring]).
+    std::vector<BounceRing::Part> gathered;
+    for (const auto& part : parts) {
+      TORCH_INTERNAL_ASSERT(part.offset + part.host.nbytes() <= slot_bytes, "slot part out of bounds");
+      copy_bytes += part.host.nbytes();
+      gathered.push_back({part.host.reshape({-1}).view(at::kByte), part.offset});
+    }
+    auto leases = s.leases;
+    auto violations = violations_;
+    bounce->copy(s.buffer, gathered, [leases, violations] {
+      if (leases->load() > 0) violations->fetch_add(1);
+    });
+    device_.record_use(s.buffer, StreamKind::copy);  // FENCE(F4): a free of the ring waits for this copy
+  }
+  for (const auto& part : pageable ? std::vector<SlotPart>{} : parts) {
     const uint64_t n = part.host.nbytes();
     TORCH_INTERNAL_ASSERT(part.offset + n <= slot_bytes, "slot part out of bounds");
     copy_bytes += n;
@@ -155,11 +172,7 @@ void StagingRing::fill(int index, int64_t layer, uint64_t epoch, const std::vect
     auto check = [leases, violations] {
       if (leases->load() > 0) violations->fetch_add(1);
     };
-    if (bounce && !device_.is_pinned(src)) {
-      bounce->copy(dst, src, check);
-    } else {
-      device_.copy_to_device(dst, src, check);
-    }
+    device_.copy_to_device(dst, src, check);
     device_.record_use(dst, StreamKind::copy);  // FENCE(F4): a free of the ring waits for this copy
   }
   device_.record(*s.copy_done, StreamKind::copy);

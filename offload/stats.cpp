@@ -51,7 +51,11 @@ std::string EngineStats::to_json(int indent) const {
                 {"layers", layers},
                 {"resident_layers", resident_layers},
                 {"streamed_layers", streamed_layers}};
-  j["budget"] = {{"budget_bytes", budget_bytes}, {"working_memory_bytes", working_memory_bytes}};
+  j["budget"] = {{"budget_bytes", budget_bytes},
+                 {"working_memory_bytes", working_memory_bytes},
+                 {"measured_working_memory_bytes",
+                  measured_working_memory ? nlohmann::json(measured_working_memory_bytes) : nlohmann::json()},
+                 {"working_memory_grown", working_memory_grown}};
   nlohmann::json kinds = nlohmann::json::object();
   for (size_t k = 0; k < kMemoryKinds; ++k) kinds[memory_kind_name(static_cast<MemoryKind>(k))] = stat_json(device_memory.by_kind[k]);
   // The ledger counts the bytes sluice requested; the allocator's numbers are its own.
@@ -112,7 +116,9 @@ std::string EngineStats::to_json(int indent) const {
                           {"note", "detected only with --device cpu; a GPU run always reports 0"}};
   j["pageable_copies"] = {{"bounce_ring_bytes", bounce_bytes},
                           {"bounce_copies", bounce_copies},
-                          {"synchronous_copies", sync_copies}};
+                          {"synchronous_copies", sync_copies},
+                          {"bounce_waits", bounce_waits},
+                          {"bounce_ring_limit_bytes", bounce_limit_bytes}};
   j["forward_count"] = forwards;
   nlohmann::json fw = nlohmann::json::array();
   for (const auto& f : forward_records) {

@@ -106,7 +106,13 @@ struct EngineStats {
   std::string residency;              // residency map, see ResidencyPlan::residency_map()
   std::string residency_grid;         // per layer, see ResidencyPlan::residency_grid()
   uint64_t budget_bytes = 0;          // device budget
-  uint64_t working_memory_bytes = 0;  // part of the budget left for activations
+  uint64_t working_memory_bytes = 0;  // part of the budget left for activations (grown by measurements)
+  // Note [measured working memory]: the most device memory a first forward of a kind used
+  // beyond what sluice's ledger holds (allocator peak minus ledger), over the kinds measured;
+  // measured_working_memory false until a forward was measured.
+  bool measured_working_memory = false;
+  uint64_t measured_working_memory_bytes = 0;
+  uint64_t working_memory_grown = 0;  // times the measurement grew the working memory (each a replan)
   uint64_t layers = 0;                // managed layers
   uint64_t resident_layers = 0;
   uint64_t streamed_layers = 0;
@@ -134,10 +140,13 @@ struct EngineStats {
   uint64_t bounce_bytes = 0;        // pinned host bytes of the bounce ring (0: none made)
   uint64_t bounce_copies = 0;       // pieces copied through it
   uint64_t sync_copies = 0;         // copies made synchronously because the bounce ring could not be pinned
+  uint64_t bounce_waits = 0;        // pieces that waited for a slot still in flight (Note [bounce ring sizing])
+  uint64_t bounce_limit_bytes = 0;  // what the bounce ring may grow to
   std::vector<ForwardRecord> forward_records;  // the most recent forwards, oldest first
 
   // JSON text with the fields the CLI's --stats prints: model.{name,total_bytes,
-  // resident_bytes,residency}, budget.{budget_bytes,working_memory_bytes},
+  // resident_bytes,residency}, budget.{budget_bytes,working_memory_bytes,
+  // measured_working_memory_bytes (null until measured),working_memory_grown},
   // device.{name,ledger_peak_bytes (peak_bytes: the same, older name),current_bytes,by_kind,
   // weight_bytes,ring_bytes,scratch_bytes,lora_bytes (current, by use),
   // allocator_stats ("available"|"unavailable"),allocator_{current,peak,reserved}_bytes

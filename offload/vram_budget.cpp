@@ -81,8 +81,25 @@ ResolvedVramBudget resolve_vram_budget(DeviceBackend& device, std::string_view s
     return {};
   }
   if (!is_auto_vram_budget(spec)) {
-    ResolvedVramBudget r = resolve_vram_budget(spec, headroom_spec, device.memory_info(), flag, headroom_flag);
-    if (!r.how.empty()) r.how += " on " + device.name();
+    const DeviceBackend::DeviceMemoryInfo memory = device.memory_info();
+    ResolvedVramBudget r = resolve_vram_budget(spec, headroom_spec, memory, flag, headroom_flag);
+    if (!r.how.empty()) {
+      // A percent of the total is clamped to what this process can have: the free memory
+      // plus what sluice already holds there (other processes keep theirs).
+      const int64_t held = std::max<int64_t>(device.memory_stats().total.current, 0);
+      if (memory.total_bytes > 0) {
+        const uint64_t can = static_cast<uint64_t>(
+            std::min(memory.total_bytes, std::max<int64_t>(memory.free_bytes, 0) + held));
+        if (r.bytes > can) {
+          r.how += ", clamped to the free " + format_bytes(static_cast<uint64_t>(std::max<int64_t>(memory.free_bytes, 0))) +
+                   (held > 0 ? " plus the " + format_bytes(static_cast<uint64_t>(held)) + " sluice holds" : std::string()) +
+                   " = " + format_bytes(can);
+          r.bytes = can;
+          if (r.bytes == 0) throw InvalidArgument(flag + " " + quoted(spec) + ": nothing of the device is free");
+        }
+      }
+      r.how += " on " + device.name();
+    }
     return r;
   }
   device.release_cached_memory();

@@ -5,7 +5,9 @@
 // ~~~~~~~~~~~~~~~~~~
 // A budget is one of
 //  - a size ("6GiB", "512MiB", "8G", bytes; Note [size suffixes] in runtime/size_parse.h);
-//  - "N%": N percent of the device's TOTAL memory (not of its free memory);
+//  - "N%": N percent of the device's TOTAL memory (not of its free memory), clamped on a
+//    device to what this process can have: its free memory plus what sluice already holds
+//    there (the "how" says so when it clamps);
 //  - "auto": the device's free memory at the time it is resolved (when the cache is
 //    created, i.e. before the first load, or when the budget is set again), minus a
 //    headroom, so that memory other processes hold is respected. The headroom

@@ -11,6 +11,7 @@
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
+#include "tests/counting_device.h"
 #include "tests/device_env.h"
 #include "tests/toy_model.h"
 
@@ -746,9 +747,10 @@ TEST_CASE("engine: nested leases get their own slot and scratch") {
   CHECK(engine.stats().slot_violations == 0);
 }
 
-TEST_CASE("engine: unloading and detaching give freed device memory back to the allocator's driver") {
+TEST_CASE("engine: a budget cut and detaching give freed device memory back to the allocator's driver") {
   // The strict CPU device caches freed blocks like a GPU's caching allocator; its reserved
-  // bytes fall only when the engine asks for the cache to be emptied.
+  // bytes fall only when the engine asks for the cache to be emptied, which it does where
+  // memory must leave the process (Note [releasing cached memory] in offload/device.h).
   CpuDeviceOptions co;
   co.strict = true;
   auto dev = std::shared_ptr<DeviceBackend>(make_cpu_device(co));
@@ -761,15 +763,113 @@ TEST_CASE("engine: unloading and detaching give freed device memory back to the 
   const auto reserved = [&] { return dev->allocator_stats().reserved_bytes; };
   const int64_t full = reserved();
   CHECK(full >= static_cast<int64_t>(engine.device_bytes()) - static_cast<int64_t>(engine.plan().ring_bytes));
-  const int64_t freed = -engine.full_unload();
+  // Unloading keeps what it freed cached (for this process's next allocations).
+  const int64_t unloaded = -engine.full_unload();
+  REQUIRE(unloaded > 0);
+  CHECK(reserved() >= full);
+  engine.full_load();
+  run(engine, model, x);
+  const int64_t before_cut = reserved();
+  // A budget cut gives it back: everything the cut freed left the cache (`freed` is the
+  // demoted layers' bytes minus the ring's reservation, and the ring's slots are at most
+  // that reservation).
+  const uint64_t held = engine.device_bytes();
+  engine.set_budget(engine.minimum_budget());
+  const int64_t freed = static_cast<int64_t>(held) - static_cast<int64_t>(engine.device_bytes());
   REQUIRE(freed > 0);
-  // Everything the unload freed left the cache: `freed` is the demoted layers' bytes minus
-  // the ring's reservation, and the ring's slots are at most that reservation.
-  CHECK(reserved() <= full - freed);
+  CHECK(reserved() <= before_cut - freed);
   run(engine, model, x);
   engine.detach();
   CHECK(reserved() == 0);
   CHECK(dev->allocator_stats().current_bytes == 0);
+}
+
+TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache and a shrinking replan does not") {
+  // Note [releasing cached memory] (offload/device.h): emptyCache synchronizes the device
+  // and empties the cache other models allocate from; a plan that only shrinks keeps its
+  // freed blocks cached for the next forward.
+  auto counting = std::make_shared<sluice::testing::CountingDevice>(slowed_cpu(0, 0));
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  StreamingEngine engine(options(counting));
+  engine.attach(*model, "toy");
+  REQUIRE(engine.plan().streamed_count() == 0);
+  CHECK(at::equal(run(engine, model, x), ref));
+  const int before = counting->release_calls();
+  engine.set_max_resident(0.0);  // shrinks: streams every block layer
+  CHECK(engine.plan().streamed_count() > 0);
+  CHECK(engine.partial_unload(MiB) <= 0);
+  CHECK(engine.full_unload() <= 0);
+  CHECK(at::equal(run(engine, model, x), ref));
+  CHECK(counting->release_calls() == before);  // no emptyCache for a plan that shrank
+  engine.set_max_resident(std::nullopt);
+  engine.full_load();
+  const int64_t budget = static_cast<int64_t>(engine.minimum_budget()) + 50000;
+  engine.set_budget(static_cast<uint64_t>(budget));  // a budget cut: the freed memory goes back
+  CHECK(counting->release_calls() == before + 1);
+  engine.set_budget(64 * MiB);  // a budget raise releases nothing
+  CHECK(counting->release_calls() == before + 1);
+  engine.detach();
+  CHECK(counting->release_calls() == before + 2);
+}
+
+TEST_CASE("engine: a first forward whose activations pass the working memory grows it to the measurement and replans") {
+  // Note [measured working memory]: the activations are device memory the allocator hands
+  // out and no ledger of sluice counts (CountingDevice plays them on the CPU device). The
+  // first forward of a kind measures allocator peak minus ledger; more than the working
+  // memory grows it (plus an eighth) and replans under what is left.
+  auto counting = std::make_shared<sluice::testing::CountingDevice>(slowed_cpu(0, 0));
+  ToyModel model;
+  const at::Tensor x = input();
+  const at::Tensor ref = model->forward(x);
+  EngineOptions o = options(counting);
+  o.working_memory_bytes = 64 * 1024;
+  // Every layer resident with room to spare, but not with the activations below beside them.
+  uint64_t full = 0, minimum = 0;
+  {
+    StreamingEngine probe(options(counting));
+    probe.attach(*model, "probe");
+    full = probe.device_bytes();
+    minimum = probe.minimum_budget() - MiB;  // its working memory is 1 MiB
+  }
+  REQUIRE(full > minimum + 64 * 1024);
+  o.budget_bytes = o.working_memory_bytes + full + 32 * 1024;
+  const int64_t activations = static_cast<int64_t>((o.budget_bytes - (minimum + full) / 2) * 8 / 9);
+  StreamingEngine engine(o);
+  engine.attach(*model, "toy");
+  REQUIRE(engine.plan().streamed_count() == 0);
+  const uint64_t infos = sluice::log::message_count(sluice::log::Level::info);
+  const auto forward = [&](std::string_view kind) {
+    ForwardScope scope(engine, kind);
+    counting->activations(activations);  // held across the forward, freed at its end
+    at::Tensor y = model->forward(x);
+    counting->activations(-activations);
+    return y;
+  };
+  CHECK(at::equal(forward("dit"), ref));
+  EngineStats s = engine.stats();
+  CHECK(s.measured_working_memory);
+  CHECK(s.measured_working_memory_bytes >= static_cast<uint64_t>(activations));
+  CHECK(s.measured_working_memory_bytes <= static_cast<uint64_t>(activations) + 64 * 1024);
+  CHECK(s.working_memory_grown == 1);
+  CHECK(s.working_memory_bytes >= s.measured_working_memory_bytes);
+  CHECK(engine.working_memory() == s.working_memory_bytes);
+  CHECK(sluice::log::message_count(sluice::log::Level::info) == infos + 1);  // the one line
+  CHECK(engine.plan().streamed_count() > 0);  // replanned under budget minus the grown working memory
+  CHECK(engine.device_bytes() + s.working_memory_bytes <= o.budget_bytes);
+  const auto j = nlohmann::json::parse(s.to_json());
+  CHECK(j["budget"]["measured_working_memory_bytes"].get<uint64_t>() == s.measured_working_memory_bytes);
+  CHECK(j["budget"]["working_memory_bytes"].get<uint64_t>() == s.working_memory_bytes);
+  // Measured once per kind: the next forward of the kind neither measures nor replans.
+  const std::string map = engine.plan().residency_map();
+  CHECK(at::equal(forward("dit"), ref));
+  CHECK(engine.stats().working_memory_grown == 1);
+  CHECK(engine.plan().residency_map() == map);
+  // A kind whose forward fits the working memory now changes nothing.
+  CHECK(at::equal(run(engine, model, x, "adapter"), ref));
+  CHECK(engine.stats().working_memory_grown == 1);
+  engine.detach();
 }
 
 TEST_CASE("engine: what nested leases held beyond the plan is reserved in later plans and the minimum") {

@@ -26,12 +26,15 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "cache/model_cache.h"
 #include "offload/cpu_device.h"
 #include "offload/engine.h"
 #include "offload/layer.h"
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
+#include "tests/counting_device.h"
 #include "tests/device_env.h"
 
 using namespace sluice;
@@ -745,6 +748,40 @@ TEST_CASE("model_cache: the published state follows forwards and residency chang
   cache->set_vram_budget(W + 1000);
   CHECK(cache->entry_state(a).device_bytes == 0);
   CHECK(cache->entry_state(a).residency.empty());
+}
+
+TEST_CASE("model_cache: a forward that uses more than the working memory grows the cache's working memory") {
+  // Note [measured working memory] (offload/engine.h): the engines measure, the cache keeps
+  // the working memory out of every share and grows it to a measurement plus an eighth.
+  auto counting = std::make_shared<sluice::testing::CountingDevice>(
+      std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device()));
+  CacheOptions o = options(512 * MiB, 1 * MiB);
+  o.device = counting;
+  auto cache = ModelCache::create(o);
+  auto e = cache->load(spec());
+  Lock l = cache->lock(e);
+  const Inputs in = inputs(cache->entry_config(e));
+  const at::Tensor ref = forward(*cache, l, in);
+  CHECK(cache->stats().working_memory == 1 * MiB);  // anima-tiny's activations are host memory here
+  const int64_t activations = 8 * MiB;
+  at::Tensor out;
+  cache->run(l, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+    c10::InferenceMode guard;
+    offload::ForwardScope scope(engine, "adapter-like");  // a kind not measured yet
+    counting->activations(activations);
+    out = m.forward(in.x, in.t, in.ctx);
+    counting->activations(-activations);
+  });
+  CHECK(at::equal(out, ref));
+  const CacheStats s = cache->stats();
+  CHECK(s.measured_working_memory >= static_cast<uint64_t>(activations));
+  CHECK(s.working_memory >= s.measured_working_memory);
+  CHECK(s.working_memory < 2 * static_cast<uint64_t>(activations));
+  CHECK(s.vram_limit == s.vram_budget - s.working_memory);
+  CHECK(s.vram_reserved <= s.vram_limit);
+  CHECK(nlohmann::json::parse(cache->stats_json())["measured_working_memory_bytes"].get<uint64_t>() ==
+        s.measured_working_memory);
+  CHECK(at::equal(forward(*cache, l, in), ref));
 }
 
 TEST_CASE("model_cache: concurrent misses reserve their RAM before reading") {

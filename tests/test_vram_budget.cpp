@@ -125,9 +125,14 @@ TEST_CASE("cpu device: memory_info comes from the memory source when one is give
   CHECK(dev->memory_info().free_bytes == 1 * GiB);
   // "auto" on the device reads it now; with nothing held by sluice, free is the source's.
   CHECK(resolve_vram_budget(*dev, "auto", "256MiB").bytes == static_cast<uint64_t>(GiB - 256 * MiB));
-  CHECK(resolve_vram_budget(*dev, "50%", "").bytes == static_cast<uint64_t>(4 * GiB));
+  // A percentage is of the total, clamped to the free memory plus what sluice holds.
+  CHECK(resolve_vram_budget(*dev, "10%", "").bytes == static_cast<uint64_t>(8 * GiB / 10));
+  const ResolvedVramBudget half = resolve_vram_budget(*dev, "50%", "");
+  CHECK(half.bytes == static_cast<uint64_t>(GiB));
+  CHECK(half.how.find("clamped to the free") != std::string::npos);
   // What sluice already holds on the device counts as free for its own budget.
   at::Tensor held = dev->allocate({64 * MiB}, at::kByte, MemoryKind::resident, "held");
+  CHECK(resolve_vram_budget(*dev, "50%", "").bytes == static_cast<uint64_t>(GiB + 64 * MiB));
   const ResolvedVramBudget r = resolve_vram_budget(*dev, "auto", "256MiB");
   CHECK(r.bytes == static_cast<uint64_t>(GiB + 64 * MiB - 256 * MiB));
   CHECK(r.how.find("64.0MiB sluice holds") != std::string::npos);
