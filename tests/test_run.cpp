@@ -430,3 +430,27 @@ TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
   // A budget below one layer plus the ring is a runtime error that names the minimum.
   expect_error(small_run({"--vram-budget", "2MiB", "--working-memory", "1MiB"}), 1, {"anima-small", "minimum"});
 }
+
+TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model fits its measured working memory") {
+  // anima-2b's 2012 MiB of fp8 weights on an 8 GiB card, scaled to anima-small's 10.2 MiB:
+  // 42 MiB of device memory, and working memory guessed as 1 GiB scaled alike (5 MiB). At
+  // 512 px the forward's activations need more than that guess: the run measures what the
+  // allocator handed out beyond the weights, grows its working memory and replans, and
+  // never runs out of memory. TorchDevice drives the accelerator as it drives a GPU.
+  setenv("SLUICE_DEVICE_LIBRARY", SLUICE_TEST_ACCEL_LIBRARY, 1);
+  setenv("SLUICE_TEST_ACCEL_MEMORY", "42MiB", 1);
+  TempDir dir;
+  const std::string stats = dir / "stats.json";
+  const Result r = run_ok({"run", "--device", "testaccel", "--synthetic", "anima-small", "--steps", "2", "--resolution",
+                           "512", "--working-memory", "5MiB", "--stats-json", stats});
+  INFO(r.out << r.err);
+  CHECK(r.out.find("on testaccel:0") != std::string::npos);
+  CHECK(r.err.find("out of memory") == std::string::npos);
+  const nlohmann::json j = nlohmann::json::parse(slurp(stats));
+  const nlohmann::json& budget = j.at("budget");
+  REQUIRE(budget.at("measured_working_memory_bytes").is_number());
+  const uint64_t measured = budget.at("measured_working_memory_bytes").get<uint64_t>();
+  CHECK(measured > 5ull << 20);  // more than the guess
+  CHECK(budget.at("working_memory_bytes").get<uint64_t>() >= measured);  // grown to cover it
+  CHECK(j.at("device").at("allocator_peak_bytes").get<uint64_t>() <= 42ull << 20);
+}
