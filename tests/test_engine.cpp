@@ -814,7 +814,10 @@ TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache a
   CHECK(counting->release_calls() == before + 2);
 }
 
-TEST_CASE("engine: a first forward whose activations pass the working memory grows it to the measurement and replans") {
+// [cpu-device]: the CPU device's allocator sees no activations but those CountingDevice plays, so the
+// measurement is exact here; on a torch device the forward's real activations add to it.
+TEST_CASE("engine: a first forward whose activations pass the working memory grows it to the measurement and replans",
+          "[cpu-device]") {
   // Note [measured working memory]: the activations are device memory the allocator hands
   // out and no ledger of sluice counts (CountingDevice plays them on the CPU device). The
   // first forward of a kind measures allocator peak minus ledger; more than the working
