@@ -139,6 +139,21 @@ struct Aliased {
   at::Tensor device, cpu;
 };
 
+// `v` with `f` applied to it when it is a tensor, or to each tensor of it when it is a list.
+template <typename F>
+void map_tensors(c10::IValue& v, F f) {
+  if (v.isTensor()) {
+    v = f(v.toTensor());
+  } else if (v.isList()) {
+    auto list = v.toList().copy();
+    for (size_t j = 0; j < list.size(); ++j) {
+      const c10::IValue e = list.get(j);
+      if (e.isTensor()) list.set(j, f(e.toTensor()));
+    }
+    v = std::move(list);
+  }
+}
+
 // A CPU result back on the device: the input itself for an in-place or out= operator, a
 // view of the input's storage for a view, else a copy into new device memory.
 at::Tensor to_device(const at::Tensor& t, const std::vector<Aliased>& aliased) {
@@ -193,15 +208,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const c10::Argument& argument = schema.arguments()[i];
     const std::string& arg = argument.name();
     const bool written = argument.alias_info() && argument.alias_info()->isWrite();
-    if (v.isTensor()) {
-      v = convert(v.toTensor(), arg, written);
-    } else if (v.isList()) {
-      auto list = v.toList().copy();
-      for (size_t j = 0; j < list.size(); ++j) {
-        const c10::IValue e = list.get(j);
-        if (e.isTensor()) list.set(j, convert(e.toTensor(), arg, written));
-      }
-      v = std::move(list);
+    if (v.isTensor() || v.isList()) {
+      map_tensors(v, [&](const at::Tensor& t) { return convert(t, arg, written); });
     } else if (v.isDevice() && v.toDevice().is_privateuseone()) {
       v = c10::Device(c10::kCPU);  // a factory: it makes its result on the host, copied below
     }
@@ -219,17 +227,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   const size_t nret = schema.returns().size();
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) {
-    c10::IValue& v = (*stack)[i];
-    if (v.isTensor()) {
-      v = to_device(v.toTensor(), aliased);
-    } else if (v.isList()) {
-      auto list = v.toList().copy();
-      for (size_t j = 0; j < list.size(); ++j) {
-        const c10::IValue e = list.get(j);
-        if (e.isTensor()) list.set(j, to_device(e.toTensor(), aliased));
-      }
-      v = std::move(list);
-    }
+    map_tensors((*stack)[i], [&](const at::Tensor& t) { return to_device(t, aliased); });
   }
 }
 

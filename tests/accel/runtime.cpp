@@ -382,25 +382,29 @@ c10::CachingDeviceAllocator::DeviceStats DeviceAllocator::getDeviceStats(c10::De
   return m.stats;
 }
 
-void DeviceAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
+namespace {
+// `reset` applied to every statistic the allocator keeps, under its lock.
+template <typename Reset>
+void reset_stats(c10::DeviceIndex device, Reset reset) {
   check_device(device);
   Memory& m = memory();
   std::lock_guard<std::mutex> lock(m.mutex);
   for (auto* arr : {&m.stats.allocation, &m.stats.segment, &m.stats.active, &m.stats.allocated_bytes,
                     &m.stats.reserved_bytes, &m.stats.active_bytes, &m.stats.requested_bytes}) {
-    for (auto& s : *arr) s.reset_accumulated();
+    for (auto& s : *arr) reset(s);
   }
+}
+}  // namespace
+
+void DeviceAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
+  reset_stats(device, [](c10::CachingAllocator::Stat& s) { s.reset_accumulated(); });
+  Memory& m = memory();
+  std::lock_guard<std::mutex> lock(m.mutex);
   m.stats.num_alloc_retries = m.stats.num_ooms = m.stats.num_device_alloc = m.stats.num_device_free = 0;
 }
 
 void DeviceAllocator::resetPeakStats(c10::DeviceIndex device) {
-  check_device(device);
-  Memory& m = memory();
-  std::lock_guard<std::mutex> lock(m.mutex);
-  for (auto* arr : {&m.stats.allocation, &m.stats.segment, &m.stats.active, &m.stats.allocated_bytes,
-                    &m.stats.reserved_bytes, &m.stats.active_bytes, &m.stats.requested_bytes}) {
-    for (auto& s : *arr) s.reset_peak();
-  }
+  reset_stats(device, [](c10::CachingAllocator::Stat& s) { s.reset_peak(); });
 }
 
 std::pair<size_t, size_t> DeviceAllocator::getMemoryInfo(c10::DeviceIndex device) {
