@@ -181,7 +181,7 @@ for l in "${lines[@]}"; do
         failed=""
         for b in sluice_test_streams sluice_test_engine; do
           SLUICE_STRICT_DEVICE=1 SLUICE_LOG_LEVEL=off sh -c '"$@"; exit $?' sh timeout 600 "$build/tests/$b" > "$backup.out" 2>&1 ||
-            failed+="$b: $(grep -m1 -o 'strict device: hazard: [^(]*' "$backup.out" || awk '/^-{20,}$/ { getline; print; exit }' "$backup.out"); "
+            failed+="$b: $(grep -m1 -o 'strict device: hazard: [^(]*' "$backup.out" || awk '/^-------------------------/ { getline; print; exit }' "$backup.out"); "
         done
         echo "  removed: ${failed:-no stream or engine test fails} ($((SECONDS - t0)) s)"
       else
