@@ -16,14 +16,18 @@
 #   --list    classify the candidates and print them, build and run nothing (fast)
 #   --groups  also remove each FENCE(Fn) group whole (all its lines at once), as before
 #   --only    only candidates whose "file:line: text" matches REGEX
+#   --check-listed  also remove each candidate listed as no fence, and run the whole stream
+#             and engine tests under the strict device: a listed line whose removal fails a
+#             test is reported (timing events fail stats checks, not the hazard tracker)
 #   build-dir default: build (already configured). JOBS: build parallelism (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-list=0 groups=0 only=""
+list=0 groups=0 only="" check_listed=0
 while (($#)); do
   case $1 in
     --list) list=1; shift ;;
     --groups) groups=1; shift ;;
+    --check-listed) check_listed=1; shift ;;
     --only) only=$2; shift 2 ;;
     -*) echo "fence_mutations: unknown option $1" >&2; exit 2 ;;
     *) break ;;
@@ -58,7 +62,7 @@ declare -A not_fence=(
   ["offload/bounce_ring.cpp|device_.record(*done, StreamKind::copy);"]="the unpinned fallback: a copy from pageable memory already returns once its source is read (DeviceBackend::is_pinned); compute is ordered by the staging slot's copy_done (F1); this wait only makes the fallback synchronous as documented"
   ["offload/bounce_ring.cpp|done->synchronize();"]="the same unpinned fallback's wait"
   ["offload/engine.cpp|device_->synchronize();  // reports a failed parameter copy here (apply_plan's first synchronize orders them)"]="error reporting at attach: apply_plan's synchronize and the applier's F7 order the parameter copies before any forward"
-  ["offload/engine.cpp|device_->synchronize();"]="clear_state (detach) and apply_plan: frees are stream-safe (F4, F5: Note [stream-safe frees]); these report a failed copy at a defined point (test_faults) and order nothing the tracker checks"
+  ["offload/engine.cpp|device_->synchronize();"]="clear_state (detach) and apply_plan: frees are stream-safe (F4, F5: Note [stream-safe frees]), so these order nothing the tracker checks; they report a failed copy at a defined point, and detach's lets release_cached_memory give back blocks still waiting for a copy (without it \"engine: a budget cut and detaching give freed device memory back to the allocator's driver\" fails: reserved memory stays)"
   ["offload/engine.cpp|device_->record(*anchor_->event, StreamKind::compute);"]="timing: the forward's anchor event for elapsed times and the trace"
   ["offload/engine.cpp|device_->record(*u.end, StreamKind::compute);"]="timing: the forward's end event, read by resolve()"
   ["offload/engine.cpp|device_->record(*e, StreamKind::compute);"]="timing: mark(), a compute-stream timestamp"
@@ -169,6 +173,22 @@ for l in "${lines[@]}"; do
   if [[ -z $test_of ]]; then
     echo "$label: $reason"
     [[ $reason == UNCLASSIFIED* ]] && missed=1
+    if ((check_listed)) && [[ $reason == not\ a\ fence* ]]; then
+      save "$file"
+      sed -i "${n}d" "$file"
+      t0=$SECONDS
+      if build_target sluice_test_streams && build_target sluice_test_engine; then
+        failed=""
+        for b in sluice_test_streams sluice_test_engine; do
+          SLUICE_STRICT_DEVICE=1 SLUICE_LOG_LEVEL=off sh -c '"$@"; exit $?' sh timeout 600 "$build/tests/$b" > "$backup.out" 2>&1 ||
+            failed+="$b: $(grep -m1 -o 'strict device: hazard: [^(]*' "$backup.out" || awk '/^-------------------------/ { getline; print; exit }' "$backup.out"); "
+        done
+        echo "  removed: ${failed:-no stream or engine test fails} ($((SECONDS - t0)) s)"
+      else
+        echo "  removed: does not build"
+      fi
+      restore
+    fi
     continue
   fi
   save "$file"
@@ -192,6 +212,7 @@ if ((groups)); then
 fi
 
 # Leave the binaries built from the unmutated sources.
+((check_listed)) && checked[sluice_test_engine]=1
 for b in "${!checked[@]}"; do build_target "$b" || true; done
 echo "fence_mutations: done in $((SECONDS - start)) s, $( ((missed)) && echo "SOME NOT CAUGHT OR UNCLASSIFIED" || echo "every candidate caught or listed")"
 exit $missed

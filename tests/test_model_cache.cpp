@@ -784,6 +784,28 @@ TEST_CASE("model_cache: a forward that uses more than the working memory grows t
   CHECK(at::equal(forward(*cache, l, in), ref));
 }
 
+TEST_CASE("model_cache: only a lower vram budget and taking models off the device empty the allocator's cache") {
+  // Note [releasing cached memory] (offload/device.h): making room for another model, a
+  // partial unload or a budget raise keep the freed blocks cached for this process.
+  auto counting = std::make_shared<sluice::testing::CountingDevice>(
+      std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device()));
+  CacheOptions o = options(512 * MiB, 1 * MiB);
+  o.device = counting;
+  auto cache = ModelCache::create(o);
+  auto a = cache->load(spec("anima-tiny", 1));
+  auto b = cache->load(spec("anima-tiny", 2));
+  const int start = counting->release_calls();
+  CHECK(cache->partial_unload(a, 64 * 1024) < 0);
+  CHECK(cache->full_unload(b) < 0);
+  CHECK(counting->release_calls() == start);
+  cache->set_vram_budget(1024 * MiB);  // a raise
+  CHECK(counting->release_calls() == start);
+  const CacheStats s = cache->stats();
+  cache->set_vram_budget(s.vram_reserved + s.working_memory - 64 * 1024);  // a cut that unloads
+  // Once for the cut, and once per model it took off the device (a detach), if any.
+  CHECK(counting->release_calls() == start + 1 + static_cast<int>(cache->stats().device_drops - s.device_drops));
+}
+
 TEST_CASE("model_cache: concurrent misses reserve their RAM before reading") {
   const uint64_t size = model_bytes();
   CacheOptions o = options();
