@@ -453,4 +453,19 @@ TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model
   CHECK(measured > 5ull << 20);  // more than the guess
   CHECK(budget.at("working_memory_bytes").get<uint64_t>() >= measured);  // grown to cover it
   CHECK(j.at("device").at("allocator_peak_bytes").get<uint64_t>() <= 42ull << 20);
+
+  // Half the streamable weights streamed through TorchDevice's copy stream: the latent is
+  // the CPU device's fully resident one, bit for bit (the accelerator computes with the
+  // CPU's kernels).
+  const std::vector<std::string> job{"--synthetic", "anima-small", "--steps", "2", "--resolution", "256",
+                                     "--working-memory", "5MiB"};
+  std::vector<std::string> on_accel{"run", "--device", "testaccel", "--max-resident", "0.5", "--output",
+                                    dir / "accel.safetensors"};
+  std::vector<std::string> on_cpu{"run", "--device", "cpu", "--output", dir / "cpu.safetensors"};
+  on_accel.insert(on_accel.end(), job.begin(), job.end());
+  on_cpu.insert(on_cpu.end(), job.begin(), job.end());
+  const Result streamed = run_ok(on_accel);
+  CHECK(streamed.out.find("streamed per forward 0.0MB") == std::string::npos);
+  run_ok(on_cpu);
+  CHECK(slurp(dir / "accel.safetensors") == slurp(dir / "cpu.safetensors"));
 }
