@@ -29,31 +29,30 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// A device type that a library in SLUICE_DEVICE_LIBRARY registered with torch (Note
-// [device libraries] in offload/device.cpp), e.g. the test accelerator's "testaccel:0".
-bool library_device(const std::string& spec) {
+// Whether `spec` names a device type that a library in SLUICE_DEVICE_LIBRARY registered
+// with torch (Note [device libraries] in offload/device.cpp), e.g. the test accelerator's
+// "testaccel:0"; sets `index` (-1 when absent). Throws InvalidArgument naming a library
+// that does not load.
+bool library_device(const std::string& spec, int& index) {
+  offload::load_device_libraries();
   try {
-    offload::load_device_libraries();
-    return c10::Device(spec).type() == c10::DeviceType::PrivateUse1;
-  } catch (const std::exception&) {
+    const c10::Device d(spec);
+    index = d.has_index() ? d.index() : -1;
+    return d.type() == c10::DeviceType::PrivateUse1;
+  } catch (const c10::Error&) {
     return false;
   }
 }
 
 // Splits "cuda:3" into ("cuda", 3); index -1 when absent. False when malformed.
 bool split_device(const std::string& spec, std::string& type, int& index) {
-  if (library_device(spec)) {
-    const c10::Device d(spec);
-    type = spec.substr(0, spec.find(':'));
-    index = d.has_index() ? d.index() : -1;
-    return true;
-  }
   const auto colon = spec.find(':');
   type = spec.substr(0, colon);
   index = -1;
-  if (colon == std::string::npos) return type == "cpu" || type == "cuda";
-  const std::string digits = spec.substr(colon + 1);
-  if (type != "cuda" || digits.empty() || digits.size() > 4 ||
+  if (colon == std::string::npos && (type == "cpu" || type == "cuda")) return true;
+  const std::string digits = colon == std::string::npos ? std::string() : spec.substr(colon + 1);
+  if (type != "cuda") return library_device(spec, index);
+  if (digits.empty() || digits.size() > 4 ||
       !std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); }))
     return false;
   index = std::stoi(digits);
@@ -92,7 +91,11 @@ CLI::Validator device_validator() {
       [](std::string& value) -> std::string {
         std::string type;
         int index = -1;
-        if (split_device(value, type, index)) return {};
+        try {
+          if (split_device(value, type, index)) return {};
+        } catch (const std::exception& e) {
+          return e.what();  // a device library that does not load
+        }
         return "bad device '" + value + "' (expected cpu, cuda or cuda:N)";
       },
       "cpu|cuda[:N]", "device");
@@ -119,11 +122,11 @@ at::Device resolve_device(const std::string& spec) {
   int index = -1;
   if (!split_device(spec, type, index)) throw InvalidArgument("bad device '" + spec + "' (expected cpu, cuda or cuda:N)");
   if (type == "cpu") return at::Device(at::kCPU);
-  if (library_device(spec)) {
-    const c10::Device d(spec);
-    const int n = c10::impl::getDeviceGuardImpl(d.type())->deviceCount();
+  if (type != "cuda") {  // a library's device type (split_device checked it)
+    const c10::DeviceType t = c10::DeviceType::PrivateUse1;
+    const int n = c10::impl::getDeviceGuardImpl(t)->deviceCount();
     if (index >= n) throw ResourceError("device '" + spec + "' does not exist (" + std::to_string(n) + " device(s))");
-    return c10::Device(d.type(), static_cast<c10::DeviceIndex>(index < 0 ? 0 : index));
+    return c10::Device(t, static_cast<c10::DeviceIndex>(index < 0 ? 0 : index));
   }
   const int count = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
   if (count == 0) throw ResourceError("device '" + spec + "' requested but no CUDA/ROCm device is available");

@@ -469,3 +469,9 @@ TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model
   run_ok(on_cpu);
   CHECK(slurp(dir / "accel.safetensors") == slurp(dir / "cpu.safetensors"));
 }
+
+TEST_CASE("run: a device library that does not load is an error naming it") {
+  setenv("SLUICE_DEVICE_LIBRARY", "/nonexistent/libbackend.so", 1);
+  expect_error({"run", "--device", "testaccel", "--synthetic", "anima-tiny", "--steps", "1"}, 2,
+               {"SLUICE_DEVICE_LIBRARY", "/nonexistent/libbackend.so"});
+}
