@@ -77,6 +77,11 @@ double StreamingEngine::now_us() const {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - epoch0_).count();
 }
 
+// Note [trace clock]: where done event `e` happened on the trace's time axis.
+double StreamingEngine::trace_us(const DeviceEvent& e) const {
+  return trace_origin_->host_us + device_->elapsed_ms(*trace_origin_->event, e) * 1000.0;
+}
+
 // ---------------------------------------------------------------------------------------
 // attach / detach
 
@@ -633,6 +638,7 @@ void StreamingEngine::open_forward(std::string_view kind, bool implicit) {
   anchor_->event = device_->create_event();
   device_->record(*anchor_->event, StreamKind::compute);
   anchor_->host_us = now_us();
+  if (options_.trace && !trace_origin_) trace_origin_ = anchor_;
 }
 
 void StreamingEngine::end_forward(bool aborted) {
@@ -1218,7 +1224,7 @@ void StreamingEngine::resolve(bool wait_all) {
         default: break;
       }
       if (options_.trace && !(sp.kind == 1 && ms < kStallMs)) {
-        const double ts = sp.anchor->host_us + device_->elapsed_ms(*sp.anchor->event, *sp.a) * 1000.0;
+        const double ts = trace_us(*sp.a);
         const std::string& name = layers_[static_cast<size_t>(sp.layer)].name;
         trace_.add_span(sp.track, sp.kind == 1 ? "wait " + name : name, ts, ms * 1000.0,
                         {{"forward", static_cast<int64_t>(rec.index)}, {"layer", name}, {"resident", sp.resident}});
@@ -1231,7 +1237,7 @@ void StreamingEngine::resolve(bool wait_all) {
     if (options_.trace) {
       // The forward as a whole, begin to end on the compute stream, with its totals.
       const std::string title = "forward " + std::to_string(rec.index) + (rec.kind.empty() ? "" : " " + rec.kind);
-      trace_.add_span(TraceTrack::forward, title, u.begin->host_us, rec.wall_ms * 1000.0,
+      trace_.add_span(TraceTrack::forward, title, trace_us(*u.begin->event), rec.wall_ms * 1000.0,
                       {{"forward", static_cast<int64_t>(rec.index)},
                        {"kind", rec.kind},
                        {"complete", u.complete},

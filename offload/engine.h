@@ -363,6 +363,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   static constexpr double kStallMs = 0.02;
   void check_invariants(const char* where);
   double now_us() const;
+  double trace_us(const DeviceEvent& e) const;
   bool timing() const { return options_.timing || options_.trace; }
 
   EngineOptions options_;
@@ -413,6 +414,11 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   Calibrator calib_;
   ForwardAcc acc_cur_, acc_next_;
   std::shared_ptr<Anchor> anchor_;
+  // Note [trace clock]: the first forward's anchor while tracing. Every span is placed at
+  // its host time plus device time since it, so that forwards line up on the device's
+  // clock: a host running ahead of its device (any GPU) records the next forward's anchor
+  // before the device has finished the last forward.
+  std::shared_ptr<Anchor> trace_origin_;
   uint64_t last_stream_ = 0;               // compute stream of the last forward
   std::unique_ptr<DeviceEvent> last_end_;  // recorded on it at that forward's end
   std::deque<Unresolved> unresolved_;

@@ -191,6 +191,7 @@ TEST_CASE("accel: events order streams, and elapsed time needs timing events tha
   }
   b.synchronize();
   CHECK(a.elapsedTime(b) >= 0.0);
+  CHECK(b.elapsedTime(b) == 0.0);  // an event against itself, as CUDA allows
   c10::Event untimed(kAccel, c10::EventFlag::PYTORCH_DEFAULT);
   untimed.record(copy);
   untimed.synchronize();

@@ -184,7 +184,13 @@ double elapsed_ms(const std::shared_ptr<Event>& from, const std::shared_ptr<Even
   TORCH_CHECK(from->timing && to->timing,
               "testaccel: both events must be created with timing enabled (EventFlag::BACKEND_DEFAULT) "
               "to measure elapsed time");
-  std::scoped_lock lock(from->mutex, to->mutex);
+  // (The same event twice: one lock, and 0 ms once it is recorded and complete.)
+  std::unique_lock<std::mutex> lock_from(from->mutex, std::defer_lock), lock_to(to->mutex, std::defer_lock);
+  if (from == to) {
+    lock_from.lock();
+  } else {
+    std::lock(lock_from, lock_to);
+  }
   TORCH_CHECK(from->recorded > 0 && to->recorded > 0,
               "testaccel: both events must be recorded before calculating elapsed time");
   TORCH_CHECK(from->completed >= from->recorded && to->completed >= to->recorded,
