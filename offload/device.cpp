@@ -202,12 +202,12 @@ void load_device_libraries() {
 }
 
 std::unique_ptr<DeviceBackend> make_device(std::string_view spec, uint64_t total_memory, const std::string& flag) {
-  if (spec != "cpu") load_device_libraries();
   if (spec == "cpu") {
     CpuDeviceOptions o;
     o.total_memory = total_memory;
     return make_cpu_device(o);
   }
+  load_device_libraries();
   std::optional<c10::Device> device;
   try {
     device = c10::Device(std::string(spec));

@@ -209,9 +209,7 @@ TEST_CASE("engine: device use stays within budget minus working memory at tight 
     const uint64_t limit = o.budget_bytes - o.working_memory_bytes;
     const EngineStats s = engine.stats();
     // Counted by the allocator, not by the ledger that refuses allocations past the limit.
-    // A torch device's allocator also hands out the activations, which working memory is
-    // for, and rounds blocks: there the whole budget holds it.
-    CHECK(alive_peak(*dev) <= (dev->device().is_cpu() ? limit : o.budget_bytes));
+    CHECK(alive_peak(*dev) <= sluice::testing::allocator_bound(*dev, limit, o.working_memory_bytes));
     CHECK(s.device_memory.kind(MemoryKind::scratch).current > 0);
     CHECK(s.device_memory.kind(MemoryKind::params).current == 2 * 64 * 4);  // norm_weight + shift
     CHECK(static_cast<uint64_t>(s.device_memory.total.current) == engine.device_bytes());
@@ -905,7 +903,8 @@ TEST_CASE("engine: what nested leases held beyond the plan is reserved in later 
   engine.set_budget(engine.minimum_budget());
   dev->reset_allocator_peak();
   for (int f = 0; f < 3; ++f) REQUIRE_NOTHROW(nested());
-  CHECK(alive_peak(*dev) <= engine.minimum_budget() - (dev->device().is_cpu() ? o.working_memory_bytes : 0));
+  CHECK(alive_peak(*dev) <= sluice::testing::allocator_bound(*dev, engine.minimum_budget() - o.working_memory_bytes,
+                                                             o.working_memory_bytes));
   CHECK(engine.nested_reserve_bytes() == reserve);
   CHECK(engine.stats().slot_violations == 0);
 }

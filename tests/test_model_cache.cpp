@@ -126,10 +126,7 @@ void check_accounting(ModelCache& cache, const std::vector<std::shared_ptr<Entry
   }
   CHECK(sum == static_cast<uint64_t>(s.vram.current));
   CHECK(s.vram_reserved <= s.vram_limit);
-  // The CPU device's allocator sees only what sluice allocates, so even its peak stays in
-  // the weights' limit; a torch device's allocator also hands out the forward's activations
-  // (and rounds blocks), which working memory is for: its peak stays in the whole budget.
-  CHECK(alive_peak(cache.device()) <= (cache.device().device().is_cpu() ? s.vram_limit : s.vram_budget));
+  CHECK(alive_peak(cache.device()) <= sluice::testing::allocator_bound(cache.device(), s.vram_limit, s.working_memory));
 }
 
 uint64_t model_bytes(const std::string& preset = "anima-tiny") {
@@ -399,7 +396,7 @@ TEST_CASE("model_cache: a model in use keeps its residency and the budget is nev
   // memory, and nothing is held outside the models.
   const CacheStats s = cache->stats();
   CHECK(s.vram_limit == n.full + n.minimum);
-  CHECK(alive_peak(cache->device()) <= (cache->device().device().is_cpu() ? s.vram_limit : s.vram_budget));
+  CHECK(alive_peak(cache->device()) <= sluice::testing::allocator_bound(cache->device(), s.vram_limit, s.working_memory));
   CHECK_THROWS_AS(cache->device().allocate({static_cast<int64_t>(s.vram_limit - s.vram.current + 1)}, at::kByte,
                                            offload::MemoryKind::scratch, "probe"),
                   ResourceError);
@@ -499,8 +496,8 @@ TEST_CASE("model_cache: outputs are bit-identical across budgets and max_residen
     if (c.weights == n.minimum || (c.cap && *c.cap == 0.0)) CHECK(streamed > 0);
     if (c.weights == n.full && !c.cap) CHECK(streamed == 0);
     for (const auto& r : st.forward_records) CHECK(r.bytes_streamed == streamed);
-    // (On a torch device the allocator also holds activations: working memory's share.)
-    CHECK(alive_peak(cache->device()) <= c.weights + (cache->device().device().is_cpu() ? 0 : cache->stats().working_memory));
+    CHECK(alive_peak(cache->device()) <=
+          sluice::testing::allocator_bound(cache->device(), c.weights, cache->stats().working_memory));
   }
 }
 
