@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <mutex>
+#include <unordered_map>
 
 #include "cache/model_cache.h"
 #include "models/anima/config.h"
@@ -15,10 +16,12 @@
 #include "offload/cpu_device.h"
 #include "offload/device.h"
 #include "offload/engine.h"
+#include "offload/output_observer.h"
 #include "offload/vram_budget.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/nonfinite.h"
 #include "runtime/size_parse.h"
 
 #ifndef SLUICE_VERSION_STRING
@@ -112,6 +115,79 @@ void require_floating(const char* what, const at::Tensor& t) {
     throw InvalidArgument(std::string("input '") + what + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
                           ", expected a floating-point dtype");
   }
+}
+
+// Note [non-finite values]: "<op>: input 'x' has 3 non-finite values (first at [...]: nan)"
+// for the first input holding any; one host read for all of them when they are finite.
+void require_finite_inputs(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
+  std::vector<at::Tensor> all;
+  for (const auto& [name, t] : inputs)
+    if (t != nullptr) all.push_back(*t);
+  if (all_finite(all)) return;
+  for (const auto& [name, t] : inputs)
+    if (t != nullptr) require_finite(*t, std::string(op) + ": input '" + name + "'");
+}
+
+// The DiT forward and the adapter's, on inputs moved to the model's device and dtype.
+at::Tensor run_dit(anima::AnimaModelImpl& m, offload::StreamingEngine& engine, const at::Tensor& x,
+                   const at::Tensor& timesteps, const at::Tensor& context) {
+  const at::Device dev = engine.device().device();
+  const at::ScalarType dt = m.compute_dtype();
+  return m.forward(x.to(dev, dt), timesteps.to(dev), context.to(dev, dt));
+}
+
+at::Tensor run_adapter(anima::AnimaModelImpl& m, offload::StreamingEngine& engine, const at::Tensor& qwen_hidden,
+                       const at::Tensor& t5_ids, const std::optional<at::Tensor>& t5_weights) {
+  const at::Device dev = engine.device().device();
+  const at::ScalarType dt = m.compute_dtype();
+  std::optional<at::Tensor> w;
+  if (t5_weights) w = t5_weights->to(dev, dt);
+  return m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w);
+}
+
+NonFiniteReport report(const offload::NonFiniteRecord& rec) {
+  NonFiniteReport r;
+  r.kind = rec.kind;
+  r.module = rec.module;
+  r.nonfinite_values = rec.nonfinite_values;
+  r.values = rec.values;
+  r.output_nonfinite_values = rec.output_nonfinite_values;
+  r.output_values = rec.output_values;
+  r.forward_index = rec.forward;
+  return r;
+}
+
+// Note [layer output observer]: runs `fn` as one forward of `kind` with a finite check of
+// every observed output, and records what it found in the engine's stats.
+std::optional<NonFiniteReport> locate(detail::LockToken& t, const char* kind,
+                                      const std::function<at::Tensor(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn) {
+  offload::NonFiniteRecord rec;
+  rec.kind = kind;
+  t.model->cache->run(t.lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+    c10::InferenceMode inference;
+    std::unordered_map<const torch::nn::Module*, std::string> names;
+    for (const auto& item : m.named_modules(/*name_prefix=*/"", /*include_self=*/false))
+      names.emplace(item.value().get(), item.key());
+    at::Tensor out;
+    {
+      offload::ObserveOutputs observe([&](const torch::nn::Module& module, const at::Tensor& output) {
+        if (!rec.module.empty()) return;  // only the first: no more waits after it
+        if (const auto v = find_nonfinite(output)) {
+          const auto it = names.find(&module);
+          rec.module = it != names.end() ? it->second : module.name();
+          rec.nonfinite_values = v->count;
+          rec.values = v->numel;
+        }
+      });
+      offload::ForwardScope scope(engine, kind);
+      out = fn(m, engine);
+    }
+    rec.output_values = out.numel();
+    if (const auto v = find_nonfinite(out)) rec.output_nonfinite_values = v->count;
+    rec.forward = engine.record_nonfinite(rec);
+  });
+  if (rec.module.empty() && rec.output_nonfinite_values == 0) return std::nullopt;
+  return report(rec);
 }
 
 }  // namespace
@@ -319,6 +395,8 @@ ModelStats Model::stats() const {
     f.aborted = r.aborted;
     s.forward_records.push_back(f);
   }
+  s.nonfinite_reruns = es.nonfinite_reruns;
+  if (es.nonfinite) s.nonfinite = report(*es.nonfinite);
   return s;
 }
 
@@ -377,20 +455,31 @@ at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps
   require_floating("x", x);
   require_floating("context", context);
   if (!timesteps.defined()) throw InvalidArgument("input 'timesteps' is undefined");
+  require_finite_inputs("forward", {{"x", &x}, {"timesteps", &timesteps}, {"context", &context}});
   at::Tensor out;
   t->model->cache->run(t->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
     c10::InferenceMode inference;
-    const at::Device dev = engine.device().device();
-    const at::ScalarType dt = m.compute_dtype();
     struct ProgressScope {  // the callback lives only as long as this forward
       offload::StreamingEngine& e;
       ~ProgressScope() { e.set_layer_progress({}); }
     } progress_scope{engine};
     if (progress) engine.set_layer_progress(progress);
     offload::ForwardScope scope(engine, "dit");
-    out = m.forward(x.to(dev, dt), timesteps.to(dev), context.to(dev, dt));
+    out = run_dit(m, engine, x, timesteps, context);
   });
   return out;
+}
+
+std::optional<NonFiniteReport> LockedModel::locate_nonfinite(const at::Tensor& x, const at::Tensor& timesteps,
+                                                             const at::Tensor& context) {
+  const auto& t = need(token_);
+  require_floating("x", x);
+  require_floating("context", context);
+  if (!timesteps.defined()) throw InvalidArgument("input 'timesteps' is undefined");
+  require_finite_inputs("locate_nonfinite", {{"x", &x}, {"timesteps", &timesteps}, {"context", &context}});
+  return locate(*t, "dit", [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+    return run_dit(m, engine, x, timesteps, context);
+  });
 }
 
 void LockedModel::synchronize() {
@@ -411,6 +500,7 @@ at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Ten
                           ", expected an integer dtype");
   }
   if (t5_weights) require_floating("t5_weights", *t5_weights);
+  require_finite_inputs("encode_text", {{"qwen_hidden", &qwen_hidden}, {"t5_weights", t5_weights ? &*t5_weights : nullptr}});
   at::Tensor out;
   t->model->cache->run(t->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
     c10::InferenceMode inference;
@@ -422,6 +512,19 @@ at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Ten
     out = m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w);
   });
   return out;
+}
+
+std::optional<NonFiniteReport> LockedModel::locate_nonfinite_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                                                  const std::optional<at::Tensor>& t5_weights) {
+  const auto& t = need(token_);
+  require_floating("qwen_hidden", qwen_hidden);
+  if (!t5_ids.defined()) throw InvalidArgument("input 't5_ids' is undefined");
+  if (t5_weights) require_floating("t5_weights", *t5_weights);
+  require_finite_inputs("locate_nonfinite_text",
+                        {{"qwen_hidden", &qwen_hidden}, {"t5_weights", t5_weights ? &*t5_weights : nullptr}});
+  return locate(*t, "adapter", [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
+    return run_adapter(m, engine, qwen_hidden, t5_ids, t5_weights);
+  });
 }
 
 LoraHandle LockedModel::apply_lora(const std::string& path, double scale) {

@@ -18,8 +18,10 @@
 #include <sstream>
 
 #include "cli/commands.h"
+#include "cli/nonfinite_output.h"
 #include "cli/options.h"
 #include "runtime/error.h"
+#include "runtime/nonfinite.h"
 #include "runtime/safetensors.h"
 #include "sluice/sluice.hpp"
 
@@ -78,10 +80,13 @@ class InputChecker {
   std::map<std::string, std::pair<int64_t, std::string>> bound_;
 };
 
-void require_floating(const std::string& name, const at::Tensor& t, const std::string& file) {
+// Floating point, and no NaN or Inf (Note [non-finite values]): checked as read, before
+// any conversion to the run dtype.
+void require_floating_finite(const std::string& name, const at::Tensor& t, const std::string& file) {
   if (!at::isFloatingType(t.scalar_type()))
     throw InvalidArgument("input '" + name + "' in '" + file + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
                           ", expected a floating-point dtype");
+  require_finite(t, "input '" + name + "' in '" + file + "'");
 }
 
 int run_forward(const ForwardArgs& a) {
@@ -126,8 +131,8 @@ int run_forward(const ForwardArgs& a) {
   InputChecker check(a.inputs);
   const at::Tensor x = in->tensor("x");
   const at::Tensor timesteps = in->tensor("timesteps");
-  require_floating("x", x, a.inputs);
-  require_floating("timesteps", timesteps, a.inputs);
+  require_floating_finite("x", x, a.inputs);
+  require_floating_finite("timesteps", timesteps, a.inputs);
   check.check("x", x, {"B", std::to_string(cfg.in_channels), "T", "H", "W"});
   check.check("timesteps", timesteps, {"B"});
 
@@ -139,7 +144,7 @@ int run_forward(const ForwardArgs& a) {
                             "' has no LLM adapter");
     const at::Tensor qwen = in->tensor("qwen_hidden");
     const at::Tensor ids = in->tensor("t5_ids");
-    require_floating("qwen_hidden", qwen, a.inputs);
+    require_floating_finite("qwen_hidden", qwen, a.inputs);
     check.check("qwen_hidden", qwen, {"B", "S", std::to_string(cfg.adapter_source_dim)});
     check.check("t5_ids", ids, {"B", "S_t"});
     if (at::isFloatingType(ids.scalar_type()) || ids.scalar_type() == at::kBool)
@@ -156,21 +161,29 @@ int run_forward(const ForwardArgs& a) {
     std::optional<at::Tensor> weights;
     if (in->contains("t5_weights")) {
       const at::Tensor w = in->tensor("t5_weights");
-      require_floating("t5_weights", w, a.inputs);
+      require_floating_finite("t5_weights", w, a.inputs);
       check.check("t5_weights", w, {"B", "S_t"});
       weights = w.to(device, dtype);
     }
-    context = model.encode_text(qwen.to(device, dtype), ids_long.to(device), weights);
+    const at::Tensor qwen_in = qwen.to(device, dtype), ids_in = ids_long.to(device);
+    context = model.encode_text(qwen_in, ids_in, weights);
+    if (!all_finite(context))  // Note [non-finite values]: named by a re-run with a per-layer check
+      throw Error("sluice forward: " + nonfinite_output_message("adapter", "context", context,
+                                                                model.locate_nonfinite_text(qwen_in, ids_in, weights)));
     outputs.emplace_back("context", context);
   } else {
     context = in->tensor("context");
-    require_floating("context", context, a.inputs);
+    require_floating_finite("context", context, a.inputs);
     check.check("context", context, {"B", "S", std::to_string(cfg.context_dim)});
     context = context.to(device, dtype);
   }
   // Timesteps stay fp32: the sinusoid is computed in fp32 (DESIGN.md §1), and rounding
   // sigma to bf16 first would change the embedding.
-  const at::Tensor velocity = model.forward(x.to(device, dtype), timesteps.to(device, at::kFloat), context);
+  const at::Tensor x_in = x.to(device, dtype), t_in = timesteps.to(device, at::kFloat);
+  const at::Tensor velocity = model.forward(x_in, t_in, context);
+  if (!all_finite(velocity))
+    throw Error("sluice forward: " + nonfinite_output_message("dit", "velocity", velocity,
+                                                              model.locate_nonfinite(x_in, t_in, context)));
   outputs.emplace_back("velocity", velocity);
   safetensors::save(a.output, outputs,
                     {{"checkpoint", a.checkpoint}, {"dtype", a.dtype}, {"device", device.str()}, {"model", cfg.name}, {"storage", cfg.storage_dtype}});

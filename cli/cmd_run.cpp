@@ -39,10 +39,12 @@
 
 #include "cli/commands.h"
 #include "cli/options.h"
+#include "cli/nonfinite_output.h"
 #include "cli/run_progress.h"
 #include <sluice/sluice.hpp>
 #include "models/sampling.h"
 #include "runtime/error.h"
+#include "runtime/nonfinite.h"
 #include "runtime/safetensors.h"
 #include "runtime/size_parse.h"
 #include "runtime/status_line.h"
@@ -153,6 +155,7 @@ Context load_context(const RunArgs& a, const ModelInfo& info) {
     if (!at::isFloatingType(t.scalar_type()))
       throw InvalidArgument("tensor '" + name + "' in '" + a.context + "' has dtype " +
                             std::string(c10::toString(t.scalar_type())) + ", expected a floating-point dtype");
+    require_finite(t, "tensor '" + name + "' in '" + a.context + "'");  // Note [non-finite values]
   };
   c.cond = f->tensor("context").to(at::kFloat).contiguous();
   check("context", c.cond);
@@ -257,15 +260,37 @@ int run(const RunArgs& args) {
   RunProgress progress(so.steps);  // the live line, on a terminal only
   progress.redraw();
   const LockedModel::LayerProgress on_layer = [&](int64_t done, int64_t expected) { progress.on_layer(done, expected); };
+  // Note [non-finite values]: each velocity is checked on the host copy the sampler makes
+  // of it anyway, and the latent after each step; the first non-finite one ends the run
+  // with one error line (the stats JSON is still written). Only then is a forward re-run,
+  // with a per-layer check, to name the first layer whose output went non-finite.
+  int step = 0;  // the step being computed, 0-based
+  auto fail = [&](const std::string& what) {
+    status_line::clear();
+    if (!a.stats_json.empty()) {
+      write_text_file(a.stats_json, model.stats_json() + "\n", "stats");
+      std::cout << "wrote " << a.stats_json << "\n" << std::flush;
+    }
+    throw Error("sluice run: step " + std::to_string(step + 1) + "/" + std::to_string(so.steps) + ": " + what);
+  };
   auto velocity = [&](const at::Tensor& x, double sigma, sampling::Guidance which) {
     const at::Tensor& c = which == sampling::Guidance::cond     ? ctx.cond
                           : which == sampling::Guidance::uncond ? ctx.uncond
                                                                 : ctx_both;
-    return locked.forward(x, at::full({x.size(0)}, sigma, at::kFloat), c, on_layer);
+    const at::Tensor t = at::full({x.size(0)}, sigma, at::kFloat);
+    // The sampler's own cast to the latent (a no-op there now), so that the check reads the host copy.
+    const at::Tensor v = locked.forward(x, t, c, on_layer).to(x.device(), x.scalar_type());
+    if (!all_finite(v)) fail(nonfinite_output_message("dit", "velocity", v, locked.locate_nonfinite(x, t, c)));
+    return v;
   };
   uint64_t seen = ms0.forwards;
   double total_ms = 0;
   auto on_step = [&](const sampling::StepInfo& s) {
+    if (const auto bad = find_nonfinite(s.latent)) {
+      fail("the latent is non-finite (" + std::to_string(bad->count) + " of " + std::to_string(bad->numel) +
+           " values) after a finite velocity: the guidance (cfg " + fmt("%g", so.cfg) + ") or the Euler update overflowed");
+    }
+    step = s.step + 1;
     total_ms += s.ms;
     const ModelStats st = model.stats();
     uint64_t bytes = 0;

@@ -111,6 +111,7 @@ at::Tensor sample_euler(const at::Tensor& noise, const VelocityFn& velocity, con
       info.sigma_next = sigma_next;
       info.model_calls = calls;
       info.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      info.latent = x;
       on_step(info);
     }
   }

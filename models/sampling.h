@@ -53,6 +53,7 @@ struct StepInfo {
   double sigma_next = 0;    // where the step landed
   int model_calls = 0;      // model calls this step (1 or 2)
   double ms = 0;            // wall time of the step, velocity included
+  at::Tensor latent;        // the latent after the step (not a copy: read, never write it)
 };
 using StepCallback = std::function<void(const StepInfo&)>;
 

@@ -1351,6 +1351,8 @@ EngineStats StreamingEngine::stats(bool wait) {
     s.bounce_limit_bytes = bounce_->limit() * bounce_->slot_bytes();
   }
   s.forward_records.assign(records_.begin(), records_.end());
+  s.nonfinite_reruns = nonfinite_reruns_;
+  s.nonfinite = nonfinite_;
   set_allocator_stats(s, *device_);
   return s;
 }

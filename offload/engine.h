@@ -260,6 +260,16 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   uint64_t pinned_padding_bytes() const {
     return applier_->pinned_bytes() - static_cast<uint64_t>(applier_->pinned().current);
   }
+  // Note [non-finite values] (runtime/nonfinite.h): what a forward re-run with a per-layer
+  // check found, kept for stats (EngineStats::nonfinite, counted in nonfinite_reruns).
+  // Called after that forward ended: its index is the last forward's, which it returns.
+  uint64_t record_nonfinite(NonFiniteRecord record) {
+    record.forward = forwards_ ? forwards_ - 1 : 0;
+    nonfinite_ = std::move(record);
+    ++nonfinite_reruns_;
+    return nonfinite_->forward;
+  }
+
   // A snapshot. `wait`: resolve every outstanding timing first (waits for the device to
   // finish the last forward); otherwise only forwards the device has finished are in
   // forward_records (`forwards` counts them all).
@@ -395,6 +405,8 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   std::vector<Scratch> scratch_;
   uint64_t ring_violations_ = 0;  // from rings already dropped
   uint64_t wasted_copies_ = 0, wasted_bytes_ = 0;  // from rings already dropped
+  uint64_t nonfinite_reruns_ = 0;
+  std::optional<NonFiniteRecord> nonfinite_;
   uint64_t mismatched_forwards_ = 0;  // forwards whose streamed bytes were not the streamed layers' bytes
   bool waste_warned_ = false;
 

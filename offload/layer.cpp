@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "offload/output_observer.h"
 #include "offload/repoint.h"
 #include "runtime/fault_injection.h"
 
@@ -67,6 +68,7 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
   for (const auto& lora : loras()) {
     y = y + at::linear(at::linear(x.to(lora.down.scalar_type()), lora.down), lora.up).mul(lora.scale).to(y.scalar_type());
   }
+  observe_output(*this, y);  // Note [layer output observer]
   return y;
 }
 
@@ -76,8 +78,13 @@ EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t dim, at::TensorOpti
 at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) {
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt,
               qualified_name(), ": embedding ids must be int32/int64, got ", ids.scalar_type());
-  WeightLease lease(*this);
-  return at::embedding(lease.weight(), ids.to(at::kLong));
+  at::Tensor y;
+  {
+    WeightLease lease(*this);
+    y = at::embedding(lease.weight(), ids.to(at::kLong));
+  }
+  observe_output(*this, y);  // Note [layer output observer]
+  return y;
 }
 
 std::vector<std::pair<std::string, ManagedLayerImpl*>> managed_layers(torch::nn::Module& root) {

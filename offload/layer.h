@@ -142,7 +142,8 @@ class WeightLease {
   LayerWeights weights_;
 };
 
-// y = x W^T + b (+ LoRA sidecars). W is [out, in].
+// y = x W^T + b (+ LoRA sidecars). W is [out, in]. Like EmbeddingImpl, it hands its output
+// to observe_output (Note [layer output observer] in output_observer.h).
 class LinearImpl : public ManagedLayerImpl {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, bool bias, at::TensorOptions options);

@@ -138,6 +138,17 @@ std::string EngineStats::to_json(int indent) const {
                   {"aborted", f.aborted}});
   }
   j["forwards"] = std::move(fw);
+  nlohmann::json last;  // null before a re-run
+  if (nonfinite) {
+    last = {{"forward", nonfinite->forward},
+            {"kind", nonfinite->kind},
+            {"module", nonfinite->module.empty() ? nlohmann::json() : nlohmann::json(nonfinite->module)},
+            {"nonfinite_values", nonfinite->nonfinite_values},
+            {"values", nonfinite->values},
+            {"output_nonfinite_values", nonfinite->output_nonfinite_values},
+            {"output_values", nonfinite->output_values}};
+  }
+  j["nonfinite"] = {{"reruns", nonfinite_reruns}, {"last", last}};
   return j.dump(indent);
 }
 

@@ -4,6 +4,7 @@
 // accumulated allocated/freed totals, with reset_peak() and reset_accumulated().
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,18 @@ struct ForwardRecord {
   double wall_ms = 0;           // compute stream, begin to end of the forward
   bool diverged = false;        // a layer was asked for out of the recorded order
   bool aborted = false;         // the forward ended by an exception
+};
+
+// What a forward re-run with a per-layer check found (Note [non-finite values] in
+// runtime/nonfinite.h; sluice::LockedModel::locate_nonfinite).
+struct NonFiniteRecord {
+  uint64_t forward = 0;                 // the re-run's ForwardRecord::index
+  std::string kind;                     // its kind ("dit", "adapter")
+  std::string module;                   // the first module, in execution order, whose output held a NaN or Inf; empty: none
+  int64_t nonfinite_values = 0;         // in that module's output
+  int64_t values = 0;                   // that output's elements
+  int64_t output_nonfinite_values = 0;  // in the re-run's output
+  int64_t output_values = 0;
 };
 
 // The residency plan's prediction for one forward kind, beside what was measured.
@@ -143,6 +156,8 @@ struct EngineStats {
   uint64_t bounce_waits = 0;        // pieces that waited for a slot still in flight (Note [bounce ring sizing])
   uint64_t bounce_limit_bytes = 0;  // what the bounce ring may grow to
   std::vector<ForwardRecord> forward_records;  // the most recent forwards, oldest first
+  uint64_t nonfinite_reruns = 0;               // forwards re-run with a per-layer check (Note [non-finite values])
+  std::optional<NonFiniteRecord> nonfinite;    // the latest one's finding
 
   // JSON text with the fields the CLI's --stats prints: model.{name,total_bytes,
   // resident_bytes,residency}, budget.{budget_bytes,working_memory_bytes,
@@ -152,7 +167,9 @@ struct EngineStats {
   // allocator_stats ("available"|"unavailable"),allocator_{current,peak,reserved}_bytes
   // (null when unavailable)}, plan.{policy,predicted_step_ms,floor_ms,measured_step_ms,...},
   // prefetch.{wasted_copies,wasted_bytes,mismatched_forwards}, pinned, pinned_bytes,
-  // pinned_used_bytes (pinned.current), pin_limit_bytes, forwards[].
+  // pinned_used_bytes (pinned.current), pin_limit_bytes, forwards[], nonfinite.{reruns,
+  // last (null before a re-run: {forward,kind,module (null when none),nonfinite_values,
+  // values,output_nonfinite_values,output_values})}.
   std::string to_json(int indent = 2) const;
 };
 

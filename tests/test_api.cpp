@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <fcntl.h>
 #include <fstream>
@@ -383,6 +384,103 @@ TEST_CASE("api: errors name what is at fault") {
   REQUIRE(std::regex_search(msg, sm, std::regex(R"(minimum that would work is \S+ \((\d+) bytes)")));
   sluice::ModelCache exact(cpu(sm[1].str(), "1MiB"));
   CHECK_NOTHROW(exact.load("anima-small").lock());
+}
+
+TEST_CASE("api: a NaN or Inf input is an InvalidArgument naming the input and its first position") {
+  auto message = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const sluice::InvalidArgument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  sluice::ModelCache cache(cpu());
+  sluice::Model model = cache.load("anima-tiny");
+  const Inputs in = inputs(model.info());
+  sluice::LockedModel m = model.lock();
+  const at::Tensor ref = m(in.x, in.t, in.ctx);
+  at::Tensor x = in.x.clone();
+  x.index_put_({0, 2, 0, 5, 7}, std::nan(""));
+  x.index_put_({1, 0, 0, 0, 0}, INFINITY);
+  x.index_put_({1, 3, 0, 1, 1}, -INFINITY);
+  CHECK(message([&] { m(x, in.t, in.ctx); }) ==
+        "forward: input 'x' has 3 non-finite values (first at [0, 2, 0, 5, 7]: nan)");
+  at::Tensor t = in.t.clone();
+  t.index_put_({1}, INFINITY);
+  CHECK(message([&] { m(in.x, t, in.ctx); }) == "forward: input 'timesteps' has 1 non-finite value (first at [1]: inf)");
+  at::Tensor ctx = in.ctx.to(at::kBFloat16);  // any floating dtype, checked as given
+  ctx.index_put_({1, 4, 3}, -INFINITY);
+  CHECK(message([&] { m(in.x, in.t, ctx); }) == "forward: input 'context' has 1 non-finite value (first at [1, 4, 3]: -inf)");
+  at::Tensor qwen = in.qwen.clone();
+  qwen.index_put_({0, 6, 31}, std::nan(""));
+  CHECK(message([&] { m.encode_text(qwen, in.ids); }) ==
+        "encode_text: input 'qwen_hidden' has 1 non-finite value (first at [0, 6, 31]: nan)");
+  at::Tensor w = at::ones({2, 5});
+  w.index_put_({1, 2}, INFINITY);
+  CHECK(message([&] { m.encode_text(in.qwen, in.ids, w); }).find("input 't5_weights' has 1 non-finite value") !=
+        std::string::npos);
+  CHECK(message([&] { m.locate_nonfinite(x, in.t, in.ctx); }).find("input 'x' has 3 non-finite values") !=
+        std::string::npos);
+  // Nothing ran: the refused calls are not forwards, and the model is unharmed.
+  CHECK(model.stats().forwards == 1);
+  CHECK(at::equal(m(in.x, in.t, in.ctx), ref));
+}
+
+TEST_CASE("api: locate_nonfinite re-runs a forward with a per-layer check and names the first overflowing layer") {
+  TempDir dir;
+  sluice::ModelCache cache(cpu());
+  sluice::LoadOptions lo;
+  lo.max_resident = 0.5;  // streamed layers too
+  sluice::Model model = cache.load("anima-tiny", lo);
+  const Inputs in = inputs(model.info());
+  sluice::LockedModel m = model.lock();
+  // A healthy forward: nothing to find, and the re-run still counts.
+  CHECK(at::isfinite(m(in.x, in.t, in.ctx)).all().item<bool>());
+  CHECK_FALSE(m.locate_nonfinite(in.x, in.t, in.ctx).has_value());
+  CHECK_FALSE(m.locate_nonfinite_text(in.qwen, in.ids).has_value());
+  CHECK(model.stats().nonfinite_reruns == 2);
+  CHECK(model.stats().forwards == 3);
+  // A LoRA whose residual overflows the compute dtype in one DiT layer and one adapter layer:
+  // their outputs are the first non-finite ones (every layer before them is untouched).
+  const int64_t d = 64, da = 32;  // anima-tiny model_channels, adapter model_dim
+  std::vector<std::pair<std::string, at::Tensor>> t = {
+      {"blocks.1.mlp.layer2.lora_A.weight", at::full({1, 4 * d}, 1e20)},
+      {"blocks.1.mlp.layer2.lora_B.weight", at::full({d, 1}, 1e20)},
+      {"llm_adapter.blocks.1.mlp.2.lora_A.weight", at::full({1, 4 * da}, 1e20)},
+      {"llm_adapter.blocks.1.mlp.2.lora_B.weight", at::full({da, 1}, 1e20)},
+  };
+  sluice::safetensors::save(dir.file("overflow.safetensors"), t, {});
+  sluice::LoraHandle lora = m.apply_lora(dir.file("overflow.safetensors"));
+  const at::Tensor v = m(in.x, in.t, in.ctx);
+  REQUIRE_FALSE(at::isfinite(v).all().item<bool>());
+  const std::optional<sluice::NonFiniteReport> r = m.locate_nonfinite(in.x, in.t, in.ctx);
+  REQUIRE(r.has_value());
+  CHECK(r->kind == "dit");
+  CHECK(r->module == "blocks.1.mlp.layer2");
+  CHECK(r->nonfinite_values > 0);
+  CHECK(r->nonfinite_values <= r->values);
+  CHECK(r->output_nonfinite_values == at::logical_not(at::isfinite(v)).sum().item<int64_t>());
+  CHECK(r->output_values == v.numel());
+  const sluice::ModelStats st = model.stats();
+  CHECK(r->forward_index == st.forwards - 1);
+  CHECK(st.nonfinite_reruns == 3);
+  REQUIRE(st.nonfinite.has_value());
+  CHECK(st.nonfinite->module == "blocks.1.mlp.layer2");
+  const nlohmann::json j = parse(model.stats_json());
+  CHECK(j.at("nonfinite").at("reruns") == 3);
+  CHECK(j.at("nonfinite").at("last").at("module") == "blocks.1.mlp.layer2");
+  CHECK(j.at("nonfinite").at("last").at("kind") == "dit");
+  CHECK(j.at("nonfinite").at("last").at("forward") == r->forward_index);
+
+  const std::optional<sluice::NonFiniteReport> a = m.locate_nonfinite_text(in.qwen, in.ids);
+  REQUIRE(a.has_value());
+  CHECK(a->kind == "adapter");
+  CHECK(a->module == "llm_adapter.blocks.1.mlp.2");
+  CHECK(parse(model.stats_json()).at("nonfinite").at("last").at("module") == "llm_adapter.blocks.1.mlp.2");
+  // Without the LoRA the same inputs are finite again: the re-runs changed nothing.
+  lora.remove();
+  CHECK(at::isfinite(m(in.x, in.t, in.ctx)).all().item<bool>());
 }
 
 TEST_CASE("api: the load log line and the residency map are printed at INFO") {

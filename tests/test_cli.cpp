@@ -24,6 +24,7 @@
 #include "runtime/safetensors.h"
 
 #include "tests/cli_runner.h"
+#include "tests/overflow_checkpoint.h"
 
 using namespace sluice::testing;
 
@@ -436,6 +437,54 @@ TEST_CASE("errors: wrong input tensors exit 1 with one line naming the tensor") 
   forward_error({{"x", x}, {"timesteps", ts}, {"qwen_hidden", at::randn({1, 5, 32})},
                  {"t5_ids", at::rand({1, 4})}},
                 {"'t5_ids'"});
+  // Note [non-finite values]: NaN and Inf inputs, named as read from the file.
+  at::Tensor nan_x = x.clone();
+  nan_x.index_put_({0, 2, 0, 1, 3}, std::nan(""));
+  nan_x.index_put_({0, 9, 0, 0, 0}, INFINITY);
+  forward_error({{"x", nan_x}, {"timesteps", ts}, {"context", ctx}},
+                {"input 'x' in '" + dir / "in.safetensors" + "' has 2 non-finite values (first at [0, 2, 0, 1, 3]: nan)"});
+  forward_error({{"x", x}, {"timesteps", at::tensor({INFINITY})}, {"context", ctx}},
+                {"'timesteps'", "1 non-finite value (first at [0]: inf)"});
+  at::Tensor inf_ctx = ctx.clone();
+  inf_ctx.index_put_({0, 1, 7}, -INFINITY);
+  forward_error({{"x", x}, {"timesteps", ts}, {"context", inf_ctx}}, {"'context'", "(first at [0, 1, 7]: -inf)"});
+  at::Tensor nan_qwen = at::randn({1, 5, 32});
+  nan_qwen.index_put_({0, 4, 0}, std::nan(""));
+  forward_error({{"x", x}, {"timesteps", ts}, {"qwen_hidden", nan_qwen}, {"t5_ids", at::randint(0, 128, {1, 4}, at::kLong)}},
+                {"'qwen_hidden'", "(first at [0, 4, 0]: nan)"});
+}
+
+TEST_CASE("forward: a layer made to overflow exits 1 naming the forward and the first non-finite layer") {
+  TempDir dir;
+  const std::string good = dir / "tiny.safetensors", in = dir / "in.safetensors", out = dir / "out.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "5", "--out", good, "--dtype", "float32"});
+  at::manual_seed(0);
+  SECTION("the DiT") {
+    const std::string bad = dir / "bad.safetensors";
+    sluice::testing::write_overflow_checkpoint(good, bad, "blocks.1.mlp.layer2.weight", 3e38);
+    sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 4, 4})}, {"timesteps", at::tensor({0.5f})},
+                                   {"context", at::randn({1, 3, 32})}});
+    run_ok({"forward", "--checkpoint", good, "--inputs", in, "--output", out});
+    ::unlink(out.c_str());
+    for (const char* dtype : {"float32", "bfloat16"}) {
+      INFO(dtype);
+      expect_error({"forward", "--checkpoint", bad, "--inputs", in, "--output", out, "--dtype", dtype}, 1,
+                   {"sluice forward: the dit forward's velocity is non-finite (",
+                    " of 256 values); first non-finite output: blocks.1.mlp.layer2 (re-run with a per-layer check)"});
+      CHECK(!exists(out));
+    }
+  }
+  SECTION("the LLM adapter") {
+    const std::string bad = dir / "bad.safetensors";
+    sluice::testing::write_overflow_checkpoint(good, bad, "llm_adapter.blocks.1.mlp.2.weight", 3e38);
+    sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 4, 4})}, {"timesteps", at::tensor({0.5f})},
+                                   {"qwen_hidden", at::randn({1, 5, 32})},
+                                   {"t5_ids", at::randint(0, 128, {1, 4}, at::kLong)}});
+    expect_error({"forward", "--checkpoint", bad, "--inputs", in, "--output", out}, 1,
+                 {"sluice forward: the adapter forward's context is non-finite (",
+                  "first non-finite output: llm_adapter.blocks.1.mlp.2 (re-run with a per-layer check)"});
+    CHECK(!exists(out));
+  }
 }
 
 TEST_CASE("errors: a CUDA device that is not there exits 1 naming it") {

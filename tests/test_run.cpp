@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -18,6 +19,7 @@
 #include "models/sampling.h"
 #include "runtime/safetensors.h"
 #include "tests/cli_runner.h"
+#include "tests/overflow_checkpoint.h"
 
 using namespace sluice::testing;
 
@@ -355,6 +357,67 @@ TEST_CASE("run: a context file is used and a wrong one is an error naming the te
   expect_error(small_run({"--context", ctx}), 1, {"'negative_context'"});
   sluice::safetensors::save(ctx, {{"prompt", at::randn({1, 7, 128}, gen)}});
   expect_error(small_run({"--context", ctx}), 1, {"'prompt'"});
+  // Note [non-finite values]: NaN and Inf are named with their count and first position.
+  at::Tensor nan_ctx = at::randn({1, 7, 128}, gen);
+  nan_ctx.index_put_({0, 3, 5}, std::nan(""));
+  sluice::safetensors::save(ctx, {{"context", nan_ctx}});
+  expect_error(small_run({"--context", ctx}), 1,
+               {"tensor 'context' in '" + ctx + "' has 1 non-finite value (first at [0, 3, 5]: nan)"});
+  at::Tensor inf_neg = at::zeros({1, 7, 128});
+  inf_neg.index_put_({0, 6, 127}, -INFINITY);
+  sluice::safetensors::save(ctx, {{"context", at::randn({1, 7, 128}, gen)}, {"negative_context", inf_neg}});
+  expect_error(small_run({"--context", ctx}), 1, {"'negative_context'", "1 non-finite value (first at [0, 6, 127]: -inf)"});
+}
+
+TEST_CASE("run: a healthy run checks each velocity and never re-runs a forward") {
+  TempDir dir;
+  const std::string stats = dir / "stats.json";
+  run_ok(small_run({"--max-resident", "0.5", "--stats-json", stats}));
+  const nlohmann::json j = read_json(stats);
+  CHECK(j.at("forward_count") == 2);  // one per step: no per-layer re-run
+  CHECK(j.at("nonfinite").at("reruns") == 0);
+  CHECK(j.at("nonfinite").at("last").is_null());
+}
+
+TEST_CASE("run: a layer made to overflow ends the run with one error naming the step and the kind and that layer") {
+  // bf16 storage: fp8 would saturate the scaled weight at 448.
+  TempDir dir;
+  const std::string good = dir / "good.safetensors", bad = dir / "bad.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-small", "--seed", "3", "--out", good, "--dtype", "float32"});
+  write_overflow_checkpoint(good, bad, "blocks.1.mlp.layer2.weight", 3e38);
+  for (const char* resident : {"1", "0.5"}) {
+    INFO("max-resident " << resident);
+    const std::string stats = dir / "stats.json", out = dir / "latent.safetensors";
+    const std::vector<std::string> args{"run", "--device", "cpu", "--checkpoint", bad, "--storage", "bfloat16",
+                                        "--steps", "3", "--resolution", "64", "--seed", "7", "--max-resident",
+                                        resident, "--stats-json", stats, "--output", out};
+    const Result r = run_cli(args);
+    INFO(describe(args, r));
+    CHECK(r.status == 1);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    // The velocity of both guidance rows: 2 x 16 x 1 x 8 x 8 values.
+    CHECK(std::regex_match(r.err, std::regex(R"(sluice: error: sluice run: step 1/3: the dit forward's velocity is )"
+                                             R"(non-finite \(\d+ of 2048 values\); first non-finite output: )"
+                                             R"(blocks\.1\.mlp\.layer2 \(re-run with a per-layer check\)\n)")));
+    const std::string all = r.out + r.err;
+    size_t reports = 0;
+    for (size_t at = all.find("non-finite"); at != std::string::npos; at = all.find("non-finite", at + 1)) ++reports;
+    CHECK(reports == 2);  // "is non-finite" and "first non-finite output", once
+    CHECK(r.out.find("step 1/3") == std::string::npos);  // the step did not finish
+    CHECK(r.out.find("done:") == std::string::npos);
+    CHECK_FALSE(exists(out));
+    // The stats are still written, with the re-run and its finding.
+    const nlohmann::json j = read_json(stats);
+    CHECK(j.at("forward_count") == 2);  // the failed forward and its one re-run
+    CHECK(j.at("nonfinite").at("reruns") == 1);
+    CHECK(j.at("nonfinite").at("last").at("module") == "blocks.1.mlp.layer2");
+    CHECK(j.at("nonfinite").at("last").at("kind") == "dit");
+    CHECK(j.at("nonfinite").at("last").at("forward") == 1);
+    CHECK(j.at("nonfinite").at("last").at("output_values") == 2048);
+    ::unlink(stats.c_str());
+  }
+  // The unscaled weights run to the end.
+  run_ok({"run", "--device", "cpu", "--checkpoint", good, "--storage", "bfloat16", "--steps", "1", "--resolution", "64"});
 }
 
 TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and says so") {

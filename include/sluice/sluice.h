@@ -140,7 +140,9 @@ sluice_status sluice_lock(sluice_model* model, sluice_locked** out);
 void sluice_unlock(sluice_locked* lock); /* NULL is fine */
 
 /* DiT velocity: x [B,C,T,H,W], timesteps [B], context [B,S,D] (any float dtype, any device)
- * -> *out [B,C_out,T,H,W] in the compute dtype on the model's device. */
+ * -> *out [B,C_out,T,H,W] in the compute dtype on the model's device. A NaN or Inf in an
+ * input is SLUICE_ERROR_INVALID_ARGUMENT naming it ("forward: input 'x' has 3 non-finite
+ * values (first at [0, 2, 0, 5, 7]: nan)"); so is one in sluice_encode_text's inputs. */
 sluice_status sluice_forward(sluice_locked* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
                              const DLManagedTensor* context, DLManagedTensor** out);
 /* Streams (GPU). sluice_forward and sluice_encode_text run on the calling thread's current

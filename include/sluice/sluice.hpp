@@ -130,6 +130,20 @@ struct ForwardStats {
   bool aborted = false;         // ended by an exception
 };
 
+// Where a forward's values first went non-finite: what LockedModel::locate_nonfinite found
+// by running the forward again with a check after each layer.
+struct NonFiniteReport {
+  std::string kind;                     // "dit" (forward) or "adapter" (encode_text)
+  std::string module;                   // the first module, in execution order, whose output held a NaN or Inf: a
+                                        // layer ("blocks.5.mlp.layer2") or, when no layer's did, a block
+                                        // ("blocks.5"), the timestep norm or the final layer; empty: none did
+  int64_t nonfinite_values = 0;         // in that module's output
+  int64_t values = 0;                   // that output's elements
+  int64_t output_nonfinite_values = 0;  // in the re-run forward's output
+  int64_t output_values = 0;
+  uint64_t forward_index = 0;           // the re-run's ForwardStats::index
+};
+
 // One model. See Model::stats().
 struct ModelStats {
   std::string name;
@@ -151,6 +165,8 @@ struct ModelStats {
   uint64_t layers = 0, resident_layers = 0, streamed_layers = 0;
   uint64_t forwards = 0;               // forwards run since load
   std::vector<ForwardStats> forward_records;  // the most recent, oldest first
+  uint64_t nonfinite_reruns = 0;               // forwards re-run by locate_nonfinite (each also counts in forwards)
+  std::optional<NonFiniteReport> nonfinite;    // the latest re-run's finding
 };
 
 // What a model takes and gives (from its config).
@@ -208,7 +224,8 @@ class Model {
   // bytes_streamed, planned_bytes, h2d_gbps, stall_ms, upcast_ms, wall_ms, ...},
   // plan.{policy, predicted_step_ms, floor_ms, measured_step_ms, recomputed, kinds[], ...},
   // prefetch.{wasted_copies, wasted_bytes, mismatched_forwards}, cache.{hits,misses,
-  // evictions,...}. A forward's bytes_streamed equals its planned_bytes: the
+  // evictions,...}, nonfinite.{reruns, last {forward,kind,module,nonfinite_values,...} (null
+  // before locate_nonfinite ran)}. A forward's bytes_streamed equals its planned_bytes: the
   // streamed_bytes_by_forward[kind] of the plan it ran under (the balanced plan is made
   // again from the first forward's measurements, so the first forward's may differ).
   std::string stats_json(int indent = 2) const;
@@ -267,7 +284,10 @@ class LockedModel {
   // DiT velocity. x [B, in_channels, T, H, W], timesteps [B] (sigma in [0, 1]), context
   // [B, S, context_dim]. Inputs may be on any device and of any floating dtype: they are
   // moved to the model's device and compute dtype. Returns [B, out_channels, T, H, W] in
-  // the compute dtype on the model's device. InvalidArgument names a bad input.
+  // the compute dtype on the model's device. InvalidArgument names a bad input, a NaN or
+  // Inf in one too: "forward: input 'x' has 3 non-finite values (first at [0, 2, 0, 5, 7]:
+  // nan)" (inputs on a device cost one wait for the stream for that check). The output is
+  // not checked (Note [non-finite values]): see locate_nonfinite.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context);
   // The same, calling `progress(layers_done, layers_expected)` on this thread after each
   // layer: `layers_expected` is the layer count of the previous forward (0 for the first).
@@ -282,8 +302,20 @@ class LockedModel {
 
   // LLM adapter: qwen_hidden [B, S, adapter_source_dim], t5_ids [B, S_t] (integers),
   // optional per-token weights [B, S_t] -> context [B, adapter_output_tokens, context_dim].
+  // Non-finite qwen_hidden or t5_weights are an InvalidArgument as in forward.
   at::Tensor encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                          const std::optional<at::Tensor>& t5_weights = std::nullopt);
+
+  // Runs forward (encode_text) again on the same inputs with a check after every layer
+  // and block, and returns the first module whose output held a NaN or Inf; nothing when
+  // no module's output nor the output did. For a caller whose own check of an output
+  // failed (sluice run checks each velocity): the normal path pays no per-layer wait, this
+  // one waits for the device after each layer. The re-run counts as a forward of its kind
+  // in the stats, which keep its finding (ModelStats::nonfinite, stats JSON "nonfinite").
+  std::optional<NonFiniteReport> locate_nonfinite(const at::Tensor& x, const at::Tensor& timesteps,
+                                                  const at::Tensor& context);
+  std::optional<NonFiniteReport> locate_nonfinite_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                                       const std::optional<at::Tensor>& t5_weights = std::nullopt);
 
   // Streams (GPU). forward() and encode_text() run on the calling thread's current stream
   // of the model's device, whichever it is (a host may use streams of its own); inputs

@@ -9,6 +9,7 @@
 #include "models/anima/llm_adapter.h"
 #include "models/anima/norms.h"
 #include "offload/layer.h"
+#include "offload/output_observer.h"
 #include "runtime/error.h"
 #include "runtime/shape_str.h"
 
@@ -166,11 +167,17 @@ at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& tim
   const at::Tensor sinusoid = timestep_sinusoid(timesteps.to(device), c.model_channels).to(tokens.scalar_type());
   auto [sample, emb] = t_embedder_->forward(sinusoid);
   const at::Tensor t_emb = t_embedding_norm_->forward(sample);
+  // Note [layer output observer]: the block-level outputs, beside the layers' own.
+  offload::observe_output(*t_embedding_norm_, t_emb);
   const at::Tensor& adaln_lora = emb;  // undefined without adaLN-LoRA
   // fp16 cannot hold the residual stream's range over 28 blocks; the reference keeps it in fp32.
   if (tokens.scalar_type() == at::kHalf) tokens = tokens.to(at::kFloat);
-  for (auto& block : blocks_) tokens = block->forward(tokens, t_emb, ctx, rope, adaln_lora);
+  for (auto& block : blocks_) {
+    tokens = block->forward(tokens, t_emb, ctx, rope, adaln_lora);
+    offload::observe_output(*block, tokens);
+  }
   const at::Tensor out = final_layer_->forward(tokens.to(compute), t_emb, adaln_lora);
+  offload::observe_output(*final_layer_, out);
 
   // Unpatchify B (T H W) (p1 p2 t C) -> B C (T t) (H p1) (W p2): note the channel is the
   // innermost factor here, unlike the patchify order (c r m n).

@@ -3,6 +3,8 @@
 #include <memory>
 #include <string>
 
+#include "offload/output_observer.h"
+
 namespace sluice::anima {
 
 AdapterAttentionImpl::AdapterAttentionImpl(int64_t query_dim, int64_t context_dim, int64_t num_heads,
@@ -67,8 +69,13 @@ at::Tensor LLMAdapterImpl::forward(const at::Tensor& source, const at::Tensor& i
   const int64_t head_dim = config_.model_dim / config_.num_heads;
   const rope::Tables target = rope::tables_1d(x.size(1), head_dim, config_.rope_theta, x.device());
   const rope::Tables src = rope::tables_1d(source.size(1), head_dim, config_.rope_theta, x.device());
-  for (auto& block : blocks_) x = block(x, source, target, src);
-  return norm_(out_proj_(x));
+  for (auto& block : blocks_) {
+    x = block(x, source, target, src);
+    offload::observe_output(*block, x);  // Note [layer output observer]
+  }
+  const at::Tensor y = norm_(out_proj_(x));
+  offload::observe_output(*norm_, y);
+  return y;
 }
 
 }  // namespace sluice::anima

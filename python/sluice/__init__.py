@@ -79,6 +79,20 @@ class LockedModel:
         """LLM adapter: Qwen hidden states and T5 ids -> the DiT's cross-attention context."""
         return self._locked.encode_text(qwen_hidden, t5_ids, t5_weights)
 
+    def locate_nonfinite(self, x: torch.Tensor, timesteps: torch.Tensor,
+                         context: torch.Tensor) -> Optional[dict]:
+        """Runs the forward again with a check after every layer and block, for when a check
+        of its output found a NaN or Inf: the first module whose output held one, as {"kind",
+        "module", "nonfinite_values", "values", "output_nonfinite_values", "output_values",
+        "forward_index"}, or None. Each layer then waits for the device; forwards never do.
+        (Non-finite inputs are refused by every call: sluice.InvalidArgument names them.)"""
+        return self._locked.locate_nonfinite(x, timesteps, context)
+
+    def locate_nonfinite_text(self, qwen_hidden: torch.Tensor, t5_ids: torch.Tensor,
+                              t5_weights: Optional[torch.Tensor] = None) -> Optional[dict]:
+        """locate_nonfinite for encode_text."""
+        return self._locked.locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights)
+
     def lora(self, path: str, scale: float = 1.0) -> Lora:
         """Applies a LoRA file as a forward-time sidecar; use it as a context manager."""
         return Lora(self._locked.apply_lora(path, scale))

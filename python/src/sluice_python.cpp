@@ -23,6 +23,20 @@ namespace {
 
 using release_gil = py::call_guard<py::gil_scoped_release>;
 
+// LockedModel::locate_nonfinite's finding as a dict, or None (GIL held).
+py::object nonfinite_dict(const std::optional<sluice::NonFiniteReport>& r) {
+  if (!r) return py::none();
+  py::dict d;
+  d["kind"] = r->kind;
+  d["module"] = r->module;
+  d["nonfinite_values"] = r->nonfinite_values;
+  d["values"] = r->values;
+  d["output_nonfinite_values"] = r->output_nonfinite_values;
+  d["output_values"] = r->output_values;
+  d["forward_index"] = r->forward_index;
+  return std::move(d);
+}
+
 sluice::RuntimeOptions runtime_options(const std::string& device, const std::string& vram_budget,
                                        const std::string& working_memory, int64_t resolution, const std::string& ram_limit,
                                        const py::object& prefetch, const std::string& pin_memory, const std::string& pin_memory_limit,
@@ -146,6 +160,29 @@ PYBIND11_MODULE(_C, m) {
           py::arg("x"), py::arg("timesteps"), py::arg("context"), py::arg("progress") = py::none())
       .def("encode_text", &sluice::LockedModel::encode_text, py::arg("qwen_hidden"), py::arg("t5_ids"),
            py::arg("t5_weights") = std::nullopt, release_gil())
+      .def(
+          "locate_nonfinite",
+          [](sluice::LockedModel& m, const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context) {
+            std::optional<sluice::NonFiniteReport> r;
+            {
+              py::gil_scoped_release release;
+              r = m.locate_nonfinite(x, timesteps, context);
+            }
+            return nonfinite_dict(r);
+          },
+          py::arg("x"), py::arg("timesteps"), py::arg("context"))
+      .def(
+          "locate_nonfinite_text",
+          [](sluice::LockedModel& m, const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+             const std::optional<at::Tensor>& t5_weights) {
+            std::optional<sluice::NonFiniteReport> r;
+            {
+              py::gil_scoped_release release;
+              r = m.locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights);
+            }
+            return nonfinite_dict(r);
+          },
+          py::arg("qwen_hidden"), py::arg("t5_ids"), py::arg("t5_weights") = std::nullopt)
       .def("apply_lora", &sluice::LockedModel::apply_lora, py::arg("path"), py::arg("scale") = 1.0, release_gil())
       .def("unlock", &sluice::LockedModel::unlock, release_gil())
       .def_property_readonly("locked", [](const sluice::LockedModel& l) { return static_cast<bool>(l); })

@@ -1,7 +1,7 @@
 /* The C API as a C host sees it: compiled as C (not C++), it loads a generated model, runs
  * a forward under a 50% residency cap in CPU-as-device mode, reads the stats, compares the
  * output bit for bit with a fully resident run, and checks the errors for a missing file,
- * a bad budget, a wrong tensor shape and a NULL handle. Exit status 0 = every check passed. */
+ * a bad budget, a wrong tensor shape, a NaN input and a NULL handle. Exit status 0 = every check passed. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -135,6 +135,13 @@ static DLManagedTensor* run_forward(double max_resident, char** stats_json) {
   CHECK(strstr(sluice_last_error(), "x") != NULL);
   CHECK(strchr(sluice_last_error(), '\n') == NULL);
   release(bad);
+  /* So is a NaN input, named with its first position. */
+  OwnedTensor* nan_ctx = make_tensor(3, cs, 5);
+  nan_ctx->data[5] = NAN;
+  CHECK(sluice_forward(lock, &x->managed, &t->managed, &nan_ctx->managed, &untouched) == SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(untouched == NULL);
+  CHECK(strstr(sluice_last_error(), "forward: input 'context' has 1 non-finite value (first at [0, 0, 5]: nan)") != NULL);
+  release(nan_ctx);
   DLManagedTensor* again = NULL;
   REQUIRE_OK(sluice_forward(lock, &x->managed, &t->managed, &ctx->managed, &again));
   /* The stream contract: the host waits before reading outputs through their pointers. */

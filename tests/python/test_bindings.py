@@ -168,6 +168,32 @@ def test_errors_become_python_exceptions(checkpoint, workdir):
             pass
 
 
+def test_nonfinite_inputs_are_named_and_locate_nonfinite_names_the_layer(checkpoint, workdir):
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load(checkpoint)
+    x, t, ctx = inputs(model.info)
+    bad = x.clone()
+    bad[0, 2, 0, 5, 7] = float("nan")
+    with model.lock() as m:
+        with pytest.raises(sluice.InvalidArgument,
+                           match=r"^forward: input 'x' has 1 non-finite value \(first at \[0, 2, 0, 5, 7\]: nan\)$"):
+            m(bad, t, ctx)
+        assert m.locate_nonfinite(x, t, ctx) is None
+        # A LoRA whose residual overflows one layer's output: the first non-finite one.
+        d = model.info["model_channels"]
+        lora = os.path.join(workdir, "overflow.safetensors")
+        save_file({"blocks.1.mlp.layer2.lora_A.weight": torch.full((1, 4 * d), 1e20),
+                   "blocks.1.mlp.layer2.lora_B.weight": torch.full((d, 1), 1e20)}, lora)
+        with m.lora(lora):
+            assert not torch.isfinite(m(x, t, ctx)).all()
+            r = m.locate_nonfinite(x, t, ctx)
+        assert r["kind"] == "dit" and r["module"] == "blocks.1.mlp.layer2"
+        assert 0 < r["nonfinite_values"] <= r["values"]
+    s = model.stats()
+    assert s["nonfinite"]["reruns"] == 2
+    assert s["nonfinite"]["last"]["module"] == "blocks.1.mlp.layer2"
+
+
 def test_lora_context_manager(checkpoint, workdir):
     cache = sluice.ModelCache(device="cpu")
     model = cache.load(checkpoint)
