@@ -21,15 +21,23 @@
 //                  into the final host storage, the load a ModelCache miss does
 //   cache          ModelCache(device cpu).load(): the same plus attach to the CPU device,
 //                  which copies every resident byte into the device's own memory
-// It prints every time, the best of each, the ratios the targets name (sluice ÷ raw
+// and, in the bf16 -> fp8 case, once more per fp8 cast variant named by --fp8-isas:
+//   sluice:ISA     the sluice path with SLUICE_FP8_ISA=ISA, i.e. the bf16 -> e4m3fn cast
+//                  forced to that variant (runtime/fp8_kernels.h, Note [vectorized fp8
+//                  loops]): sluice:avx2 on an AVX-512 machine measures what an AVX2-only
+//                  CPU runs. Default: every variant this CPU runs but the one picked anyway.
+// It prints the CPU (model, cores, vector extensions) and the fp8 cast variant first, then
+// every time, the best of each, the ratios the targets name (sluice ÷ raw
 // read, sluice ÷ python) and each path's peak RSS: VmHWM at the end minus VmRSS before the
 // load, against the final host storage (sluice: host_memory_stats; python: the bytes of the
 // tensors it kept) plus one chunk per read thread.
 //
 //   sluice_bench_load [--config anima-2b] [--reps 3] [--threads 0] [--dir /tmp]
 //                     [--python PATH] [--bf16 FILE] [--fp8 FILE] [--keep] [--paths raw,python,sluice,cache]
+//                     [--cases bf16-fp8,bf16-bf16,fp8-fp8] [--fp8-isas all|none|avx2,...]
 //
-// --bf16/--fp8 reuse files written before (then nothing is generated or deleted).
+// --bf16/--fp8 reuse files written before (then nothing is generated or deleted); without
+// the fp8-fp8 case no fp8 file is needed.
 // Generated files are deleted at exit unless --keep. The targets (≤ 0.5× python and
 // ≤ 1.5× raw for bf16 -> fp8, ≤ 1.2× raw for fp8 -> fp8, peak ≤ storage + a chunk per
 // thread) are printed as met or not; they are benchmark goals, never test assertions.
@@ -60,7 +68,9 @@
 #include "models/anima/generator.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
+#include "runtime/fp8_kernels.h"
 #include "runtime/fused_read.h"
+#include "runtime/hardware.h"
 #include "runtime/host_memory.h"
 
 #ifndef SLUICE_BENCH_PYTHON
@@ -207,8 +217,10 @@ struct Sample {
   uint64_t storage = 0;  // final storage bytes
 };
 
-// Runs argv, returns its RESULT line parsed, or an error string.
-std::optional<Sample> run_child(const std::vector<std::string>& argv, std::string& error) {
+// Runs argv (with `env` NAME=VALUE added to its environment), returns its RESULT line
+// parsed, or an error string.
+std::optional<Sample> run_child(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                                std::string& error) {
   int out[2];
   if (::pipe2(out, O_CLOEXEC) != 0) {
     error = "pipe failed";
@@ -217,6 +229,7 @@ std::optional<Sample> run_child(const std::vector<std::string>& argv, std::strin
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::dup2(out[1], STDOUT_FILENO);
+    for (const auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -296,7 +309,7 @@ std::string fmt(const char* f, double v) {
 int main(int argc, char** argv) {
   CLI::App app{"sluice_bench_load: checkpoint time-to-ready against a raw read and the safetensors+torch path"};
   std::string config_name = "anima-2b", dir = "/tmp", python = SLUICE_BENCH_PYTHON, bf16_file, fp8_file;
-  std::string paths_arg = "raw,fresh,python,sluice,cache";
+  std::string paths_arg = "raw,fresh,python,sluice,cache", cases_arg = "bf16-fp8,bf16-bf16,fp8-fp8", isas_arg = "all";
   int reps = 3, threads = 0;
   bool keep = false;
   std::vector<std::string> child_args;
@@ -308,20 +321,65 @@ int main(int argc, char** argv) {
   app.add_option("--bf16", bf16_file, "Use this bf16 checkpoint instead of generating one");
   app.add_option("--fp8", fp8_file, "Use this fp8 checkpoint instead of converting one");
   app.add_option("--paths", paths_arg, "Comma-separated subset of raw,fresh,python,sluice,cache");
+  app.add_option("--cases", cases_arg, "Comma-separated subset of bf16-fp8,bf16-bf16,fp8-fp8");
+  app.add_option("--fp8-isas", isas_arg,
+                 "fp8 cast variants to force in extra sluice rows of bf16 -> fp8 (SLUICE_FP8_ISA): all (every one "
+                 "this CPU runs but the default), none, or a comma-separated list");
   app.add_flag("--keep", keep, "Keep generated checkpoints");
   app.add_option("--child", child_args, "(internal) FILE STORAGE PATH: one timed load")->expected(3);
   CLI11_PARSE(app, argc, argv);
   try {
     if (!child_args.empty()) return child(child_args[0], child_args[1], child_args[2], threads);
 
-    std::vector<std::string> paths;
-    std::stringstream ps(paths_arg);
-    for (std::string p; std::getline(ps, p, ',');) {
+    auto split = [](const std::string& list) {
+      std::vector<std::string> out;
+      std::stringstream ss(list);
+      for (std::string p; std::getline(ss, p, ',');) out.push_back(p);
+      return out;
+    };
+    std::vector<std::string> paths = split(paths_arg);
+    for (const auto& p : paths) {
       if (p != "raw" && p != "fresh" && p != "python" && p != "sluice" && p != "cache") {
         throw InvalidArgument("--paths: unknown path '" + p + "' (raw, fresh, python, sluice, cache)");
       }
-      paths.push_back(p);
     }
+    const std::vector<std::string> case_names = split(cases_arg);
+    for (const auto& c : case_names) {
+      if (c != "bf16-fp8" && c != "bf16-bf16" && c != "fp8-fp8") {
+        throw InvalidArgument("--cases: unknown case '" + c + "' (bf16-fp8, bf16-bf16, fp8-fp8)");
+      }
+    }
+    auto has_case = [&](const char* c) {
+      return std::find(case_names.begin(), case_names.end(), c) != case_names.end();
+    };
+    // The fp8 cast variants: what runs by default, and the ones forced in rows of their own.
+    namespace fk = fp8_kernels;
+    const std::vector<fk::Isa> available = fk::available_isas();
+    std::string available_names;
+    for (const fk::Isa isa : available) {
+      available_names += std::string(available_names.empty() ? "" : " ") + fk::isa_name(isa);
+    }
+    std::vector<std::string> forced;
+    if (isas_arg == "all") {
+      for (const fk::Isa isa : available) {
+        if (isa != fk::active_isa()) forced.push_back(fk::isa_name(isa));
+      }
+    } else if (isas_arg != "none") {
+      forced = split(isas_arg);
+      for (const auto& f : forced) {
+        if (std::none_of(available.begin(), available.end(), [&](fk::Isa isa) { return f == fk::isa_name(isa); })) {
+          throw InvalidArgument("--fp8-isas: '" + f + "' is not a variant this CPU runs (" + available_names + ")");
+        }
+      }
+    }
+    if (std::find(paths.begin(), paths.end(), "sluice") == paths.end()) forced.clear();
+    std::string forced_names;
+    for (const auto& f : forced) forced_names += (forced_names.empty() ? "; forced in rows sluice:" : ", sluice:") + f;
+    const char* env_isa = std::getenv("SLUICE_FP8_ISA");
+    std::printf("cpu: %s\n", cpu_summary().c_str());
+    std::printf("fp8 cast variant: %s (this CPU runs: %s; SLUICE_FP8_ISA %s)%s\n", fk::isa_name(fk::active_isa()),
+                available_names.c_str(), env_isa ? env_isa : "unset", forced_names.c_str());
+    std::fflush(stdout);
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
     std::atexit(remove_generated);
@@ -334,7 +392,7 @@ int main(int argc, char** argv) {
       std::printf("wrote %s (%s, bf16) in %.1f s\n", bf16_file.c_str(), config_name.c_str(),
                   std::chrono::duration<double>(clock_type::now() - t0).count());
     }
-    if (fp8_file.empty()) {
+    if (fp8_file.empty() && has_case("fp8-fp8")) {
       fp8_file = dir + "/sluice_bench_load_" + std::to_string(::getpid()) + "_fp8.safetensors";
       remember(fp8_file);
       const auto t0 = clock_type::now();
@@ -352,9 +410,10 @@ int main(int argc, char** argv) {
       const char* name;
       std::string file, storage;
     };
-    const Case cases[] = {{"bf16 -> fp8", bf16_file, "float8_e4m3fn"},
-                          {"bf16 -> bf16", bf16_file, "bfloat16"},
-                          {"fp8 -> fp8", fp8_file, "float8_e4m3fn"}};
+    std::vector<Case> cases;
+    if (has_case("bf16-fp8")) cases.push_back({"bf16 -> fp8", bf16_file, "float8_e4m3fn"});
+    if (has_case("bf16-bf16")) cases.push_back({"bf16 -> bf16", bf16_file, "bfloat16"});
+    if (has_case("fp8-fp8")) cases.push_back({"fp8 -> fp8", fp8_file, "float8_e4m3fn"});
     const std::string self = "/proc/self/exe";
     char exe[4096];
     const ssize_t n = ::readlink(self.c_str(), exe, sizeof exe - 1);
@@ -364,16 +423,24 @@ int main(int argc, char** argv) {
       warm(c.file);
       std::map<std::string, std::vector<Sample>> got;
       std::map<std::string, std::string> failed;
+      // This case's rows: the paths, then sluice with each forced cast variant (bf16 -> fp8).
+      std::vector<std::string> rows = paths;
+      if (std::string(c.name) == "bf16 -> fp8") {
+        for (const auto& f : forced) rows.push_back("sluice:" + f);
+      }
       for (int r = 0; r < reps; ++r) {
-        for (const auto& p : paths) {
-          std::vector<std::string> argv_child;
+        for (const auto& p : rows) {
+          std::vector<std::string> argv_child, env;
           if (p == "python") {
             argv_child = {python, "-c", kPythonScript, c.file, c.storage};
+          } else if (p.rfind("sluice:", 0) == 0) {
+            argv_child = {me, "--threads", std::to_string(threads), "--child", c.file, c.storage, "sluice"};
+            env = {"SLUICE_FP8_ISA=" + p.substr(7)};
           } else {
             argv_child = {me, "--threads", std::to_string(threads), "--child", c.file, c.storage, p};
           }
           std::string error;
-          if (auto s = run_child(argv_child, error)) {
+          if (auto s = run_child(argv_child, env, error)) {
             got[p].push_back(*s);
           } else {
             failed[p] = error;
@@ -382,11 +449,11 @@ int main(int argc, char** argv) {
       }
       std::printf("\n%s (%s, %.2f GB)\n", c.name, c.file.c_str(),
                   static_cast<double>(std::ifstream(c.file, std::ios::ate | std::ios::binary).tellg()) / 1e9);
-      std::printf("  %-8s %-22s %8s %14s %14s\n", "path", "times (s)", "best", "peak RSS MiB", "storage MiB");
+      std::printf("  %-14s %-22s %8s %14s %14s\n", "path", "times (s)", "best", "peak RSS MiB", "storage MiB");
       std::map<std::string, double> best;
-      for (const auto& p : paths) {
+      for (const auto& p : rows) {
         if (failed.count(p)) {
-          std::printf("  %-8s not measured: %s\n", p.c_str(), failed[p].c_str());
+          std::printf("  %-14s not measured: %s\n", p.c_str(), failed[p].c_str());
           continue;
         }
         std::string times;
@@ -399,7 +466,7 @@ int main(int argc, char** argv) {
           storage = s.storage;
         }
         best[p] = b;
-        std::printf("  %-8s %-22s %8.3f %14.0f %14.0f\n", p.c_str(), times.c_str(), b,
+        std::printf("  %-14s %-22s %8.3f %14.0f %14.0f\n", p.c_str(), times.c_str(), b,
                     static_cast<double>(peak) / MiB, static_cast<double>(storage) / MiB);
         if (p == "sluice") {
           const uint64_t bound = storage + static_cast<uint64_t>(workers) * chunk;
@@ -425,6 +492,11 @@ int main(int argc, char** argv) {
       if (name == "bf16 -> fp8") {
         ratio("sluice", "python", 0.5);
         ratio("sluice", "raw", 1.5);
+        for (const auto& f : forced) {
+          const std::string row = "sluice:" + f;
+          ratio(row.c_str(), "python", 0);
+          ratio(row.c_str(), "sluice", 0);
+        }
       } else if (name == "fp8 -> fp8") {
         ratio("sluice", "raw", 1.2);
       } else {
