@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "cache/model_cache.h"
+#include "models/anima/anima.h"
 #include "models/anima/config.h"
 #include "models/lora.h"
 #include "offload/cpu_device.h"
@@ -20,6 +21,7 @@
 #include "offload/vram_budget.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
+#include "runtime/hardware.h"
 #include "runtime/logging.h"
 #include "runtime/nonfinite.h"
 #include "runtime/size_parse.h"
@@ -83,6 +85,7 @@ ModelInfo make_info(const cache::ModelCache& c, const std::shared_ptr<cache::Ent
   i.source = e->spec.source;
   i.storage_dtype = dtype_name(e->dtypes.storage);
   i.compute_dtype = dtype_name(e->dtypes.compute);
+  i.compute_reason = e->spec.compute_reason.empty() ? "requested" : e->spec.compute_reason;
   i.in_channels = cfg.in_channels;
   i.out_channels = cfg.out_channels;
   i.context_dim = cfg.crossattn_emb_channels;
@@ -206,6 +209,7 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
   if (o.load_threads < 0 || o.load_threads > 4096) {
     throw InvalidArgument("load_threads must be 0 (every core) .. 4096, got " + std::to_string(o.load_threads));
   }
+  apply_cpu_onednn_env();  // Note [native bf16]: SLUICE_CPU_ONEDNN=off
   std::shared_ptr<offload::DeviceBackend> device;
   if (o.device == "cpu") {
     offload::CpuDeviceOptions c;
@@ -256,7 +260,10 @@ Model ModelCache::load(const std::string& path_or_preset, const LoadOptions& opt
   spec.source = path_or_preset;
   spec.name = options.name;
   spec.storage.storage = parse_storage_dtype(options.storage);
-  spec.storage.compute = parse_compute_dtype(options.compute);
+  const ComputeChoice compute =
+      choose_compute_dtype(options.compute, impl_->cache->device().device(), anima::fp16_verdict());
+  spec.storage.compute = compute.dtype;
+  spec.compute_reason = compute.reason;
   spec.storage.extra_skip_patterns = options.extra_skips;
   spec.storage.use_default_skips = options.use_default_skips;
   spec.storage.use_model_skips = options.use_model_skips;

@@ -25,6 +25,7 @@
 
 #include "offload/cpu_device.h"
 #include "offload/engine.h"
+#include "runtime/hardware.h"
 #include "runtime/logging.h"
 #include "tests/toy_model.h"
 
@@ -175,6 +176,7 @@ int main(int argc, char** argv) {
           ->UseRealTime();
     }
   }
+  benchmark::AddCustomContext("hardware", sluice::hardware_summary(at::kCPU));
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   CaptureReporter reporter;

@@ -18,6 +18,7 @@
 #include "models/anima/anima.h"
 #include "models/anima/checkpoint.h"
 #include "models/anima/generator.h"
+#include "runtime/hardware.h"
 
 namespace {
 
@@ -104,4 +105,12 @@ BENCHMARK_CAPTURE(BM_Forward, anima_small_cuda, std::string("anima-small"))
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  // Every number names its hardware (Google Benchmark prints only the clock and caches).
+  benchmark::AddCustomContext("hardware", sluice::hardware_summary(at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU)));
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -71,6 +71,7 @@
 #include "offload/storage.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
+#include "runtime/hardware.h"
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
 
@@ -383,6 +384,7 @@ int main(int argc, char** argv) {
       if (!cpu) gpu = std::shared_ptr<DeviceBackend>(make_device(a.device));
       std::unique_ptr<DeviceBackend> plain_cpu = cpu ? make_cpu_device() : nullptr;
       DeviceBackend& dev = cpu ? *plain_cpu : *gpu;
+      std::printf("hardware: %s\n", hardware_summary(dev.device()).c_str());
       const Bandwidth bw = measure_bandwidth(dev, 256ull << 20);
       std::printf("device %s: H2D pinned %.2f GB/s, H2D pageable %.2f GB/s, D2D %.1f GB/s (read + write)%s\n",
                   dev.name().c_str(), bw.pinned / 1e9, bw.pageable / 1e9, bw.d2d / 1e9,

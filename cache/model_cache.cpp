@@ -20,6 +20,7 @@
 #include "offload/timeline_step.h"
 #include "offload/timeline_svg.h"
 #include "runtime/error.h"
+#include "runtime/hardware.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
 #include "runtime/safetensors.h"
@@ -347,7 +348,8 @@ void ModelCache::attach(Entry& e, uint64_t share) {
     line << "Loaded model '" << e.name << "' onto " << device_->name() << " in " << e.load_seconds + secs
          << "s. Total model size: " << format_mib(e.needs.model_bytes) << ", VRAM: " << format_mib(plan.resident_bytes)
          << " (" << percent(plan.resident_bytes, e.needs.model_bytes) << "); host load (read or generate, cast) "
-         << e.load_seconds << "s, attach " << secs << "s";
+         << e.load_seconds << "s, attach " << secs << "s; compute " << dtype_name(e.dtypes.compute) << " ("
+         << (e.spec.compute_reason.empty() ? "requested" : e.spec.compute_reason) << ")";
     log::info(line.str());
     e.announced = true;
   } else {
@@ -1069,6 +1071,10 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
   j["model"]["on_device"] = e->attached;
   j["model"]["storage_dtype"] = dtype_name(e->dtypes.storage);
   j["model"]["compute_dtype"] = dtype_name(e->dtypes.compute);
+  j["model"]["compute"] = {{"dtype", dtype_name(e->dtypes.compute)},
+                           {"automatic", e->spec.compute_reason.rfind("auto:", 0) == 0},
+                           {"reason", e->spec.compute_reason.empty() ? "requested" : e->spec.compute_reason}};
+  j["hardware"] = hardware_summary(device_->device());
   j["cache"] = cache_json(stats_locked());
   return j.dump(indent);
 }

@@ -118,6 +118,7 @@ struct LoadSpec {
   std::string source;                       // preset name, .json config or .safetensors path
   std::string name;                         // for logs and stats; empty: preset/config name or file stem
   Fp8Options storage;                       // storage/compute dtypes and skip patterns
+  std::string compute_reason;               // why storage.compute (Note [compute dtype auto]); empty: "requested"
   std::optional<anima::AnimaConfig> config; // overrides the file's inferred config / the preset's
   uint64_t seed = 0;                        // generated weights (preset and .json sources)
   std::optional<double> max_resident;       // cap on resident fraction; none: the budget decides

@@ -9,10 +9,13 @@
 // With neither --checkpoint nor --synthetic it runs the embedded default:
 //  - on a GPU (--device cuda, or no --device and a CUDA/ROCm device present): the real
 //    model's shape, anima-2b with random weights, at a 50% VRAM budget, 1024 px, 30 steps;
-//  - on the CPU (CPU-as-device mode): a generated anima-medium at 512 px, 12 steps, with
-//    half its streamable weights resident (--max-resident 0.5) so that streaming is
-//    exercised; sized to finish well within a minute on an idle 2-core machine (the
-//    time is measured in docs/BENCHMARKS.md, "sluice run (embedded default)").
+//  - on the CPU (CPU-as-device mode): a generated anima-medium, 12 steps, with half its
+//    streamable weights resident (--max-resident 0.5) so that streaming is exercised, at
+//    512 px where the compute dtype is bf16 (a CPU with native bf16) and 256 px where it
+//    is fp32 (Note [compute dtype auto]): fp32 runs at 65 GFLOP/s on a 2-core AVX2-only
+//    EPYC, about a quarter of what bf16 or fp32 reach on an AVX-512 one, so 512 px would
+//    take ~90 s there. Either way it finishes within a minute on an idle 2-core machine
+//    of the CI kind (measured in docs/BENCHMARKS.md, "sluice run (embedded default)").
 // Where the budget holds every DiT layer (50% of an H200 holds anima-2b whole) the run
 // says that everything fits and names --max-resident 0.5 as the flag that streams.
 // Every flag given overrides its default. With a model named (--checkpoint/--synthetic)
@@ -42,9 +45,12 @@
 #include "cli/nonfinite_output.h"
 #include "cli/run_progress.h"
 #include <sluice/sluice.hpp>
+#include "models/anima/anima.h"
 #include "models/sampling.h"
+#include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/nonfinite.h"
+#include "runtime/hardware.h"
 #include "runtime/safetensors.h"
 #include "runtime/size_parse.h"
 #include "runtime/status_line.h"
@@ -62,6 +68,7 @@ struct RunArgs {
   std::optional<double> max_resident;     // cap on the resident fraction of streamable weights
   std::string working_memory;             // empty: the runtime sizes it for the resolution
   std::string storage = "float8_e4m3fn";  // stored dtype of Linear/Embedding weights
+  std::string compute = "auto";           // compute dtype (Note [compute dtype auto])
   std::optional<int> steps;               // Euler steps
   double cfg = 4.5;                       // classifier-free guidance scale
   std::optional<int64_t> resolution;      // image side in pixels (latent = px / 8)
@@ -79,7 +86,8 @@ struct RunArgs {
 };
 
 constexpr const char* kCpuDefaultPreset = "anima-medium";
-constexpr int64_t kCpuDefaultResolution = 512;
+constexpr int64_t kCpuDefaultResolution = 512;      // compute in bf16
+constexpr int64_t kCpuFp32DefaultResolution = 256;  // compute in fp32 or fp16
 constexpr int kCpuDefaultSteps = 12;
 constexpr double kCpuDefaultMaxResident = 0.5;
 constexpr const char* kGpuDefaultPreset = "anima-2b";
@@ -185,7 +193,12 @@ int run(const RunArgs& args) {
     if (gpu && a.vram_budget.empty()) a.vram_budget = kGpuDefaultBudget;
     if (!gpu && !a.max_resident && a.vram_budget.empty()) a.max_resident = kCpuDefaultMaxResident;
   }
-  const int64_t px = a.resolution.value_or(gpu ? kGpuDefaultResolution : kCpuDefaultResolution);
+  // The compute dtype `auto` will pick (the cache resolves it again, with the same answer):
+  // the CPU default's size depends on it (Note [run defaults]).
+  const ComputeChoice compute = choose_compute_dtype(a.compute, device, anima::fp16_verdict());
+  const int64_t px = a.resolution.value_or(gpu                                   ? kGpuDefaultResolution
+                                           : compute.dtype == at::kBFloat16 ? kCpuDefaultResolution
+                                                                            : kCpuFp32DefaultResolution);
   sampling::SamplerOptions so;
   so.steps = a.steps.value_or(gpu ? kGpuDefaultSteps : kCpuDefaultSteps);
   so.cfg = a.cfg;
@@ -214,6 +227,7 @@ int run(const RunArgs& args) {
 
   LoadOptions lo;
   lo.storage = a.storage;
+  lo.compute = a.compute;
   lo.max_resident = a.max_resident;
   const std::string source = a.checkpoint.empty() ? a.synthetic : a.checkpoint;
   const auto t_load = std::chrono::steady_clock::now();
@@ -228,6 +242,8 @@ int run(const RunArgs& args) {
   std::cout << "sluice run: " << info.name << (a.checkpoint.empty() ? " (random weights)" : " from " + a.checkpoint)
             << " on " << cs0.device << ", storage " << info.storage_dtype << ", compute " << info.compute_dtype
             << (embedded ? " [embedded default]" : "") << "\n";
+  std::cout << "hardware: " << hardware_summary(device) << "\n";
+  std::cout << "compute " << info.compute_dtype << ": " << info.compute_reason << "\n";
   std::cout << "loaded in " << fmt("%.2f", load_s) << " s: total " << mb(ms0.total_bytes) << ", resident "
             << mb(ms0.resident_bytes) << " ("
             << fmt("%.1f", ms0.total_bytes ? 100.0 * static_cast<double>(ms0.resident_bytes) / static_cast<double>(ms0.total_bytes) : 0.0)
@@ -415,11 +431,18 @@ Subcommand add_run(CLI::App& root) {
   sub->add_option("--storage", a->storage, "Stored weight dtype")
       ->check(CLI::IsMember({"float8_e4m3fn", "bfloat16"}))
       ->capture_default_str();
+  sub->add_option("--compute", a->compute,
+                  "Compute dtype: auto (bfloat16 where the device computes it natively, else float32), bfloat16, "
+                  "float16 or float32")
+      ->check(CLI::IsMember({"auto", "bfloat16", "float16", "float32"}))
+      ->capture_default_str();
   sub->add_option("--steps", a->steps, "Euler steps (default: 12 on cpu, 30 on a GPU)")->check(CLI::Range(1, 100000));
   sub->add_option("--cfg", a->cfg, "Classifier-free guidance scale (1: conditional only)")
       ->check(finite_validator())
       ->capture_default_str();
-  sub->add_option("--resolution", a->resolution, "Image side in pixels, a multiple of 16 (default: 512 cpu, 1024 GPU)")
+  sub->add_option("--resolution", a->resolution,
+                  "Image side in pixels, a multiple of 16 (default: 1024 on a GPU; on the CPU 512 computing in "
+                  "bfloat16, 256 in float32)")
       ->check(resolution_validator());
   sub->add_option("--prefetch", a->prefetch,
                   "Most streamed layers copied ahead of compute: auto (as far as the staging ring's bytes allow) or N")

@@ -12,6 +12,7 @@
 
 #include "cli/commands.h"
 #include "runtime/error.h"
+#include "runtime/hardware.h"
 #include "runtime/logging.h"
 #include "runtime/runtime_info.h"
 #include "runtime/status_line.h"
@@ -102,6 +103,7 @@ int main(int argc, char** argv) {
     }
     // Note [status line]: drawn only when stderr is a terminal.
     sluice::status_line::enable(!no_progress);
+    sluice::apply_cpu_onednn_env();  // Note [native bf16]: before any command asks what the CPU computes fast
     for (const auto& c : commands) {
       if (!c.app->parsed()) continue;
       const int status = c.run();

@@ -15,6 +15,7 @@
 
 #include "runtime/error.h"
 #include "runtime/fp8.h"
+#include "runtime/hardware.h"
 #include "runtime/logging.h"
 
 namespace sluice {
@@ -191,6 +192,38 @@ void check_compute_dtype(at::ScalarType t) {
                           kValidCompute);
   }
   if (!is_compute(t)) throw InvalidArgument("invalid compute dtype '" + dtype_name(t) + "'; valid: " + kValidCompute);
+}
+
+ComputeChoice choose_compute_dtype(std::string_view request, at::Device device, const Fp16Verdict& model_fp16) {
+  std::string lower(request);
+  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower != "auto") {
+    ComputeChoice c;
+    c.dtype = parse_compute_dtype(request);
+    c.reason = "requested";
+    return c;
+  }
+  ComputeChoice c;
+  c.automatic = true;
+  const NativeAnswer bf16 = native_matmul(device, at::kBFloat16);
+  if (bf16.native) {
+    c.dtype = at::kBFloat16;
+    c.reason = "auto: bfloat16, because " + bf16.why;
+    return c;
+  }
+  const NativeAnswer f16 = native_matmul(device, at::kHalf);
+  if (f16.native && model_fp16.fit) {
+    c.dtype = at::kHalf;
+    c.reason = "auto: float16, because " + bf16.why + "; fp16 is native (" + f16.why + ") and fits the model (" +
+               model_fp16.note + ")";
+    return c;
+  }
+  c.dtype = at::kFloat;
+  c.reason = "auto: float32, because " + bf16.why +
+             (f16.native             ? "; fp16 is native but not chosen: " + model_fp16.note
+              : f16.why == bf16.why ? std::string("; the same holds for fp16")
+                                    : "; nor fp16: " + f16.why);
+  return c;
 }
 
 DtypePair resolve_dtypes(std::optional<at::ScalarType> storage, std::optional<at::ScalarType> compute,

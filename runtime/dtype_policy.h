@@ -7,7 +7,8 @@
 // A weight has a *storage* dtype (what sits in RAM/VRAM between forwards) and a *compute*
 // dtype (what a forward multiplies in). resolve_dtypes() is the only place that turns a
 // request into the effective pair; its rules, in order:
-//  1. compute: unset -> bfloat16. It must be bfloat16, float16 or float32. A float8 compute
+//  1. compute: unset -> bfloat16 (callers resolve "auto" first with choose_compute_dtype,
+//     Note [compute dtype auto]). It must be bfloat16, float16 or float32. A float8 compute
 //     dtype is refused (InvalidArgument): sluice stores fp8 but never multiplies in it.
 //  2. storage: unset -> float8_e4m3fn (the reference system's storage dtype). It must be one
 //     of the four float8 dtypes or bfloat16/float16/float32.
@@ -59,6 +60,35 @@ at::ScalarType parse_compute_dtype(std::string_view name);
 // Throw InvalidArgument naming the dtype when it is not a valid storage / compute dtype.
 void check_storage_dtype(at::ScalarType t);
 void check_compute_dtype(at::ScalarType t);
+
+// Note [compute dtype auto]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A compute request is "auto" or a dtype name; an explicit dtype always wins. "auto"
+// picks, for the device that computes (runtime/hardware.h, Note [native bf16]):
+//  1. bfloat16 where the device computes bf16 matrix products natively (AVX-512 CPUs with
+//     torch's oneDNN on, Ampere and later GPUs, ROCm);
+//  2. otherwise float16 where the device computes it natively AND the model declares fp16
+//     fit for its activations (a model is fit only where its fp16 error against fp32 was
+//     measured; Anima's verdict and numbers: models/anima/config.h, anima::fp16_verdict);
+//  3. otherwise float32, which holds every model's range and is fast everywhere (on an
+//     AVX2-only CPU torch's bf16 matmul is ~100x slower than fp32).
+// The choice and its reason are logged once per load, shown on `sluice run`'s header line
+// and in the model's stats JSON ("model.compute").
+struct ComputeChoice {
+  at::ScalarType dtype = at::kBFloat16;
+  bool automatic = false;  // chosen by "auto"
+  std::string reason;      // "auto: float32, because ..." or "requested"
+};
+
+// A model's answer to "may auto compute it in fp16?": fit, or the reason it is not.
+struct Fp16Verdict {
+  bool fit = false;
+  std::string note;  // why (fit: the measured error; unfit: what goes wrong)
+};
+
+// Resolves a compute request ("auto", "bfloat16", "float16", "float32" and aliases) for
+// `device` and a model's fp16 verdict. Throws InvalidArgument for a bad name.
+ComputeChoice choose_compute_dtype(std::string_view request, at::Device device, const Fp16Verdict& model_fp16);
 
 // The resolver. `device` is the compute device, where stored bytes are upcast. See
 // Note [dtype resolution] for the rules.

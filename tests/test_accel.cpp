@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "offload/device.h"
+#include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 
 using namespace sluice::offload;
@@ -237,4 +238,23 @@ TEST_CASE("accel: operators run on the device; views stay views; devices do not 
   CHECK(mixed.find("testaccel") != std::string::npos);
   // A 0-dim CPU tensor is a scalar, as on CUDA.
   CHECK_NOTHROW(d + at::scalar_tensor(1.0));
+}
+
+TEST_CASE("accel: compute auto asks the backend's dtypes: bf16 where reported and fp16 only for a model fit for it") {
+  load_accel();
+  const sluice::Fp16Verdict fit{true, "measured fit"};
+  const sluice::Fp16Verdict unfit{false, "activations pass 65504"};
+  unsetenv("SLUICE_TEST_ACCEL_NO_DTYPES");
+  CHECK(sluice::choose_compute_dtype("auto", accel(), unfit).dtype == at::kBFloat16);
+  setenv("SLUICE_TEST_ACCEL_NO_DTYPES", "BFloat16", 1);  // a GPU before Ampere
+  const sluice::ComputeChoice f16 = sluice::choose_compute_dtype("auto", accel(), fit);
+  CHECK(f16.dtype == at::kHalf);
+  CHECK(f16.reason.find("does not report BFloat16") != std::string::npos);
+  const sluice::ComputeChoice f32 = sluice::choose_compute_dtype("auto", accel(), unfit);
+  CHECK(f32.dtype == at::kFloat);
+  CHECK(f32.reason.find("fp16 is native but not chosen: activations pass 65504") != std::string::npos);
+  setenv("SLUICE_TEST_ACCEL_NO_DTYPES", "BFloat16,Half", 1);
+  CHECK(sluice::choose_compute_dtype("auto", accel(), fit).dtype == at::kFloat);
+  CHECK(sluice::choose_compute_dtype("bfloat16", accel(), fit).dtype == at::kBFloat16);  // explicit wins
+  unsetenv("SLUICE_TEST_ACCEL_NO_DTYPES");
 }

@@ -2,12 +2,17 @@
 
 #include <ATen/ATen.h>
 
+#include <ATen/Context.h>
+
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
+#include "runtime/hardware.h"
 
 using sluice::DtypePair;
 
@@ -185,4 +190,74 @@ TEST_CASE("policy and scale-mode names parse, and Fp8Options defaults are the do
   CHECK(o.extra_skip_patterns.empty());
   CHECK(o.out_of_range == sluice::OutOfRangePolicy::saturate);
   CHECK(o.scale_mode == sluice::ScaleMode::none);
+}
+
+// ---------------------------------------------------------------------------------------
+// Note [compute dtype auto]
+
+namespace {
+
+// Switches torch's oneDNN off for a scope, as SLUICE_CPU_ONEDNN=off does: the slow bf16
+// path of a CPU without AVX-512, reproduced on one that has it.
+struct OneDnnOff {
+  bool was = at::globalContext().userEnabledMkldnn();
+  OneDnnOff() { at::globalContext().setUserEnabledMkldnn(false); }
+  ~OneDnnOff() { at::globalContext().setUserEnabledMkldnn(was); }
+};
+
+const sluice::Fp16Verdict kFit{true, "measured fit"};
+const sluice::Fp16Verdict kUnfit{false, "overflows past 65504"};
+
+}  // namespace
+
+TEST_CASE("compute auto follows torch's bf16 capability on the CPU") {
+  const sluice::NativeAnswer bf16 = sluice::native_matmul(at::kCPU, at::kBFloat16);
+  const sluice::ComputeChoice c = sluice::choose_compute_dtype("auto", at::kCPU, kUnfit);
+  CHECK(c.automatic);
+  CHECK(contains(c.reason, "auto: "));
+  CHECK(contains(c.reason, bf16.why));
+  // The answer mirrors torch's oneDNN bf16 check: AVX-512 core on x86.
+  const auto& ext = sluice::cpu_description().vector_extensions;
+  auto has = [&](const char* e) { return std::find(ext.begin(), ext.end(), e) != ext.end(); };
+  if (sluice::cpu_description().architecture == "x86_64" && at::hasMKLDNN() &&
+      at::globalContext().userEnabledMkldnn()) {
+    CHECK(bf16.native == (has("avx512_bw") && has("avx512_vl") && has("avx512_dq")));
+  }
+  CHECK(c.dtype == (bf16.native ? at::kBFloat16 : at::kFloat));
+}
+
+TEST_CASE("compute auto picks float32 where torch's oneDNN is off and says why") {
+  OneDnnOff off;
+  CHECK_FALSE(sluice::native_matmul(at::kCPU, at::kBFloat16).native);
+  CHECK_FALSE(sluice::native_matmul(at::kCPU, at::kHalf).native);
+  for (const auto& verdict : {kFit, kUnfit}) {
+    const sluice::ComputeChoice c = sluice::choose_compute_dtype("AUTO", at::kCPU, verdict);
+    CHECK(c.dtype == at::kFloat);
+    CHECK(c.automatic);
+    CHECK(contains(c.reason, "auto: float32, because torch's oneDNN is switched off"));
+  }
+}
+
+TEST_CASE("an explicit compute dtype always wins over auto") {
+  OneDnnOff off;
+  for (const auto& [name, t] : {std::pair<const char*, at::ScalarType>{"bfloat16", at::kBFloat16},
+                                {"fp16", at::kHalf}, {"float32", at::kFloat}}) {
+    const sluice::ComputeChoice c = sluice::choose_compute_dtype(name, at::kCPU, kUnfit);
+    CHECK(c.dtype == t);
+    CHECK_FALSE(c.automatic);
+    CHECK(c.reason == "requested");
+  }
+  CHECK(contains(message_of([] { sluice::choose_compute_dtype("fastest", at::kCPU, kFit); }),
+                 "invalid compute dtype 'fastest'"));
+  CHECK(contains(message_of([] { sluice::choose_compute_dtype("e4m3fn", at::kCPU, kFit); }), "storage dtype only"));
+}
+
+TEST_CASE("the CPU is named with its model and vector extensions") {
+  const std::string s = sluice::cpu_summary();
+  CHECK_FALSE(sluice::cpu_description().model.empty());
+  CHECK(contains(s, sluice::cpu_description().model));
+  CHECK(contains(s, "cores"));
+  if (sluice::cpu_description().architecture == "x86_64") CHECK(contains(s, "avx2"));
+  CHECK(contains(sluice::hardware_summary(at::kCPU), "CPU " + s));
+  CHECK(contains(sluice::hardware_summary(at::Device(at::kCUDA, 0)), "; CPU "));
 }

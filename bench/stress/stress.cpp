@@ -48,6 +48,7 @@
 #include "offload/layer.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
+#include "runtime/hardware.h"
 #include "runtime/logging.h"
 
 namespace {
@@ -194,6 +195,7 @@ int main(int argc, char** argv) {
   try {
     at::set_num_threads(1);  // the CPU device's copy worker needs a core (offload/cpu_device.h)
     log::set_level(log::Level::error);
+    std::printf("hardware: %s\n", hardware_summary(at::kCPU).c_str());
     const anima::AnimaConfig config = anima::config_from_name_or_file(a.preset);
 
     // The models: fp8 storage, one of them bf16 storage (no fp8), different seeds.

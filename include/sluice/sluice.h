@@ -97,7 +97,8 @@ typedef struct sluice_cache_options {
 typedef struct sluice_load_options {
   size_t struct_size;        /* set by sluice_load_options_init */
   const char* storage;       /* stored dtype: "float8_e4m3fn" (default), "bfloat16" (no fp8), ... */
-  const char* compute;       /* "bfloat16" (default), "float16", "float32" */
+  const char* compute;       /* "auto" (default: bf16 where the device computes it natively, else fp32; the
+                                reason is in the stats JSON's model.compute), "bfloat16", "float16", "float32" */
   const char* const* extra_skips; /* more skip patterns (kept in the compute dtype) */
   size_t n_extra_skips;
   int use_default_skips;     /* nonzero (default): include the default skip patterns */

@@ -73,7 +73,7 @@ struct RuntimeOptions {
 // replaces it: the old copy is dropped and the model is read again.
 struct LoadOptions {
   std::string storage = "float8_e4m3fn";  // [reload] stored dtype of Linear/Embedding weights; "bfloat16" (or any non-fp8 dtype): no fp8
-  std::string compute = "bfloat16";       // [reload] dtype forwards compute in: "bfloat16", "float16", "float32"
+  std::string compute = "auto";           // [reload] dtype forwards compute in: "auto" (bf16 where the device computes it natively, else fp16 where native and fit for the model, else fp32), "bfloat16", "float16", "float32"
   std::vector<std::string> extra_skips;   // [reload] more skip patterns: layers kept in the compute dtype
   bool use_default_skips = true;          // [reload] include the default skip patterns (pos_embed, patch_embed, norm, ...)
   bool use_model_skips = true;            // [reload] include the model's declared patterns (Anima: t_embedder, x_embedder, final_layer)
@@ -175,6 +175,7 @@ struct ModelInfo {
   std::string source;                 // the path or preset it was loaded from
   std::string storage_dtype;          // effective (fp8 may fall back on devices without it)
   std::string compute_dtype;
+  std::string compute_reason;         // "requested", or why "auto" chose compute_dtype
   int64_t in_channels = 0;            // x is [B, in_channels, T, H, W]
   int64_t out_channels = 0;
   int64_t context_dim = 0;            // context is [B, S, context_dim]

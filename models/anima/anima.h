@@ -20,6 +20,7 @@
 
 #include "models/anima/config.h"
 #include "models/anima/rope.h"
+#include "runtime/dtype_policy.h"
 
 namespace sluice::anima {
 
@@ -39,6 +40,11 @@ struct BuildOptions {
 // The skip patterns Anima declares for fp8 storage (DESIGN.md §2): t_embedder,
 // x_embedder, final_layer. On anima-2b they match exactly 6 Linears.
 const std::vector<std::string>& declared_fp8_skips();
+
+// Whether `compute auto` may run Anima in fp16 on a device without native bf16 (Note
+// [compute dtype auto]), from the fp16-against-fp32 velocity error measured by
+// sluice_bench_compute (docs/BENCHMARKS.md, "Compute dtype").
+Fp16Verdict fp16_verdict();
 
 class AnimaModelImpl : public torch::nn::Module {
  public:

@@ -192,10 +192,13 @@ class ModelCache:
         self._cache = _C.ModelCache(_C.RuntimeOptions(device=device, vram_budget=str(vram_budget), **options))
         self._models: "weakref.WeakSet[Model]" = weakref.WeakSet()
 
-    def load(self, path_or_preset: str, storage: str = "float8_e4m3fn", compute: str = "bfloat16",
+    def load(self, path_or_preset: str, storage: str = "float8_e4m3fn", compute: str = "auto",
              extra_skips: Iterable[str] = (), use_default_skips: bool = True, use_model_skips: bool = True,
              max_resident: Optional[float] = None, config: str = "", seed: int = 0, name: str = "") -> Model:
-        """A checkpoint (.safetensors), a preset name ("anima-small", generated from `seed`) or a JSON config."""
+        """A checkpoint (.safetensors), a preset name ("anima-small", generated from `seed`) or a JSON config.
+
+        compute: "auto" (bfloat16 where the device computes it natively, else float32; the
+        choice and its reason are in stats()["model"]["compute"]), "bfloat16", "float16" or "float32"."""
         opts = _C.LoadOptions(storage=storage, compute=compute, extra_skips=list(extra_skips),
                               use_default_skips=use_default_skips, use_model_skips=use_model_skips,
                               max_resident=max_resident, config=config, seed=seed, name=name)

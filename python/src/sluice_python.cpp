@@ -122,7 +122,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("prefetch", &sluice::RuntimeOptions::prefetch);
 
   py::class_<sluice::LoadOptions>(m, "LoadOptions")
-      .def(py::init(&load_options), py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "bfloat16",
+      .def(py::init(&load_options), py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "auto",
            py::arg("extra_skips") = std::vector<std::string>{}, py::arg("use_default_skips") = true,
            py::arg("use_model_skips") = true, py::arg("max_resident") = std::nullopt, py::arg("config") = "",
            py::arg("seed") = 0, py::arg("name") = "");

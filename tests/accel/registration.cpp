@@ -7,10 +7,13 @@
 #include <ATen/Context.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/DeviceCapability.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "tests/accel/runtime.h"
 
@@ -72,6 +75,17 @@ class GuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeDevice(const c10::DeviceIndex) const override { synchronize_device(); }
   void recordDataPtrOnStream(const c10::DataPtr& data_ptr, const c10::Stream& s) const override {
     device_allocator().recordStream(data_ptr, s);
+  }
+  // Every dtype, less those named in SLUICE_TEST_ACCEL_NO_DTYPES (read at each call, e.g.
+  // "BFloat16" plays a GPU before Ampere): how sluice's `compute auto` asks a backend.
+  c10::DeviceCapability getDeviceCapability(c10::Device d) const override {
+    check(d);
+    c10::DeviceCapability cap;
+    const char* no = std::getenv("SLUICE_TEST_ACCEL_NO_DTYPES");
+    const std::string list = no ? no : "";
+    if (list.find("BFloat16") != std::string::npos) cap.capability_data.supported_scalar_types.has_BFloat16 = 0;
+    if (list.find("Half") != std::string::npos) cap.capability_data.supported_scalar_types.has_Half = 0;
+    return cap;
   }
 
  private:
