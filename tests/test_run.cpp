@@ -8,7 +8,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -158,7 +160,10 @@ TEST_CASE("run: the CPU embedded default streams half its streamable weights and
   CHECK(r.out.find("sluice run: anima-medium (random weights) on cpu") != std::string::npos);
   CHECK(r.out.find("[embedded default]") != std::string::npos);
   CHECK(r.out.find("max-resident 0.50") != std::string::npos);
-  CHECK(r.out.find("512x512 px") != std::string::npos);
+  // 512 px computing in bf16, 256 px in fp32 (a CPU without native bf16).
+  const bool bf16 = r.out.find("\ncompute bfloat16: auto: bfloat16") != std::string::npos;
+  CHECK((bf16 || r.out.find("\ncompute float32: auto: float32") != std::string::npos));
+  CHECK(r.out.find(bf16 ? "512x512 px" : "256x256 px") != std::string::npos);
   CHECK(r.out.find("step 12/12") != std::string::npos);
   CHECK(r.out.find("step 13/") == std::string::npos);
   CHECK(r.out.find("nothing streams") == std::string::npos);
@@ -169,6 +174,80 @@ TEST_CASE("run: the CPU embedded default streams half its streamable weights and
   const std::string cells = grid_cells(r.out, 12);
   CHECK(cells.find('R') != std::string::npos);
   CHECK(cells.find('S') != std::string::npos);
+}
+
+namespace {
+
+// SLUICE_CPU_ONEDNN=off for the runs a scope starts (they inherit our environment): the
+// slow-bf16 path of a CPU without AVX-512 (Note [native bf16]).
+struct OneDnnOffEnv {
+  std::string was;
+  bool had = false;
+  OneDnnOffEnv() {
+    if (const char* v = std::getenv("SLUICE_CPU_ONEDNN")) had = true, was = v;
+    setenv("SLUICE_CPU_ONEDNN", "off", 1);
+  }
+  ~OneDnnOffEnv() { had ? setenv("SLUICE_CPU_ONEDNN", was.c_str(), 1) : unsetenv("SLUICE_CPU_ONEDNN"); }
+};
+
+}  // namespace
+
+TEST_CASE("run: without native bf16 compute auto takes float32 and says why and the default job shrinks to 256 px") {
+  OneDnnOffEnv off;
+  TempDir dir;
+  const std::string stats = dir / "stats.json";
+  const Result r = run_ok({"run", "--device", "cpu", "--steps", "2", "--stats-json", stats});
+  INFO(r.out);
+  CHECK(r.out.find("\nhardware: CPU ") != std::string::npos);
+  CHECK(r.out.find(", compute float32 [embedded default]") != std::string::npos);
+  CHECK(r.out.find("\ncompute float32: auto: float32, because torch's oneDNN is switched off") != std::string::npos);
+  CHECK(r.out.find("256x256 px") != std::string::npos);
+  const nlohmann::json j = read_json(stats);
+  CHECK(j.at("model").at("compute_dtype") == "float32");
+  CHECK(j.at("model").at("compute").at("automatic") == true);
+  CHECK(j.at("model").at("compute").at("reason").get<std::string>().rfind("auto: float32, because", 0) == 0);
+  CHECK(j.at("hardware").get<std::string>().rfind("CPU ", 0) == 0);
+}
+
+TEST_CASE("run: --compute bfloat16 without native bf16 still runs and lands within bf16 precision of the fast path") {
+  TempDir dir;
+  const std::string fast = dir / "fast.safetensors", slow = dir / "slow.safetensors", f32 = dir / "f32.safetensors";
+  const std::string stats = dir / "stats.json";
+  run_ok(small_run({"--compute", "bfloat16", "--output", fast}));
+  run_ok(small_run({"--compute", "float32", "--output", f32}));
+  {
+    OneDnnOffEnv off;
+    const Result r = run_ok(small_run({"--compute", "bfloat16", "--output", slow, "--stats-json", stats}));
+    CHECK(r.out.find("\ncompute bfloat16: requested") != std::string::npos);
+  }
+  CHECK(read_json(stats).at("model").at("compute").at("automatic") == false);
+  const at::Tensor a = read_latent(fast), b = read_latent(slow), ref = read_latent(f32);
+  // The same bf16 model through oneDNN and through torch's generic kernel: the two differ
+  // only in summation order, so they sit as close to each other as each sits to fp32.
+  const double between = ((a - b).norm() / a.norm()).item<double>();
+  const double to_fp32 = ((a - ref).norm() / ref.norm()).item<double>();
+  INFO("bf16 fast vs slow " << between << ", bf16 vs fp32 " << to_fp32);
+  CHECK(between <= std::max(2.0 * to_fp32, 1e-6));
+  CHECK(to_fp32 < 0.05);
+}
+
+TEST_CASE("run: --compute float16 overflows where float32 does not and the run names the layer") {
+  // Weights x1e4 in one layer: past fp16's 65504 on its output, far inside fp32's range.
+  TempDir dir;
+  const std::string good = dir / "good.safetensors", bad = dir / "bad.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-small", "--seed", "3", "--out", good, "--dtype", "float32"});
+  write_overflow_checkpoint(good, bad, "blocks.1.mlp.layer2.weight", 1e4);
+  const std::vector<std::string> base{"run", "--device", "cpu", "--checkpoint", bad, "--storage", "bfloat16",
+                                      "--steps", "2", "--resolution", "64", "--seed", "7", "--compute"};
+  std::vector<std::string> f16 = base, f32 = base;
+  f16.push_back("float16");
+  f32.push_back("float32");
+  const Result r = run_cli(f16);
+  INFO(describe(f16, r));
+  CHECK(r.status == 1);
+  CHECK(r.err.find("first non-finite output: blocks.1.mlp.layer2 (re-run with a per-layer check)") !=
+        std::string::npos);
+  run_ok(f32);
 }
 
 TEST_CASE("run: on a terminal a live line shows the step, layers, elapsed time and ETA; off one, only step lines") {
