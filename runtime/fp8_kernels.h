@@ -31,16 +31,17 @@
 // randn * 10) on the AVX-512 EPYC named below, against 23 GB/s for its v4 clone (the GCC 12
 // code built with -march=x86-64-v3 / v4). A 2-core AVX2-only AMD EPYC loaded anima-2b
 // bf16 -> fp8 in 5.18 s against 1.47 s for safetensors + torch; forcing that clone on the
-// AVX-512 EPYC took 4.1-8.5 s. -fno-trapping-math alone gets the generic loop vectorized
+// AVX-512 EPYC took 4.2-9.0 s. -fno-trapping-math alone gets the generic loop vectorized
 // (AVX2 9.9 GB/s, SSE2 4.9 GB/s), but widened to one element per 32-bit lane. The
 // intrinsics stay in 16-bit lanes: the float add runs on the two bf16 halves of each 32-bit
 // lane in place (shifted up, masked), and the sign and the narrowing to bytes are one pack
-// per two registers. One core of a 2-core AMD EPYC (family 26, model 2; AVX-512 F/BW/VL),
-// bf16 GB/s, 1 MiB chunk in L2 / 64 MiB from memory: avx512 46 / 28, avx2 24 / 22, sse2
-// 9.6 / 9.5, generic 4.8 / 4.9; the same for randn * 0.02 and randn * 10 inputs. avx2 is
-// half of avx512 in cache (half the register width) and within 1.3x of it from memory. In
-// a whole load the cast is now a small share: the rest is pread and page faults
-// (docs/BENCHMARKS.md, "Load"). stats_16 and count_masked were vectorized in every clone
+// per two registers. One core of a 2-core AMD EPYC (family 26, model 2; avx avx2 fma3 f16c
+// avx512_f/bw/cd/dq/vl/vnni/bf16), bf16 GB/s, 1 MiB chunk in L2 / 64 MiB from memory:
+// avx512 46 / 28, avx2 24 / 21, sse2 9.3 / 9.0, generic 4.8 / 4.7; the same for randn * 0.02
+// and randn * 10 inputs. avx2 is half of avx512 in cache (half the register width) and
+// within 1.3x of it from memory. In a whole anima-2b bf16 -> fp8 load on that EPYC the cast
+// is now a small share (the rest is pread and page faults): forced to avx2 the load took
+// 1.02-1.07x the avx512 one and beat safetensors + torch (docs/BENCHMARKS.md, "Load"). stats_16 and count_masked were vectorized in every clone
 // (49 and 30 GB/s for v3); they are written the same way for one code path per variant.
 //
 // cast_bf16_e4m3fn is c10::Float8_e4m3fn's conversion (fp8e4m3fn_from_fp32_value) written
