@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "runtime/error.h"        // exception types callers catch
+#include "runtime/hardware.h"     // what compute "auto" picks here
 #include "runtime/logging.h"      // raising the level for the log-line test
 #include "runtime/safetensors.h"  // writing the LoRA fixture
 #include "tests/device_env.h"     // SLUICE_TEST_DEVICE
@@ -118,7 +119,11 @@ TEST_CASE("api: a preset loads and runs and its stats JSON has the documented fi
   CHECK(model.name() == "anima-tiny");
   const sluice::ModelInfo info = model.info();
   CHECK(info.storage_dtype == "float8_e4m3fn");
-  CHECK(info.compute_dtype == "bfloat16");
+  // compute "auto": bf16 where the device computes it natively, else fp32 (Note [compute
+  // dtype auto]); the test accelerator reports bf16 whatever the CPU does.
+  const bool bf16 = sluice::native_matmul(at::Device(cache.stats().device), at::kBFloat16).native;
+  CHECK(info.compute_dtype == (bf16 ? "bfloat16" : "float32"));
+  CHECK(info.compute_reason.rfind("auto: " + info.compute_dtype + ", because ", 0) == 0);
   CHECK(info.in_channels == 16);
   REQUIRE(info.has_adapter);
   const Inputs in = inputs(info);
@@ -131,7 +136,7 @@ TEST_CASE("api: a preset loads and runs and its stats JSON has the documented fi
   }
   CHECK_THROWS_AS(sluice::LockedModel().synchronize(), sluice::InvalidArgument);
   CHECK(v.sizes() == in.x.sizes());
-  CHECK(v.scalar_type() == at::kBFloat16);
+  CHECK(v.scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat));
   CHECK(ctx.sizes() == at::IntArrayRef({2, info.adapter_output_tokens, info.context_dim}));
 
   const nlohmann::json j = parse(model.stats_json());

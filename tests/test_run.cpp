@@ -598,9 +598,10 @@ TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model
 
   // Half the streamable weights streamed through TorchDevice's copy stream: the latent is
   // the CPU device's fully resident one, bit for bit (the accelerator computes with the
-  // CPU's kernels).
+  // CPU's kernels). The compute dtype is pinned: `auto` asks each device what it computes
+  // natively, and the accelerator reports bf16 whatever the CPU does.
   const std::vector<std::string> job{"--synthetic", "anima-small", "--steps", "2", "--resolution", "256",
-                                     "--working-memory", "5MiB"};
+                                     "--working-memory", "5MiB", "--compute", "float32"};
   std::vector<std::string> on_accel{"run", "--device", "testaccel", "--max-resident", "0.5", "--output",
                                     dir / "accel.safetensors"};
   std::vector<std::string> on_cpu{"run", "--device", "cpu", "--output", dir / "cpu.safetensors"};

@@ -41,7 +41,8 @@ def inputs(info, seed=0, batch=1):
 
 def test_forward_is_bit_identical_to_the_cli(checkpoint, workdir):
     cache = sluice.ModelCache(device="cpu")
-    model = cache.load(checkpoint, storage="float8_e4m3fn", max_resident=0.5)
+    # bf16 pinned on both sides: compute "auto" would be fp32 on a CPU without native bf16.
+    model = cache.load(checkpoint, storage="float8_e4m3fn", compute="bfloat16", max_resident=0.5)
     x, t, ctx = inputs(model.info)
     with model.lock() as m:
         v = m(x, t, ctx)
@@ -144,6 +145,13 @@ def test_stats_and_dtypes(checkpoint):
     # Loading the same source with the same options is a hit.
     cache.load(checkpoint, max_resident=0.5)
     assert cache.stats()["cache"]["hits"] == cs["cache"]["hits"] + 1
+    # compute="auto" (the default): the choice, its reason and the hardware are in the stats.
+    assert s["model"]["compute"]["automatic"] is True
+    assert s["model"]["compute"]["dtype"] == s["model"]["compute_dtype"] in ("bfloat16", "float32")
+    assert s["model"]["compute"]["reason"].startswith("auto: " + s["model"]["compute_dtype"] + ", because ")
+    assert s["hardware"].startswith("CPU ")
+    explicit = cache.load("anima-tiny", compute="float32").stats()["model"]["compute"]
+    assert explicit == {"dtype": "float32", "automatic": False, "reason": "requested"}
 
 
 def test_errors_become_python_exceptions(checkpoint, workdir):
