@@ -15,10 +15,10 @@
 #include <string>
 #include <unistd.h>
 
+#include "bench/benchmark_main.h"
 #include "models/anima/anima.h"
 #include "models/anima/checkpoint.h"
 #include "models/anima/generator.h"
-#include "runtime/hardware.h"
 
 namespace {
 
@@ -106,11 +106,5 @@ BENCHMARK_CAPTURE(BM_Forward, anima_small_cuda, std::string("anima-small"))
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Every number names its hardware (Google Benchmark prints only the clock and caches).
-  benchmark::AddCustomContext("hardware", sluice::hardware_summary(at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU)));
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return sluice::bench::run_benchmarks(argc, argv, at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
 }

@@ -20,8 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "bench/benchmark_main.h"
 #include "runtime/fp8.h"
-#include "runtime/hardware.h"
 
 namespace {
 
@@ -161,11 +161,5 @@ BENCHMARK(BM_upcast_aten)->Args({64, 1})->Args({64, 2})->Unit(benchmark::kMillis
 BENCHMARK(BM_upcast_vs_memcpy)->Arg(64)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
 
 int main(int argc, char** argv) {
-  // Every number names its hardware (Google Benchmark prints only the clock and caches).
-  benchmark::AddCustomContext("hardware", sluice::hardware_summary(at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU)));
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return sluice::bench::run_benchmarks(argc, argv, at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
 }

@@ -12,9 +12,9 @@
 
 #include <functional>
 
+#include "bench/benchmark_main.h"
 #include "offload/upcast_registry.h"
 #include "runtime/fp8.h"
-#include "runtime/hardware.h"
 
 namespace {
 
@@ -113,12 +113,4 @@ BENCHMARK(BM_gpu_upcast_scaled_rows)->Arg(64)->UseManualTime()->Unit(benchmark::
 BENCHMARK(BM_gpu_aten_to)->Arg(64)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_gpu_upcast_vs_copy)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
-int main(int argc, char** argv) {
-  // Every number names its hardware (Google Benchmark prints only the clock and caches).
-  benchmark::AddCustomContext("hardware", sluice::hardware_summary(at::Device(at::kCUDA, 0)));
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return sluice::bench::run_benchmarks(argc, argv, at::Device(at::kCUDA, 0)); }
