@@ -317,4 +317,6 @@ void sluice_lora_remove(sluice_lora* lora) {
   (void)guarded([&] { delete lora; });
 }
 
+int sluice_lora_active(const sluice_lora* lora) { return lora != nullptr && lora->handle.active() ? 1 : 0; }
+
 }  // extern "C"

@@ -7,7 +7,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "cache/model_cache.h"
@@ -60,14 +62,20 @@ struct ModelEntry {
   ModelInfo info;
 };
 
+struct LoraState;
+
+// Note [LoRA lifetime] (sluice.hpp): the LoRAs made from a lock are removed when it ends.
 struct LockToken {
   std::shared_ptr<ModelEntry> model;
   cache::Lock lock;
+  std::mutex loras_mutex;
+  std::vector<std::weak_ptr<LoraState>> loras;  // made from this lock (removed ones expire or are inactive)
 };
 
 struct LoraState {
   std::shared_ptr<ModelEntry> model;
   cache::Lock lock;  // a patched model stays locked (never evicted or reloaded without its LoRA)
+  std::mutex mutex;  // guards scope: the handle and the lock's end may remove it from two threads
   std::unique_ptr<LoraScope> scope;
   int64_t patched = 0;
 };
@@ -146,6 +154,16 @@ at::Tensor run_adapter(anima::AnimaModelImpl& m, offload::StreamingEngine& engin
   std::optional<at::Tensor> w;
   if (t5_weights) w = t5_weights->to(dev, dt);
   return m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w);
+}
+
+// Removes the LoRA of `st` (its sidecars go, the share shrinks back: Note [sidecar share])
+// and ends its lock; nothing when it is removed already. Serialized with forwards of the
+// model (lora.h: patching during a forward is unsafe).
+void end_lora(detail::LoraState& st) {
+  std::lock_guard<std::mutex> g(st.mutex);
+  if (!st.scope) return;
+  st.model->cache->patch(st.lock, [&](anima::AnimaModelImpl&, offload::SidecarPlacer&) { st.scope.reset(); });
+  st.lock.unlock();
 }
 
 NonFiniteReport report(const offload::NonFiniteRecord& rec) {
@@ -315,7 +333,22 @@ CacheStats ModelCache::stats() const {
   o.vram_limit_bytes = s.vram_limit;
   o.vram = counter(s.vram);
   o.vram_reserved_bytes = s.vram_reserved;
+  o.models_device_bytes = s.models_device_bytes;
+  o.models_allocated_bytes = s.models_allocated_bytes;
+  o.vram_unattributed_bytes = s.vram_unattributed;
   return o;
+}
+
+std::vector<Model> ModelCache::models() const {
+  std::vector<Model> out;
+  for (const auto& e : impl_->cache->entries()) {
+    auto m = std::make_shared<detail::ModelEntry>();
+    m->cache = impl_->cache;
+    m->entry = e;
+    m->info = make_info(*impl_->cache, e);
+    out.push_back(Model(std::move(m)));
+  }
+  return out;
 }
 
 std::string ModelCache::stats_json(int indent) const { return impl_->cache->stats_json(indent); }
@@ -365,7 +398,9 @@ ModelStats Model::stats() const {
   const offload::EngineStats es = m->cache->engine_stats(m->entry);
   const cache::ModelCache::EntryState st = m->cache->entry_state(m->entry);
   ModelStats s;
+  s.id = m->entry->id;
   s.name = m->info.name;
+  s.source = m->info.source;
   s.device = es.device;
   s.in_ram = st.in_ram;
   s.on_device = st.attached;
@@ -385,6 +420,7 @@ ModelStats Model::stats() const {
   s.streamed_adapter_bytes = st.streamed_adapter;
   s.share_bytes = st.share;
   s.device_bytes = st.device_bytes;
+  s.allocated_bytes = st.device_allocated;
   s.minimum_bytes = st.minimum;
   s.forwards = es.forwards;
   for (const auto& r : es.forward_records) {
@@ -444,8 +480,23 @@ LockedModel::~LockedModel() { unlock(); }
 
 void LockedModel::unlock() {
   if (!token_) return;
-  token_->lock.unlock();
-  token_.reset();
+  const std::shared_ptr<detail::LockToken> t = std::move(token_);
+  // Note [LoRA lifetime]: its LoRAs go first, whatever handles on them still live.
+  std::vector<std::weak_ptr<detail::LoraState>> loras;
+  {
+    std::lock_guard<std::mutex> g(t->loras_mutex);
+    loras.swap(t->loras);
+  }
+  for (auto it = loras.rbegin(); it != loras.rend(); ++it) {  // the latest first
+    const std::shared_ptr<detail::LoraState> st = it->lock();
+    if (!st) continue;
+    try {
+      end_lora(*st);
+    } catch (const std::exception& e) {
+      log::error("model '" + t->model->info.name + "': removing a LoRA as its lock ended failed: " + e.what());
+    }
+  }
+  t->lock.unlock();
 }
 
 const ModelInfo& LockedModel::info() const { return need(token_)->model->info; }
@@ -539,13 +590,23 @@ LoraHandle LockedModel::apply_lora(const std::string& path, double scale) {
   auto st = std::make_shared<detail::LoraState>();
   st->model = t->model;
   st->lock = t->model->cache->lock(t->model->entry);
-  t->model->cache->run(st->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
-    const LoraAdapter adapter = load_lora(path, m);
-    // The engine places the sidecars under the model's budget (Note [device extras]).
-    st->scope = std::make_unique<LoraScope>(m, adapter, scale, engine.device().device(), &engine);
+  std::optional<LoraAdapter> adapter;
+  // Read and mapped onto the model's layers without the cache mutex.
+  t->model->cache->run(st->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine&) {
+    adapter = load_lora(path, m);
+  });
+  // Placed as a residency change: the share grows for the sidecars (Note [sidecar share]).
+  t->model->cache->patch(st->lock, [&](anima::AnimaModelImpl& m, offload::SidecarPlacer& placer) {
+    st->scope = std::make_unique<LoraScope>(m, *adapter, scale, std::nullopt, &placer);
     st->patched = st->scope->patched_layers();
   });
-  t->model->cache->add_sidecar_bytes(t->model->entry, static_cast<int64_t>(st->scope->device_bytes()));
+  {
+    std::lock_guard<std::mutex> g(t->loras_mutex);
+    auto& v = t->loras;
+    v.erase(std::remove_if(v.begin(), v.end(), [](const std::weak_ptr<detail::LoraState>& w) { return w.expired(); }),
+            v.end());
+    v.push_back(st);
+  }
   return LoraHandle(std::move(st));
 }
 
@@ -577,14 +638,16 @@ int64_t LoraHandle::patched_layers() const {
   return state_->patched;
 }
 
+bool LoraHandle::active() const {
+  if (!state_) return false;
+  std::lock_guard<std::mutex> g(state_->mutex);
+  return state_->scope != nullptr;
+}
+
 void LoraHandle::remove() {
   if (!state_) return;
   std::shared_ptr<detail::LoraState> st = std::move(state_);
-  // Serialized with forwards of the model (lora.h: patching during a forward is unsafe).
-  const int64_t bytes = static_cast<int64_t>(st->scope->device_bytes());
-  st->model->cache->run(st->lock, [&](anima::AnimaModelImpl&, offload::StreamingEngine&) { st->scope.reset(); });
-  st->model->cache->add_sidecar_bytes(st->model->entry, -bytes);
-  st->lock.unlock();
+  end_lora(*st);
 }
 
 }  // namespace sluice

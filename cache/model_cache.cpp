@@ -4,12 +4,14 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 #include <unordered_set>
 
 #include "models/anima/checkpoint.h"
@@ -108,7 +110,39 @@ nlohmann::json stat_json(const offload::Stat& s) {
   return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
 }
 
+// Note [stats parts]
+// ~~~~~~~~~~~~~~~~~~
+// Every device total in the stats JSON is the sum of its parts, and where a total counts
+// something that no part holds, a named field says how much:
+//  - cache: vram.current (every byte the device handed out to sluice) =
+//    models_allocated_bytes (the sum over models_held, every model the cache holds, dropped
+//    ones still locked included) + vram_unattributed_bytes (slots of a staging ring a model
+//    dropped that queued work may still read; 0 between forwards). vram_reserved_bytes =
+//    the sum of the models' share_bytes. A model's device_bytes (its ledger: its stats
+//    JSON's device.current_bytes) counts its staging ring at its capacity, a reservation;
+//    allocated_bytes counts the slots made so far, so the difference is
+//    models_device_bytes - models_allocated_bytes.
+//  - model: device.allocator_current_bytes is the device allocator's count for the whole
+//    device = device.allocated_bytes (this model) + device.other_models_bytes (the cache's
+//    other models) + device.unattributed_bytes (what the allocator holds that no model's
+//    ledger counts: on a GPU the forward's activations, its outputs and any other tensor of
+//    the process, and the allocator's rounding; on the CPU device, which counts only
+//    sluice's allocations, the ring slots above: 0 between forwards). Null where the
+//    allocator's counters are unavailable.
 nlohmann::json cache_json(const CacheStats& s) {
+  nlohmann::json models = nlohmann::json::array();
+  for (const auto& m : s.models_held) {
+    models.push_back({{"id", m.id},
+                      {"name", m.name},
+                      {"source", m.source},
+                      {"in_ram", m.in_ram},
+                      {"on_device", m.on_device},
+                      {"dropped", m.dropped},
+                      {"locks", m.locks},
+                      {"share_bytes", m.share},
+                      {"device_bytes", m.device_bytes},
+                      {"allocated_bytes", m.allocated_bytes}});
+  }
   return {{"device", s.device},
           {"hits", s.hits},
           {"misses", s.misses},
@@ -130,7 +164,11 @@ nlohmann::json cache_json(const CacheStats& s) {
           {"measured_working_memory_bytes", s.measured_working_memory},
           {"vram_limit_bytes", s.vram_limit},
           {"vram", stat_json(s.vram)},
-          {"vram_reserved_bytes", s.vram_reserved}};
+          {"vram_reserved_bytes", s.vram_reserved},
+          {"models_device_bytes", s.models_device_bytes},
+          {"models_allocated_bytes", s.models_allocated_bytes},
+          {"vram_unattributed_bytes", s.vram_unattributed},
+          {"models_held", models}};
 }
 
 }  // namespace
@@ -272,17 +310,142 @@ void ModelCache::refresh_needs(Entry& e) {
   e.needs.wanted += e.sidecar_bytes;
 }
 
-void ModelCache::add_sidecar_bytes(const std::shared_ptr<Entry>& ep, int64_t delta) {
-  Guard g(mutex_);
-  Entry& e = *ep;
+void ModelCache::shift_sidecars(Entry& e, int64_t delta) {
   const int64_t now = static_cast<int64_t>(e.sidecar_bytes) + delta;
   TORCH_INTERNAL_ASSERT(now >= 0, "sidecar bytes of '", e.name, "' below zero");
   e.sidecar_bytes = static_cast<uint64_t>(now);
-  if (!e.model) return;
   const auto shift = [delta](uint64_t v) { return static_cast<uint64_t>(std::max<int64_t>(static_cast<int64_t>(v) + delta, 0)); };
+  if (e.target) e.target = shift(*e.target);  // the residency asked for, beside the sidecars
+  if (!e.model) return;
   e.needs.minimum = shift(e.needs.minimum);
   e.needs.full = shift(e.needs.full);
   e.needs.wanted = shift(e.needs.wanted);
+}
+
+// ---------------------------------------------------------------------------------------
+// sidecars (Note [sidecar share])
+
+// The placer ModelCache::patch hands out, one per entry. Its calls come from a LoraScope
+// inside patch() (this thread holds the cache mutex, the entry is idle); a release from
+// anywhere else takes the cache mutex and waits for the entry's forward itself.
+class EntrySidecars final : public offload::SidecarPlacer {
+ public:
+  EntrySidecars(ModelCache& cache, Entry& entry) : cache_(cache), entry_(entry) {}
+
+  std::vector<at::Tensor> place_sidecars(const std::vector<at::Tensor>& host, const std::vector<at::ScalarType>& dtypes,
+                                         const std::string& what) override {
+    TORCH_CHECK(patching_.load() == std::this_thread::get_id(), what, ": sidecars of model '", entry_.name,
+                "' are placed through ModelCache::patch only");
+    return cache_.place_sidecars(entry_, host, dtypes, what);
+  }
+
+  void sidecars_released(uint64_t bytes) noexcept override {
+    if (patching_.load() == std::this_thread::get_id()) {
+      cache_.release_sidecars(entry_, bytes);
+      return;
+    }
+    try {
+      ModelCache::Guard g(cache_.mutex_);
+      cache_.wait_idle(entry_, g);
+      cache_.release_sidecars(entry_, bytes);
+    } catch (const std::exception& e) {
+      log::error("releasing sidecars of model '" + entry_.name + "' failed: " + e.what());
+    }
+  }
+
+  std::atomic<std::thread::id> patching_{};  // the thread inside patch() for this entry
+
+ private:
+  ModelCache& cache_;
+  Entry& entry_;
+};
+
+void ModelCache::patch(const Lock& lock,
+                       const std::function<void(anima::AnimaModelImpl&, offload::SidecarPlacer&)>& fn) {
+  TORCH_CHECK(lock, "patch: the lock is empty");
+  Entry& e = lock.entry();
+  Guard g(mutex_);
+  wait_idle(e, g);  // locked: it stays in RAM and on the device meanwhile
+  TORCH_INTERNAL_ASSERT(e.model && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
+  if (!e.placer) e.placer = std::make_unique<EntrySidecars>(*this, e);
+  auto& placer = static_cast<EntrySidecars&>(*e.placer);
+  struct Patching {
+    EntrySidecars& p;
+    ~Patching() { p.patching_.store(std::thread::id()); }
+  } patching{placer};
+  placer.patching_.store(std::this_thread::get_id());
+  fn(*e.model, placer);
+}
+
+std::vector<at::Tensor> ModelCache::place_sidecars(Entry& e, const std::vector<at::Tensor>& host,
+                                                   const std::vector<at::ScalarType>& dtypes, const std::string& what) {
+  TORCH_INTERNAL_ASSERT(e.attached && e.engine && !e.running, "sidecars of '", e.name,
+                        "' placed off the device or during its forward");
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < host.size() && i < dtypes.size(); ++i) {
+    bytes += static_cast<uint64_t>(host[i].numel()) * c10::elementSize(dtypes[i]);
+  }
+  // The most the share can become: its free part of the limit and every other unlocked
+  // model's share (make_device_room takes them, partially and then whole).
+  const uint64_t free = limit() - std::min(limit(), reserved());
+  uint64_t others = 0;
+  for (const auto& p : entries_) {
+    if (p.get() != &e && p->attached && p->locks == 0) others += p->share;
+  }
+  const uint64_t most = e.share + free + others;
+  const uint64_t minimum = e.engine->minimum_budget();  // with the sidecars placed so far (no working memory in a share)
+  if (minimum + bytes > most) {
+    std::ostringstream msg;
+    msg << what << " needs " << format_mib(bytes) << " of device memory for its sidecars (" << bytes
+        << " bytes), but model '" << e.name << "' can have at most " << format_mib(most - std::min(most, minimum))
+        << " beside its minimum of " << format_mib(minimum) << " on " << device_->name() << ": its share of "
+        << format_mib(e.share) << ", " << format_mib(free) << " free and " << format_mib(others)
+        << " held by unlocked models, of the " << format_mib(limit()) << " that the vram budget ("
+        << format_mib(budget_) << ") leaves beside the working memory; " << format_mib(minimum + bytes - most)
+        << " missing (raise the vram budget or unlock other models)";
+    throw ResourceError(msg.str());
+  }
+  const uint64_t before = e.share;
+  shift_sidecars(e, static_cast<int64_t>(bytes));
+  std::vector<at::Tensor> out;
+  try {
+    // Grow by the sidecars' bytes, no further than the model now wants.
+    const uint64_t want = wanted_share(e);
+    uint64_t grow = want > e.share ? std::min(want - e.share, bytes) : 0;
+    uint64_t room = limit() - std::min(limit(), reserved());
+    if (room < grow) {
+      make_device_room(grow - room, &e);
+      room = limit() - std::min(limit(), reserved());
+    }
+    grow = std::min(grow, room);
+    out = e.engine->place_sidecars(host, dtypes, what, grow);  // one replan: budget and sidecars
+    e.share += grow;
+  } catch (...) {
+    shift_sidecars(e, -static_cast<int64_t>(bytes));
+    throw;
+  }
+  count_pinned_ram(e);
+  publish(e);
+  log::info(what + " on '" + e.name + "': sidecars " + format_mib(bytes) + ", share " + format_mib(before) + " -> " +
+            format_mib(e.share) + " of " + format_mib(limit()) + "; residency " + e.engine->plan().residency_map());
+  return out;
+}
+
+void ModelCache::release_sidecars(Entry& e, uint64_t bytes) noexcept {
+  try {
+    shift_sidecars(e, -static_cast<int64_t>(std::min(bytes, e.sidecar_bytes)));
+    if (!e.engine) return;
+    // Back to what the model wants without them: the bytes the share grew for them.
+    const uint64_t want = e.attached ? wanted_share(e) : 0;
+    const uint64_t shrink = e.attached && e.share > want ? std::min(e.share - want, bytes) : 0;
+    const uint64_t shrunk = e.engine->sidecars_released(bytes, shrink);
+    if (!e.attached) return;
+    e.share -= std::min(e.share, shrunk);
+    count_pinned_ram(e);
+    publish(e);
+  } catch (const std::exception& ex) {
+    log::error("releasing sidecars of model '" + e.name + "' failed: " + ex.what());
+  }
 }
 
 uint64_t ModelCache::reserved() const {
@@ -575,6 +738,7 @@ void ModelCache::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool 
   e.model = model;
   e.config = model->config();
   e.loading = false;
+  e.loaded_once = true;
   loaded_.notify_all();
   try {
     refresh_needs(e);
@@ -664,6 +828,7 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
     if (raced) {
       e = raced;
     } else {
+      e->id = ++next_id_;
       entries_.push_back(e);
     }
   }
@@ -806,7 +971,10 @@ void ModelCache::apply_max_resident(Entry& e, std::optional<double> fraction) {
   {
     offload::EngineOptions o = engine_options(e);
     o.max_resident = fraction;
-    const offload::WeightNeeds n = offload::StreamingEngine::needs(*e.model, o);
+    offload::WeightNeeds n = offload::StreamingEngine::needs(*e.model, o);
+    n.minimum += e.sidecar_bytes;  // as refresh_needs: the sidecars placed (Note [sidecar share])
+    n.full += e.sidecar_bytes;
+    n.wanted += e.sidecar_bytes;
     if (e.attached && e.share < n.minimum) {
       // A lower cap can raise the minimum (the ring may have to hold a larger layer): grow
       // the share first, under the old cap.
@@ -1031,7 +1199,37 @@ CacheStats ModelCache::stats_locked() const {
   s.vram_limit = limit();
   s.vram = device_->memory_stats().total;
   s.vram_reserved = reserved();
+  for (const auto& e : entries_) {
+    if (!e->loaded_once) continue;
+    CacheStats::ModelPart m;
+    m.id = e->id;
+    m.name = e->name;
+    m.source = e->spec.source;
+    m.in_ram = static_cast<bool>(e->model);
+    m.on_device = e->attached;
+    m.dropped = e->dropped;
+    m.locks = e->locks;
+    m.share = e->attached ? e->share : 0;
+    if (e->attached) {
+      std::lock_guard<std::mutex> p(e->published_mutex);
+      m.device_bytes = e->published.device_bytes;
+      m.allocated_bytes = e->published.device_allocated;
+    }
+    s.models_device_bytes += m.device_bytes;
+    s.models_allocated_bytes += m.allocated_bytes;
+    s.models_held.push_back(std::move(m));
+  }
+  s.vram_unattributed = s.vram.current - static_cast<int64_t>(s.models_allocated_bytes);
   return s;
+}
+
+std::vector<std::shared_ptr<Entry>> ModelCache::entries() const {
+  std::lock_guard<std::mutex> g(mutex_);
+  std::vector<std::shared_ptr<Entry>> out;
+  for (const auto& e : entries_) {
+    if (e->loaded_once) out.push_back(e);
+  }
+  return out;
 }
 
 CacheStats ModelCache::stats() const {
@@ -1067,6 +1265,9 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
     const EntryState st = entry_state_locked(e);
     j["model"]["streamed_bytes_by_forward"] = {{"dit", st.streamed_dit}, {"adapter", st.streamed_adapter}};
   }
+  j["model"]["id"] = e->id;  // two models may share a name (Note [stats parts])
+  j["model"]["source"] = e->spec.source;
+  j["model"]["dropped"] = e->dropped;
   j["model"]["in_ram"] = static_cast<bool>(e->model);
   j["model"]["on_device"] = e->attached;
   j["model"]["storage_dtype"] = dtype_name(e->dtypes.storage);
@@ -1075,7 +1276,19 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
                            {"automatic", e->spec.compute_reason.rfind("auto:", 0) == 0},
                            {"reason", e->spec.compute_reason.empty() ? "requested" : e->spec.compute_reason}};
   j["hardware"] = hardware_summary(device_->device());
-  j["cache"] = cache_json(stats_locked());
+  const CacheStats cs = stats_locked();
+  {
+    // Note [stats parts]: the allocator's device-wide count, split.
+    uint64_t own = 0, others = 0;
+    for (const auto& m : cs.models_held) (m.id == e->id ? own : others) += m.allocated_bytes;
+    nlohmann::json& d = j["device"];
+    d["allocated_bytes"] = own;
+    d["other_models_bytes"] = others;
+    d["unattributed_bytes"] = s.allocator_stats_available
+                                  ? nlohmann::json(s.allocator_current_bytes - static_cast<int64_t>(own + others))
+                                  : nlohmann::json();
+  }
+  j["cache"] = cache_json(cs);
   return j.dump(indent);
 }
 

@@ -52,6 +52,23 @@
 // in the RAM accounting first, so that concurrent misses evict for each other (or exceed
 // the limit with the one warning) instead of each passing it unseen. Other threads asking
 // for the same model wait for it on a condition variable.
+//
+// Note [sidecar share]
+// ~~~~~~~~~~~~~~~~~~~~
+// LoRA sidecars live on the device beside the weights, inside the model's share (Note
+// [device extras] in offload/engine.h). A model's share is sized for its weights, so when
+// sidecars of B bytes are placed (ModelCache::patch), the share first grows by B, as a
+// lock's share does: from the free part of the budget, then by partially unloading other
+// unlocked models, then by taking whole ones off the device; the engine grows its budget
+// and places the sidecars in one replan, so the resident layers stay as they were. Only
+// what the budget cannot give (the share never grows past what the model wants, nor past
+// the limit) comes out of the model's own residency: more layers stream. A budget that
+// cannot hold the sidecars even with every streamable layer streamed refuses them, before
+// anything changes, with one line naming the model, the LoRA and the bytes missing. The
+// model's minimum, wanted and full shares and its residency target include the sidecars
+// while they live (so set_vram_budget, full_load, partial_load and set_max_resident size
+// the share with them), and when they go the share shrinks back to what the model then
+// wants: the bytes it grew for them go back to the budget, the rest back to resident layers.
 #include <ATen/ATen.h>
 
 #include <condition_variable>
@@ -129,6 +146,16 @@ struct LoadSpec {
 uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device);
 
 struct CacheStats {
+  // One model the cache holds, for the parts of the device totals (Note [stats parts]).
+  struct ModelPart {
+    uint64_t id = 0;
+    std::string name, source;
+    bool in_ram = false, on_device = false, dropped = false;
+    int locks = 0;
+    uint64_t share = 0;            // its share of vram_limit (0 off the device)
+    uint64_t device_bytes = 0;     // its ledger: what its stats JSON calls device.current_bytes
+    uint64_t allocated_bytes = 0;  // of which allocated now (its staging ring's reservation counts its slots made)
+  };
   std::string device;
   uint64_t hits = 0, misses = 0, loads = 0, evictions = 0;
   uint64_t device_unloads = 0;  // partial unloads to make room for another model
@@ -147,12 +174,20 @@ struct CacheStats {
   uint64_t vram_limit = 0;      // budget - working memory
   offload::Stat vram;           // the device backend's total (all models); peak since the last budget change
   uint64_t vram_reserved = 0;   // sum of shares
+  std::vector<ModelPart> models_held;  // every model the cache holds, in creation order
+  uint64_t models_device_bytes = 0;    // sum of their device_bytes
+  uint64_t models_allocated_bytes = 0; // sum of their allocated_bytes
+  // vram.current - models_allocated_bytes: bytes the device handed out that no model's
+  // ledger holds now (slots of a staging ring a model dropped, which queued work may still
+  // read); 0 between forwards.
+  int64_t vram_unattributed = 0;
 };
 
 // One cached model. Fields are guarded by the cache mutex unless noted; see Note [cache
 // locking].
 struct Entry {
   // Fixed at creation.
+  uint64_t id = 0;            // unique in its cache (1, 2, ... in creation order): two entries may share a key
   std::string key;            // identity: source (+ seed for generated models)
   std::string settings;       // the loading settings; a load with other settings reloads
   std::string name;
@@ -165,12 +200,14 @@ struct Entry {
   std::unique_ptr<offload::StreamingEngine> engine;  // created at first attach, kept for its stats
   offload::WeightNeeds needs;                        // valid while in RAM; sidecars included
   uint64_t sidecar_bytes = 0;                        // LoRA sidecars its engine placed (device bytes)
+  std::unique_ptr<offload::SidecarPlacer> placer;    // ModelCache::patch's placer (Note [sidecar share]), made once
   std::optional<double> max_resident;                // current cap
   std::optional<uint64_t> target;                    // share the user asked for; none: needs.wanted
   bool attached = false;
   bool loading = false;
   bool dropped = false;       // drop() or replaced: evicted when unlocked, never loaded again
   bool announced = false;     // "Loaded model" logged for the current RAM copy
+  bool loaded_once = false;   // read or generated at least once (listed by ModelCache::entries)
   double load_seconds = 0;    // reading/generating the current RAM copy
   int locks = 0;
   uint64_t ram_bytes = 0;     // host bytes while in RAM
@@ -241,9 +278,12 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   int64_t full_load(const std::shared_ptr<Entry>& entry);
   int64_t full_unload(const std::shared_ptr<Entry>& entry);
   void set_max_resident(const std::shared_ptr<Entry>& entry, std::optional<double> fraction);
-  // Device bytes of sidecars (LoRA) the entry's engine placed changed by `delta`: the
-  // entry's minimum, full and wanted shares follow (Note [device extras] in offload/engine.h).
-  void add_sidecar_bytes(const std::shared_ptr<Entry>& entry, int64_t delta);
+  // Runs fn(model, placer) on the entry `lock` locks as a residency change (Note [cache
+  // locking]: its running forward is waited for and its new ones wait, the cache mutex is
+  // held). `placer` places sidecars (a LoraScope given it) as Note [sidecar share] says, and
+  // gives their room back when they are released; release them inside patch() too (a
+  // release elsewhere takes the cache mutex and waits for the model's forward itself).
+  void patch(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::SidecarPlacer&)>& fn);
 
   // New budget in bytes (0: all device memory). See ModelCache::set_vram_budget in the
   // public header for the rules.
@@ -263,7 +303,13 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   void run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn);
 
   CacheStats stats() const;
+  // The counters as JSON, with models_held (every model the cache holds) and the named
+  // remainders that make each device total the sum of its parts (Note [stats parts] in the
+  // .cpp).
   std::string stats_json(int indent = 2) const;
+  // Every model the cache holds (loaded at least once, not yet dropped from it; a dropped
+  // model stays until its last lock ends), in creation order.
+  std::vector<std::shared_ptr<Entry>> entries() const;
   // The engine's stats of `entry` as last published (Note [cache locking]); a default
   // record naming the model when it never ran.
   offload::EngineStats engine_stats(const std::shared_ptr<Entry>& entry) const;
@@ -297,6 +343,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
  private:
   explicit ModelCache(CacheOptions options);
   friend class Lock;
+  friend class EntrySidecars;
   using Guard = std::unique_lock<std::mutex>;
 
   void unlock(Entry& e);
@@ -312,6 +359,11 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   void detach(Entry& e);
   void resize(Entry& e, uint64_t share);
   void count_pinned_ram(Entry& e);  // e.ram_bytes (and ram_) after pinning changed its host copies
+  // Note [sidecar share], for EntrySidecars (cache mutex held, `e` locked and idle).
+  std::vector<at::Tensor> place_sidecars(Entry& e, const std::vector<at::Tensor>& host,
+                                         const std::vector<at::ScalarType>& dtypes, const std::string& what);
+  void release_sidecars(Entry& e, uint64_t bytes) noexcept;
+  void shift_sidecars(Entry& e, int64_t delta);  // sidecar bytes, needs and target follow
   uint64_t device_bytes_of(Entry& e);
   // Waits, releasing the cache mutex, until no forward uses the engine of `e` (pinned or
   // locked by the caller); the caller reads the cache state again afterwards.
@@ -358,6 +410,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   offload::Stat ram_;
   uint64_t ram_reserved_ = 0;  // see CacheStats::ram_reserved
   uint64_t hits_ = 0, misses_ = 0, loads_ = 0, evictions_ = 0, device_unloads_ = 0, device_drops_ = 0;
+  uint64_t next_id_ = 0;
 };
 
 }  // namespace sluice::cache

@@ -61,11 +61,13 @@ LoraAdapter load_lora(const std::string& path, torch::nn::Module& model);
 // Patches `model` with `adapter` at `strength` while alive (Note [LoRA sidecars]).
 // Sidecars are converted to each layer's compute dtype and placed by `placer` when given
 // (the streaming engine running the model: it charges them to its budget and streams more
-// layers to make room, Note [device extras] in offload/engine.h; the placer must outlive
-// the scope). Without `placer` or `device`, a model attached to a streaming engine gets its
-// sidecars through that engine all the same (a streamed layer's stored weight is on the
-// host: sidecars there would meet device activations on a GPU). Otherwise they go to
-// `device` (default: the device of the layer's stored weight) with a plain .to(). The model's layers are kept alive by the scope.
+// layers to make room, Note [device extras] in offload/engine.h; or the model cache's
+// placer, which grows the model's share for them first, Note [sidecar share] in
+// cache/model_cache.h; the placer must outlive the scope). Without `placer` or `device`, a
+// model attached to a streaming engine gets its sidecars through that engine all the same
+// (a streamed layer's stored weight is on the host: sidecars there would meet device
+// activations on a GPU). Otherwise they go to `device` (default: the device of the layer's
+// stored weight) with a plain .to(). The model's layers are kept alive by the scope.
 // Throws CheckpointError (before patching anything) when a target module is missing from
 // `model` or its shape differs; InvalidArgument for a non-finite strength; whatever placing
 // a sidecar on its device throws (out of memory; fault point "lora.patch"), also before

@@ -1055,25 +1055,35 @@ void StreamingEngine::reserve_nesting() {
 std::vector<at::Tensor> StreamingEngine::place_sidecars(const std::vector<at::Tensor>& host,
                                                         const std::vector<at::ScalarType>& dtypes,
                                                         const std::string& what) {
+  return place_sidecars(host, dtypes, what, 0);
+}
+
+std::vector<at::Tensor> StreamingEngine::place_sidecars(const std::vector<at::Tensor>& host,
+                                                        const std::vector<at::ScalarType>& dtypes,
+                                                        const std::string& what, uint64_t grow_budget) {
   if (!attached_) throw InvalidArgument(what + ": no model is attached to place sidecars for");
   TORCH_CHECK(host.size() == dtypes.size(), "place_sidecars: ", host.size(), " tensors, ", dtypes.size(), " dtypes");
   require_idle("placing sidecars");
   uint64_t bytes = 0;
   for (size_t i = 0; i < host.size(); ++i) bytes += static_cast<uint64_t>(host[i].numel()) * c10::elementSize(dtypes[i]);
   const uint64_t minimum = minimum_weight_budget(plan_input(0, max_resident_));
-  const uint64_t room = weight_budget_ - std::min(weight_budget_, minimum);
+  const uint64_t old_weight_budget = weight_budget_, old_budget = budget_bytes_;
+  const uint64_t weight_budget = weight_budget_ + grow_budget;
+  const uint64_t room = weight_budget - std::min(weight_budget, minimum);
   if (bytes > room) {
     std::ostringstream msg;
     msg << what << " needs " << format_mib(bytes) << " of device memory (" << bytes << " bytes) for its sidecars, but "
         << "model '" << model_name_ << "' has " << format_mib(room) << " beside its minimum of "
-        << format_mib(minimum + options_.working_memory_bytes) << " under its budget of " << format_mib(budget_bytes_)
-        << " even with every streamable layer streamed: " << format_mib(bytes - room) << " missing";
+        << format_mib(minimum + options_.working_memory_bytes) << " under its budget of "
+        << format_mib(budget_bytes_ + grow_budget) << " even with every streamable layer streamed: "
+        << format_mib(bytes - room) << " missing";
     throw ResourceError(msg.str());
   }
   lora_bytes_ += bytes;
+  budget_bytes_ += grow_budget;
   std::vector<at::Tensor> out;
   try {
-    replan(weight_budget_, max_resident_);  // streams more layers if the sidecars need their room
+    replan(weight_budget, max_resident_);  // streams more layers if the sidecars need their room
     out.reserve(host.size());
     for (size_t i = 0; i < host.size(); ++i) {
       at::Tensor d = device_->allocate(host[i].sizes(), dtypes[i], MemoryKind::lora, what, budget_);
@@ -1087,8 +1097,9 @@ std::vector<at::Tensor> StreamingEngine::place_sidecars(const std::vector<at::Te
   } catch (...) {
     out.clear();
     lora_bytes_ -= bytes;
+    budget_bytes_ = old_budget;
     try {
-      replan(weight_budget_, max_resident_);
+      replan(old_weight_budget, max_resident_);
     } catch (const std::exception& e) {
       log::warn("model '" + model_name_ + "': growing residency back after failed sidecars: " + e.what());
     }
@@ -1097,14 +1108,32 @@ std::vector<at::Tensor> StreamingEngine::place_sidecars(const std::vector<at::Te
   return out;
 }
 
-void StreamingEngine::sidecars_released(uint64_t bytes) noexcept {
+void StreamingEngine::sidecars_released(uint64_t bytes) noexcept { sidecars_released(bytes, 0); }
+
+uint64_t StreamingEngine::sidecars_released(uint64_t bytes, uint64_t shrink_budget) noexcept {
   lora_bytes_ -= std::min(lora_bytes_, bytes);
-  if (!attached_) return;
+  if (!attached_) return 0;
+  shrink_budget = std::min(shrink_budget, weight_budget_);
+  std::string error;
+  if (shrink_budget > 0) {
+    try {
+      // The room goes back to resident layers, less what the budget gives back.
+      replan(weight_budget_ - shrink_budget, max_resident_, /*release_freed=*/false);
+      budget_bytes_ -= std::min(budget_bytes_, shrink_budget);
+      return shrink_budget;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
   try {
     replan(weight_budget_, max_resident_);  // the room goes back to resident layers
   } catch (const std::exception& e) {
-    log::warn("model '" + model_name_ + "': residency stays as it is after sidecars were dropped: " + e.what());
+    error = e.what();
   }
+  if (!error.empty()) {
+    log::warn("model '" + model_name_ + "': residency stays as it is after sidecars were dropped: " + error);
+  }
+  return 0;
 }
 
 void StreamingEngine::note_nesting() {

@@ -78,7 +78,9 @@
 //    given): the plan first streams more layers until the sidecars fit beside the resident
 //    ones, then they are allocated as MemoryKind::lora. Sidecars that cannot fit even with
 //    every streamable layer streamed give one ResourceError naming them and the bytes
-//    missing. When they are dropped (sidecars_released) the plan grows back. Their copies
+//    missing. When they are dropped (sidecars_released) the plan grows back. (The model
+//    cache grows a model's budget by their bytes in the same replan where it can, so that
+//    nothing more streams: Note [sidecar share] in cache/model_cache.h.) Their copies
 //    are done before place_sidecars() returns (FENCE(F9)); every forward declares them as
 //    compute reads (begin_access, so the strict device checks that order) and records its
 //    use of them (FENCE(F10)), as it does for the parameters, the resident weights, the
@@ -197,6 +199,16 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   std::vector<at::Tensor> place_sidecars(const std::vector<at::Tensor>& host, const std::vector<at::ScalarType>& dtypes,
                                          const std::string& what) override;
   void sidecars_released(uint64_t bytes) noexcept override;
+  // The same with the budget grown by `grow_budget` bytes in the same replan (the model
+  // cache grows a model's share for its sidecars: Note [sidecar share] in
+  // cache/model_cache.h), so that the resident layers stay as they are when it grows by the
+  // sidecars' bytes. When it throws, the budget is as it was.
+  std::vector<at::Tensor> place_sidecars(const std::vector<at::Tensor>& host, const std::vector<at::ScalarType>& dtypes,
+                                         const std::string& what, uint64_t grow_budget);
+  // sidecars_released with the budget shrunk by `shrink_budget` bytes in the same replan;
+  // returns the bytes it shrank (0 when that replan failed and the budget stayed, with one
+  // warning).
+  uint64_t sidecars_released(uint64_t bytes, uint64_t shrink_budget) noexcept;
   // Device bytes of the sidecars placed now, and reserved for nested leases.
   uint64_t sidecar_bytes() const { return lora_bytes_; }
   // Note [measured working memory]: the most a first forward of a kind used beyond the

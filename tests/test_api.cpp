@@ -16,7 +16,9 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unistd.h>
+#include <vector>
 
 #include "runtime/error.h"        // exception types callers catch
 #include "runtime/hardware.h"     // what compute "auto" picks here
@@ -340,6 +342,223 @@ TEST_CASE("api: LoRA changes the output and its removal restores it bit-exactly"
   }  // removed on destruction
   CHECK(at::equal(m(in.x, in.t, in.ctx), base));
   CHECK_THROWS_AS(m.apply_lora(dir.file("missing.safetensors")), sluice::FileError);
+}
+
+namespace {
+
+// A rank-`rank` LoRA on every Linear of every DiT block (attention and MLP) of `info`'s
+// model, saved at `path`.
+void save_block_lora(const std::string& path, const sluice::ModelInfo& info, int64_t rank, uint64_t seed = 3) {
+  const nlohmann::json cfg = parse(info.config_json);
+  const int64_t d = cfg.at("model_channels"), h = d * cfg.at("mlp_ratio").get<int64_t>();
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  std::vector<std::pair<std::string, at::Tensor>> t;
+  for (int64_t b = 0; b < info.num_blocks; ++b) {
+    for (const auto& [name, in, out] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
+             {"self_attn.q_proj", d, d}, {"self_attn.k_proj", d, d}, {"self_attn.v_proj", d, d},
+             {"self_attn.output_proj", d, d}, {"mlp.layer1", d, h}, {"mlp.layer2", h, d}}) {
+      const std::string key = "blocks." + std::to_string(b) + "." + name;
+      t.emplace_back(key + ".lora_A.weight", at::randn({rank, in}, gen) * 0.02);
+      t.emplace_back(key + ".lora_B.weight", at::randn({out, rank}, gen) * 0.02);
+    }
+  }
+  sluice::safetensors::save(path, t, {});
+}
+
+uint64_t share_of(const sluice::Model& m) { return parse(m.stats_json()).at("budget").at("share_bytes"); }
+uint64_t lora_bytes_of(const sluice::Model& m) { return parse(m.stats_json()).at("device").at("lora_bytes"); }
+
+}  // namespace
+
+TEST_CASE("api: a LoRA's sidecars grow the model's share into the free budget and the share shrinks back") {
+  // Issue 29, item 1 (Note [sidecar share] in cache/model_cache.h).
+  TempDir dir;
+  sluice::ModelCache cache(cpu("4GiB", "64MiB"));
+  sluice::Model model = cache.load("anima-small");
+  const Inputs in = inputs(model.info());
+  const uint64_t share = share_of(model);
+  const std::string map = model.residency_map();
+  REQUIRE(map.rfind("blocks: RRRRRRRR;", 0) == 0);  // fully resident: its share has no room to spare
+  save_block_lora(dir.file("r64.safetensors"), model.info(), 64);
+  sluice::LockedModel m = model.lock();
+  const at::Tensor base = m(in.x, in.t, in.ctx);
+  {
+    sluice::LoraHandle lora = m.apply_lora(dir.file("r64.safetensors"));
+    const uint64_t sidecars = lora_bytes_of(model);
+    CHECK(sidecars > 0);
+    CHECK(share_of(model) == share + sidecars);
+    CHECK(cache.stats().vram_reserved_bytes == share + sidecars);
+    CHECK(model.residency_map() == map);  // nothing more streams
+    CHECK_FALSE(at::equal(m(in.x, in.t, in.ctx), base));
+    // Residency changes size the share with the sidecars.
+    model.full_unload();
+    CHECK(model.stats().minimum_bytes == share_of(model));
+    model.full_load();
+    CHECK(share_of(model) == share + sidecars);
+    CHECK(model.residency_map() == map);
+  }
+  CHECK(lora_bytes_of(model) == 0);
+  CHECK(share_of(model) == share);
+  CHECK(model.residency_map() == map);
+  CHECK(at::equal(m(in.x, in.t, in.ctx), base));
+}
+
+TEST_CASE("api: an unlocked model gives up residency for another model's LoRA and a budget that cannot hold it refuses in one line") {
+  TempDir dir;
+  uint64_t small_share = 0, tiny_share = 0;
+  {
+    sluice::ModelCache roomy(cpu("4GiB", "1MiB"));
+    small_share = share_of(roomy.load("anima-small"));
+    tiny_share = share_of(roomy.load("anima-tiny"));
+  }
+  // Exactly both models fully resident beside 1 MiB of working memory: no free budget.
+  sluice::ModelCache cache(cpu(std::to_string(small_share + tiny_share + MiB), "1MiB"));
+  sluice::Model tiny = cache.load("anima-tiny");
+  sluice::Model small = cache.load("anima-small");
+  REQUIRE(share_of(tiny) == tiny_share);
+  REQUIRE(share_of(small) == small_share);
+  const std::string map = tiny.residency_map();
+  save_block_lora(dir.file("r16.safetensors"), tiny.info(), 16);
+  {
+    sluice::LockedModel m = tiny.lock();
+    sluice::LoraHandle lora = m.apply_lora(dir.file("r16.safetensors"));
+    const uint64_t sidecars = lora_bytes_of(tiny);
+    REQUIRE(sidecars < small_share - small.stats().minimum_bytes);  // the unlocked small can make the room
+    CHECK(share_of(tiny) == tiny_share + sidecars);
+    CHECK(tiny.residency_map() == map);
+    CHECK(share_of(small) == small_share - sidecars);  // partially unloaded, only as much as needed
+    CHECK(cache.stats().device_unloads == 1);
+  }
+  CHECK(share_of(tiny) == tiny_share);
+
+  // The tiny model alone under exactly its own share: a rank-64 LoRA on every block cannot
+  // fit even with every layer streamed.
+  sluice::ModelCache tight(cpu(std::to_string(tiny_share + MiB), "1MiB"));
+  sluice::Model alone = tight.load("anima-tiny");
+  const std::string tiny_map = alone.residency_map();
+  save_block_lora(dir.file("big.safetensors"), alone.info(), 64);
+  sluice::LockedModel m = alone.lock();
+  std::string error;
+  try {
+    m.apply_lora(dir.file("big.safetensors"));
+  } catch (const sluice::ResourceError& e) {
+    error = e.what();
+  }
+  INFO(error);
+  CHECK(error.find("LoRA '" + dir.file("big.safetensors") + "' needs ") == 0);
+  CHECK(error.find("model 'anima-tiny'") != std::string::npos);
+  CHECK(error.find(" missing") != std::string::npos);
+  CHECK(error.find('\n') == std::string::npos);
+  CHECK(lora_bytes_of(alone) == 0);
+  CHECK(share_of(alone) == tiny_share);
+  CHECK(alone.residency_map() == tiny_map);
+}
+
+TEST_CASE("api: a LoRA does not outlive the lock it was applied through") {
+  // Issue 29, item 2 (Note [LoRA lifetime] in include/sluice/sluice.hpp).
+  TempDir dir;
+  sluice::ModelCache cache(cpu());
+  sluice::Model model = cache.load("anima-tiny");
+  const Inputs in = inputs(model.info());
+  save_block_lora(dir.file("lora.safetensors"), model.info(), 4);
+  const std::string path = dir.file("lora.safetensors");
+  sluice::LockedModel m = model.lock();
+  const at::Tensor base = m(in.x, in.t, in.ctx);
+  sluice::LoraHandle lora = m.apply_lora(path);
+  CHECK(lora);
+  CHECK_FALSE(at::equal(m(in.x, in.t, in.ctx), base));
+  CHECK(model.stats().locks == 2);  // the lock and its LoRA
+  m.unlock();  // the LoRA goes with it
+  CHECK_FALSE(lora);
+  CHECK(lora_bytes_of(model) == 0);
+  CHECK(model.stats().locks == 0);
+  {
+    sluice::LockedModel again = model.lock();
+    CHECK(at::equal(again(in.x, in.t, in.ctx), base));  // bit for bit
+  }
+  CHECK_NOTHROW(lora.remove());  // nothing left to remove
+  CHECK_THROWS_AS(m.apply_lora(path), sluice::InvalidArgument);
+  // The lock's destruction, and a lock moved over it, end its LoRAs too.
+  sluice::LoraHandle outer;
+  {
+    sluice::LockedModel scoped = model.lock();
+    outer = scoped.apply_lora(path);
+    CHECK(outer);
+  }
+  CHECK_FALSE(outer);
+  sluice::LockedModel moved = model.lock();
+  sluice::LoraHandle inner = moved.apply_lora(path);
+  moved = model.lock();
+  CHECK_FALSE(inner);
+  CHECK(at::equal(moved(in.x, in.t, in.ctx), base));
+  CHECK(lora_bytes_of(model) == 0);
+  CHECK(model.stats().locks == 1);
+}
+
+TEST_CASE("api: the cache's stats list every model it holds and each device total is the sum of its parts") {
+  // Issue 29, item 6 (Note [stats parts] in cache/model_cache.cpp).
+  sluice::ModelCache cache(cpu("4GiB", "64MiB"));
+  const auto run = [](sluice::Model& model) {
+    const Inputs in = inputs(model.info());
+    sluice::LockedModel m = model.lock();
+    m(in.x, in.t, in.ctx);
+    m(in.x, in.t, in.ctx);
+  };
+  sluice::LoadOptions lo;
+  lo.name = "same";
+  lo.max_resident = 0.5;  // a staging ring
+  uint64_t first_id = 0;
+  {
+    sluice::Model first = cache.load("anima-tiny", lo);
+    run(first);
+    first_id = parse(first.stats_json()).at("model").at("id");
+  }  // its handle goes: the cache still holds it
+  lo.max_resident.reset();
+  lo.seed = 4;
+  sluice::Model second = cache.load("anima-small", lo);
+  run(second);
+  const nlohmann::json c = parse(cache.stats_json());
+  const auto& held = c.at("models_held");
+  REQUIRE(held.size() == 2);
+  CHECK(held[0].at("id") == first_id);
+  CHECK(held[1].at("id") != first_id);
+  CHECK(held[0].at("name") == "same");
+  CHECK(held[1].at("name") == "same");
+  CHECK(held[0].at("source") == "anima-tiny");
+  CHECK(held[1].at("source") == "anima-small");
+  uint64_t allocated = 0, device = 0, shares = 0;
+  for (const auto& h : held) {
+    allocated += h.at("allocated_bytes").get<uint64_t>();
+    device += h.at("device_bytes").get<uint64_t>();
+    shares += h.at("share_bytes").get<uint64_t>();
+  }
+  CHECK(c.at("vram").at("current").get<int64_t>() ==
+        static_cast<int64_t>(allocated) + c.at("vram_unattributed_bytes").get<int64_t>());
+  CHECK(c.at("vram_unattributed_bytes") == 0);  // between forwards
+  CHECK(c.at("models_allocated_bytes") == allocated);
+  CHECK(c.at("models_device_bytes") == device);
+  CHECK(c.at("vram_reserved_bytes") == shares);
+  const sluice::CacheStats cs = cache.stats();
+  CHECK(cs.models_allocated_bytes == allocated);
+  CHECK(cs.vram_unattributed_bytes == 0);
+  // Each model's document splits the allocator's whole-device count the same way.
+  const std::vector<sluice::Model> models = cache.models();
+  REQUIRE(models.size() == 2);
+  CHECK(models[0].stats().id == first_id);
+  CHECK(models[1].stats().source == "anima-small");
+  for (size_t i = 0; i < models.size(); ++i) {
+    const nlohmann::json j = parse(models[i].stats_json());
+    const auto& d = j.at("device");
+    CHECK(j.at("model").at("id") == held[i].at("id"));
+    CHECK(d.at("current_bytes") == held[i].at("device_bytes"));
+    CHECK(d.at("allocated_bytes") == held[i].at("allocated_bytes"));
+    CHECK(d.at("other_models_bytes") == allocated - held[i].at("allocated_bytes").get<uint64_t>());
+    CHECK(models[i].stats().allocated_bytes == held[i].at("allocated_bytes"));
+    REQUIRE(d.at("allocator_stats") == "available");
+    CHECK(d.at("allocator_current_bytes").get<int64_t>() ==
+          d.at("allocated_bytes").get<int64_t>() + d.at("other_models_bytes").get<int64_t>() +
+              d.at("unattributed_bytes").get<int64_t>());
+  }
 }
 
 TEST_CASE("api: errors name what is at fault") {

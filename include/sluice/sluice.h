@@ -117,7 +117,10 @@ sluice_status sluice_cache_create(const sluice_cache_options* options, sluice_ca
 void sluice_cache_destroy(sluice_cache* cache); /* NULL is fine; models stay valid */
 /* New budget for all models ("50%", "6GiB", bytes). */
 sluice_status sluice_cache_set_vram_budget(sluice_cache* cache, const char* budget);
-/* Cache statistics as JSON (hits, misses, loads, evictions, ram, vram ...); *out to free. */
+/* Cache statistics as JSON (hits, misses, loads, evictions, ram, vram ..., models_held: every
+ * model the cache holds {id, name, source, ..., device_bytes, allocated_bytes}, and
+ * vram_unattributed_bytes: vram.current = models_allocated_bytes + vram_unattributed_bytes);
+ * *out to free. */
 sluice_status sluice_cache_stats_json(sluice_cache* cache, char** out);
 
 /* Models: a preset name ("anima-small"), a JSON config, or a .safetensors checkpoint. */
@@ -138,7 +141,7 @@ sluice_status sluice_full_unload(sluice_model* model, int64_t* delta_bytes);
 
 /* Locking: the model is loaded if evicted and kept in use until sluice_unlock. */
 sluice_status sluice_lock(sluice_model* model, sluice_locked** out);
-void sluice_unlock(sluice_locked* lock); /* NULL is fine */
+void sluice_unlock(sluice_locked* lock); /* removes the LoRAs applied through it first; NULL is fine */
 
 /* DiT velocity: x [B,C,T,H,W], timesteps [B], context [B,S,D] (any float dtype, any device)
  * -> *out [B,C_out,T,H,W] in the compute dtype on the model's device. A NaN or Inf in an
@@ -166,9 +169,18 @@ sluice_status sluice_synchronize(sluice_locked* lock);
 sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,
                                  const DLManagedTensor* t5_weights, DLManagedTensor** out);
 
-/* LoRA sidecars on a locked model (the stored weights are never modified). */
+/* LoRA sidecars on a locked model (the stored weights are never modified). The model's device
+ * share grows by their bytes from the free budget (only what it cannot give streams more of its
+ * layers); SLUICE_ERROR_RESOURCE, naming the model, the LoRA and the bytes missing, when the
+ * budget cannot hold them at all.
+ * Lifetime (Note [LoRA lifetime] in sluice.hpp): a LoRA is removed by sluice_lora_remove or by
+ * sluice_unlock of the lock it was applied through, whichever comes first; removed, forwards give
+ * the unpatched model's outputs bit for bit and its device bytes are given back. After
+ * sluice_unlock the handle stays valid but inactive (sluice_lora_active returns 0): still release
+ * it with sluice_lora_remove, which then only frees it. */
 sluice_status sluice_lora_apply(sluice_locked* lock, const char* path, double scale, sluice_lora** out);
-void sluice_lora_remove(sluice_lora* lora); /* NULL is fine */
+void sluice_lora_remove(sluice_lora* lora); /* removes (if still active) and frees the handle; NULL is fine */
+int sluice_lora_active(const sluice_lora* lora); /* 1 while applied, 0 once removed by its unlock (or NULL) */
 
 #ifdef __cplusplus
 }

@@ -111,8 +111,13 @@ struct CacheStats {
   std::string vram_budget_source;       // how it was resolved ("auto: free 22.2GiB - headroom ... = 21.1GiB on cuda:0", "50% of total ..."); empty for a size or all memory
   uint64_t working_memory_bytes = 0;    // part of it kept for activations
   uint64_t vram_limit_bytes = 0;        // budget - working memory: what models may hold together
-  Counter vram;                         // device bytes all models hold (weights, staging rings, upcast scratch); peak since the last budget change
+  Counter vram;                         // device bytes all models hold (weights, staging rings, upcast scratch, LoRA sidecars); peak since the last budget change
   uint64_t vram_reserved_bytes = 0;     // sum of the models' device shares (>= vram.current)
+  // The parts of vram.current (every model the cache holds: ModelCache::models()):
+  // vram.current = models_allocated_bytes + vram_unattributed_bytes.
+  uint64_t models_device_bytes = 0;     // sum of the models' ModelStats::device_bytes (staging rings at their capacity)
+  uint64_t models_allocated_bytes = 0;  // sum of their ModelStats::allocated_bytes
+  int64_t vram_unattributed_bytes = 0;  // held by no model: slots of a staging ring a model dropped that queued work may still read; 0 between forwards
 };
 
 // One forward (or encode_text) of a model.
@@ -146,11 +151,13 @@ struct NonFiniteReport {
 
 // One model. See Model::stats().
 struct ModelStats {
+  uint64_t id = 0;                     // unique in its cache (two models may share a name)
   std::string name;
+  std::string source;                  // the path or preset it was loaded from
   std::string device;
   bool in_ram = false;                 // loaded (false after eviction; the next lock() reloads)
   bool on_device = false;              // attached to the device (some layers resident)
-  uint64_t locks = 0;                  // open LockedModel/LoraHandle
+  uint64_t locks = 0;                  // open LockedModel/active LoraHandle
   uint64_t total_bytes = 0;            // stored bytes of every weight
   uint64_t resident_bytes = 0;         // of which resident on the device
   uint64_t streamed_bytes = 0;         // of which streamed (not resident)
@@ -159,7 +166,8 @@ struct ModelStats {
   std::string residency;               // residency map: "blocks: RRSRRS...; other: ..."
   std::string residency_grid;          // per layer: a row per layer of a block, a column per block (multi-line)
   uint64_t share_bytes = 0;            // device bytes reserved for this model (weights, ring, scratch)
-  uint64_t device_bytes = 0;           // device bytes it holds now
+  uint64_t device_bytes = 0;           // device bytes it holds now (its staging ring at its capacity, a reservation)
+  uint64_t allocated_bytes = 0;        // of which allocated on the device now (the ring's slots made so far)
   uint64_t device_peak_bytes = 0;      // most it held since the last residency change
   uint64_t minimum_bytes = 0;          // smallest share it runs with
   uint64_t layers = 0, resident_layers = 0, streamed_layers = 0;
@@ -219,9 +227,13 @@ class Model {
   void set_max_resident(std::optional<double> fraction);
 
   ModelStats stats() const;
-  // JSON with model.{name,total_bytes,resident_bytes,residency,streamed_bytes_by_forward
-  // {dit,adapter}}, budget.{budget_bytes,
-  // working_memory_bytes,share_bytes}, device.{peak_bytes,...}, forwards[] {kind,
+  // JSON with model.{id,name,source,dropped,total_bytes,resident_bytes,residency,
+  // streamed_bytes_by_forward{dit,adapter}}, budget.{budget_bytes,working_memory_bytes,
+  // share_bytes}, device.{peak_bytes,current_bytes,allocated_bytes,allocator_current_bytes,
+  // other_models_bytes,unattributed_bytes,...} (allocator_current_bytes, the whole device's,
+  // = allocated_bytes + other_models_bytes + unattributed_bytes: what the allocator holds
+  // that no model does, such as a GPU forward's activations and outputs; null where the
+  // allocator has no counters), forwards[] {kind,
   // bytes_streamed, planned_bytes, h2d_gbps, stall_ms, upcast_ms, wall_ms, ...},
   // plan.{policy, predicted_step_ms, floor_ms, measured_step_ms, recomputed, kinds[], ...},
   // prefetch.{wasted_copies, wasted_bytes, mismatched_forwards}, cache.{hits,misses,
@@ -247,8 +259,27 @@ class Model {
   std::shared_ptr<detail::ModelEntry> entry_;
 };
 
+// Note [LoRA lifetime]
+// ~~~~~~~~~~~~~~~~~~~~
+// A LoRA lives no longer than the lock it was made from (LockedModel::apply_lora): it is
+// removed by LoraHandle::remove(), when its handle is destroyed, or when that lock ends
+// (LockedModel::unlock() or its destruction), whichever comes first. Removal takes the
+// sidecars away (the stored weights were never touched, so forwards give the unpatched
+// model's outputs bit for bit) and gives their device bytes back (Note [sidecar share] in
+// cache/model_cache.h). A handle that outlives its lock stays valid but inactive: active()
+// is false, remove() does nothing. The same rule holds in C (sluice_unlock) and Python
+// (LockedModel.unlock, the end of the lock's `with` block).
+// Why this rule and not "unlock refuses while LoRAs are live": a lock ends in destructors,
+// in `with` exits and while an exception unwinds, where a refusal cannot be acted on (a
+// destructor cannot fail, and a failing __exit__ would replace the exception that got
+// there); and a frontend reads lock ... unlock as the span in which it changed the model,
+// so the next lock, its own or another frontend's, must find the model as loaded. A LoRA
+// that stayed would keep the model locked and patched, with no lock left to remove it
+// through.
+//
 // A LoRA applied to a locked model as a forward-time sidecar (the stored weights are never
-// touched). Removed when destroyed or by remove(); while alive it keeps the model locked.
+// touched). Removed when destroyed, by remove(), or when its lock ends (Note [LoRA
+// lifetime]); while active it keeps the model locked.
 class LoraHandle {
  public:
   LoraHandle() = default;
@@ -258,10 +289,13 @@ class LoraHandle {
   LoraHandle(const LoraHandle&) = delete;
   LoraHandle& operator=(const LoraHandle&) = delete;
 
-  explicit operator bool() const { return state_ != nullptr; }
-  // Layers the adapter patches.
+  // Whether the LoRA is applied now: false once removed, also by the end of its lock.
+  bool active() const;
+  explicit operator bool() const { return active(); }
+  // Layers the adapter patches (InvalidArgument on an empty handle).
   int64_t patched_layers() const;
   // Removes the sidecars now (waits for a running forward); the handle becomes empty.
+  // Nothing to do when its lock ended already.
   void remove();
 
  private:
@@ -330,15 +364,22 @@ class LockedModel {
   // through a raw pointer (tensor.cpu() and .item() already wait).
   void synchronize();
 
-  // Reads a LoRA safetensors file and patches the model with it at `scale`.
-  // FileError / CheckpointError name the file and the mismatching keys.
+  // Reads a LoRA safetensors file and patches the model with it at `scale`, until the
+  // handle is removed or destroyed or this lock ends (Note [LoRA lifetime]). The model's
+  // device share grows by the sidecars' bytes from the free budget (other unlocked models
+  // give up residency first); only what the budget cannot give streams more of its layers
+  // (Note [sidecar share] in cache/model_cache.h). FileError / CheckpointError name the file
+  // and the mismatching keys; ResourceError (one line naming the model, the LoRA and the
+  // bytes missing, nothing changed) when the budget cannot hold the sidecars even with
+  // every streamable layer streamed.
   LoraHandle apply_lora(const std::string& path, double scale = 1.0);
   // Same as handle.remove().
   void remove_lora(LoraHandle& handle) { handle.remove(); }
 
   const ModelInfo& info() const;
   Model model() const;
-  // Releases the lock now; the LockedModel becomes empty.
+  // Releases the lock now, first removing the LoRAs applied through it (Note [LoRA
+  // lifetime]); the LockedModel becomes empty.
   void unlock();
 
  private:
@@ -376,7 +417,15 @@ class ModelCache {
   void set_vram_budget(const std::string& budget);
 
   CacheStats stats() const;
+  // The "cache" object of Model::stats_json: the counters above, and models_held, one entry
+  // per model the cache holds {id, name, source, in_ram, on_device, dropped, locks,
+  // share_bytes, device_bytes, allocated_bytes}, so that vram.current = models_allocated_bytes
+  // + vram_unattributed_bytes and vram_reserved_bytes = the sum of share_bytes.
   std::string stats_json(int indent = 2) const;
+  // Handles on every model the cache holds (also those whose handles were all released,
+  // and dropped ones still locked), in load order. Two may share a name: ModelStats::id
+  // and the stats JSON's model.id tell them apart.
+  std::vector<Model> models() const;
   const RuntimeOptions& options() const;
 
  private:

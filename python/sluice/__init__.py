@@ -5,7 +5,7 @@
     model = cache.load("anima.safetensors", storage="float8_e4m3fn")
     with model.lock() as m:
         v = m(x, timesteps, context)
-    cache.stats()   # {"cache": counters, "models": {name: --stats-json document}}
+    cache.stats()   # {"cache": counters, "models": [--stats-json document of every cached model]}
 
 Tensors are passed zero-copy as torch tensors. Errors are sluice.Error subclasses
 (FileError, CheckpointError, InvalidArgument, ResourceError) carrying the C++ message.
@@ -14,8 +14,7 @@ The GIL is released while sluice loads, locks and runs forwards.
 from __future__ import annotations
 
 import json
-import weakref
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -35,7 +34,14 @@ def version() -> str:
 
 
 class Lora:
-    """A LoRA applied to a locked model; a context manager that removes it on exit."""
+    """A LoRA applied to a locked model; a context manager that removes it on exit.
+
+    A LoRA lives no longer than the lock it was made from (Note [LoRA lifetime] in
+    sluice.hpp): it is removed by remove(), by the end of its `with` block, or when that lock
+    is unlocked (LockedModel.unlock(), the end of the lock's `with` block), whichever comes
+    first. Removed, the model's forwards give the unpatched outputs bit for bit and its
+    sidecars' device bytes are given back; `active` is then False and remove() does nothing.
+    """
 
     def __init__(self, handle: _C.LoraHandle):
         self._handle = handle
@@ -94,7 +100,11 @@ class LockedModel:
         return self._locked.locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights)
 
     def lora(self, path: str, scale: float = 1.0) -> Lora:
-        """Applies a LoRA file as a forward-time sidecar; use it as a context manager."""
+        """Applies a LoRA file as a forward-time sidecar; use it as a context manager. It is
+        removed at the latest when this lock is unlocked (see Lora). The model's device share
+        grows by the sidecars' bytes from the cache's free budget; only what the budget cannot
+        give streams more of its layers. sluice.ResourceError (one line naming the model, the
+        LoRA and the bytes missing; nothing changed) when the budget cannot hold them at all."""
         return Lora(self._locked.apply_lora(path, scale))
 
     @property
@@ -102,6 +112,7 @@ class LockedModel:
         return json.loads(self._locked.info_json())
 
     def unlock(self) -> None:
+        """Ends the lock, first removing the LoRAs applied through it."""
         self._locked.unlock()
 
     def __enter__(self) -> "LockedModel":
@@ -190,7 +201,6 @@ class ModelCache:
 
     def __init__(self, device: str = "cpu", vram_budget: str = "", **options):
         self._cache = _C.ModelCache(_C.RuntimeOptions(device=device, vram_budget=str(vram_budget), **options))
-        self._models: "weakref.WeakSet[Model]" = weakref.WeakSet()
 
     def load(self, path_or_preset: str, storage: str = "float8_e4m3fn", compute: str = "auto",
              extra_skips: Iterable[str] = (), use_default_skips: bool = True, use_model_skips: bool = True,
@@ -202,9 +212,7 @@ class ModelCache:
         opts = _C.LoadOptions(storage=storage, compute=compute, extra_skips=list(extra_skips),
                               use_default_skips=use_default_skips, use_model_skips=use_model_skips,
                               max_resident=max_resident, config=config, seed=seed, name=name)
-        model = Model(self._cache.load(str(path_or_preset), opts))
-        self._models.add(model)
-        return model
+        return Model(self._cache.load(str(path_or_preset), opts))
 
     def drop(self, model: Model) -> None:
         self._cache.drop(model._model)
@@ -212,12 +220,28 @@ class ModelCache:
     def set_vram_budget(self, budget: str) -> None:
         self._cache.set_vram_budget(str(budget))
 
+    def models(self) -> List[Model]:
+        """Handles on every model the cache holds (also those whose handles were dropped, and
+        dropped models still locked), in load order. Names may repeat; stats()["model"]["id"]
+        tells models apart."""
+        return [Model(m) for m in self._cache.models()]
+
     def stats(self) -> dict:
         """{"cache": the counters of --stats-json's "cache" object (hits, misses, loads,
-        evictions, ram, vram ...), "models": {name: that model's --stats-json document}}
-        for every model loaded through this object."""
+        evictions, ram, vram ..., models_held), "models": [the --stats-json document of each
+        model the cache holds, in load order]}. Models are a list, not keyed by name: two
+        models may share a name; each document's "model" has its "id" and "source".
+
+        Every device total is the sum of its parts, or a named field holds the remainder:
+        cache["vram"]["current"] == cache["models_allocated_bytes"] +
+        cache["vram_unattributed_bytes"] (ring slots no model holds; 0 between forwards), where
+        models_allocated_bytes is the sum of the models' device["allocated_bytes"] (their
+        device["current_bytes"] counts a staging ring at its capacity); and a model's
+        device["allocator_current_bytes"] (the whole device) == its device["allocated_bytes"] +
+        device["other_models_bytes"] + device["unattributed_bytes"] (activations, outputs and
+        other tensors no model holds; None where the allocator has no counters)."""
         return {"cache": json.loads(self._cache.stats_json()),
-                "models": {m.name: m.stats() for m in list(self._models)}}
+                "models": [m.stats() for m in self.models()]}
 
 
 Runtime = ModelCache

@@ -129,7 +129,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<sluice::LoraHandle>(m, "LoraHandle")
       .def_property_readonly("patched_layers", &sluice::LoraHandle::patched_layers)
-      .def_property_readonly("active", [](const sluice::LoraHandle& h) { return static_cast<bool>(h); })
+      .def_property_readonly("active", &sluice::LoraHandle::active)
       .def("remove", &sluice::LoraHandle::remove, release_gil());
 
   py::class_<sluice::LockedModel>(m, "LockedModel")
@@ -206,5 +206,6 @@ PYBIND11_MODULE(_C, m) {
       .def("load", &sluice::ModelCache::load, py::arg("path_or_preset"), py::arg("options"), release_gil())
       .def("drop", &sluice::ModelCache::drop, py::arg("model"), release_gil())
       .def("set_vram_budget", &sluice::ModelCache::set_vram_budget, py::arg("budget"), release_gil())
-      .def("stats_json", &sluice::ModelCache::stats_json, py::arg("indent") = -1, release_gil());
+      .def("stats_json", &sluice::ModelCache::stats_json, py::arg("indent") = -1, release_gil())
+      .def("models", &sluice::ModelCache::models, release_gil());
 }

@@ -1,7 +1,9 @@
 /* The C API as a C host sees it: compiled as C (not C++), it loads a generated model, runs
  * a forward under a 50% residency cap in CPU-as-device mode, reads the stats, compares the
- * output bit for bit with a fully resident run, and checks the errors for a missing file,
- * a bad budget, a wrong tensor shape, a NaN input and a NULL handle. Exit status 0 = every check passed. */
+ * output bit for bit with a fully resident run, checks that a LoRA ends with the lock it was
+ * applied through, and checks the errors for a missing file, a bad budget, a wrong tensor
+ * shape, a NaN input and a NULL handle. Exit status 0 = every check passed. */
+#define _POSIX_C_SOURCE 200809L /* mkstemp, fdopen */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -160,6 +162,113 @@ static DLManagedTensor* run_forward(double max_resident, char** stats_json) {
   return v;
 }
 
+/* Writes a rank-4 float32 LoRA on blocks.0.self_attn.q_proj of a `width`-wide model as a
+ * safetensors file (8-byte header length, JSON header, data) at a new temporary path. */
+static void write_lora(int64_t width, char* path) {
+  enum { rank = 4 };
+  const size_t n = (size_t)(rank * width);
+  float* data = (float*)malloc(2 * n * sizeof(float));
+  uint32_t seed = 7;
+  for (size_t i = 0; i < 2 * n; ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    data[i] = (float)((seed >> 8) & 0xFFFF) / 65536.0f - 0.5f;
+  }
+  char header[512];
+  int len = snprintf(header, sizeof header,
+                     "{\"blocks.0.self_attn.q_proj.lora_A.weight\":{\"dtype\":\"F32\",\"shape\":[%d,%lld],"
+                     "\"data_offsets\":[0,%zu]},\"blocks.0.self_attn.q_proj.lora_B.weight\":{\"dtype\":\"F32\","
+                     "\"shape\":[%lld,%d],\"data_offsets\":[%zu,%zu]}}",
+                     rank, (long long)width, n * sizeof(float), (long long)width, rank, n * sizeof(float),
+                     2 * n * sizeof(float));
+  while (len % 8 != 0) header[len++] = ' '; /* the data starts 8-byte aligned */
+  strcpy(path, "/tmp/sluice_c_api_lora_XXXXXX");
+  const int fd = mkstemp(path);
+  if (fd < 0) {
+    fprintf(stderr, "mkstemp failed\n");
+    exit(1);
+  }
+  FILE* f = fdopen(fd, "wb");
+  unsigned char size[8];
+  for (int i = 0; i < 8; ++i) size[i] = (unsigned char)(((uint64_t)len >> (8 * i)) & 0xFF);
+  fwrite(size, 1, 8, f);
+  fwrite(header, 1, (size_t)len, f);
+  fwrite(data, sizeof(float), 2 * n, f);
+  fclose(f);
+  free(data);
+}
+
+/* Note [LoRA lifetime]: a LoRA applied through a lock is removed by sluice_unlock of that lock
+ * (its handle stays valid, inactive); the next lock's forward is the unpatched model's, bit
+ * for bit, and the sidecars' device bytes are given back. */
+static void lora_ends_with_its_lock(void) {
+  sluice_cache_options o;
+  sluice_cache_options_init(&o);
+  o.device = "cpu";
+  o.vram_budget = "50%";
+  o.device_memory = 256ull << 20;
+  o.working_memory = "16MiB";
+  sluice_cache* cache = NULL;
+  REQUIRE_OK(sluice_cache_create(&o, &cache));
+  sluice_load_options lo;
+  sluice_load_options_init(&lo);
+  lo.seed = 11;
+  sluice_model* model = NULL;
+  REQUIRE_OK(sluice_load(cache, "anima-tiny", &lo, &model));
+  char* info = NULL;
+  REQUIRE_OK(sluice_model_info_json(model, &info));
+  const int64_t channels = json_int(info, "in_channels");
+  const int64_t ctx_dim = json_int(info, "crossattn_emb_channels");
+  const int64_t width = json_int(info, "model_channels");
+  sluice_free_string(info);
+  char path[64];
+  write_lora(width, path);
+
+  const int64_t xs[5] = {1, channels, 1, 8, 8}, ts[1] = {1}, cs[3] = {1, 4, ctx_dim};
+  OwnedTensor* x = make_tensor(5, xs, 21);
+  OwnedTensor* t = make_tensor(1, ts, 22);
+  t->data[0] = 0.5f;
+  OwnedTensor* ctx = make_tensor(3, cs, 23);
+
+  sluice_locked* lock = NULL;
+  REQUIRE_OK(sluice_lock(model, &lock));
+  DLManagedTensor* base = NULL;
+  REQUIRE_OK(sluice_forward(lock, &x->managed, &t->managed, &ctx->managed, &base));
+  const size_t bytes = numel(&base->dl_tensor) * (base->dl_tensor.dtype.bits / 8);
+  sluice_lora* lora = NULL;
+  REQUIRE_OK(sluice_lora_apply(lock, path, 1.0, &lora));
+  CHECK(sluice_lora_active(lora) == 1);
+  DLManagedTensor* patched = NULL;
+  REQUIRE_OK(sluice_forward(lock, &x->managed, &t->managed, &ctx->managed, &patched));
+  CHECK(memcmp(patched->dl_tensor.data, base->dl_tensor.data, bytes) != 0);
+  char* stats = NULL;
+  REQUIRE_OK(sluice_model_stats_json(model, &stats));
+  CHECK(json_int(stats, "lora_bytes") > 0);
+  sluice_free_string(stats);
+
+  sluice_unlock(lock); /* the LoRA was not removed: the unlock removes it */
+  CHECK(sluice_lora_active(lora) == 0);
+  REQUIRE_OK(sluice_model_stats_json(model, &stats));
+  CHECK(json_int(stats, "lora_bytes") == 0);
+  sluice_free_string(stats);
+  REQUIRE_OK(sluice_lock(model, &lock));
+  DLManagedTensor* after = NULL;
+  REQUIRE_OK(sluice_forward(lock, &x->managed, &t->managed, &ctx->managed, &after));
+  CHECK(memcmp(after->dl_tensor.data, base->dl_tensor.data, bytes) == 0);
+  sluice_unlock(lock);
+  sluice_lora_remove(lora); /* inactive: only frees the handle */
+  CHECK(sluice_lora_active(NULL) == 0);
+
+  base->deleter(base);
+  patched->deleter(patched);
+  after->deleter(after);
+  release(x);
+  release(t);
+  release(ctx);
+  remove(path);
+  sluice_model_release(model);
+  sluice_cache_destroy(cache);
+}
+
 int main(void) {
   CHECK(sluice_abi_version() == SLUICE_C_ABI_VERSION);
   CHECK(strlen(sluice_version()) >= 5);
@@ -212,6 +321,8 @@ int main(void) {
   full->deleter(full);
   sluice_free_string(half_stats);
   sluice_free_string(full_stats);
+
+  lora_ends_with_its_lock();
 
   /* Errors. */
   sluice_cache_options o;

@@ -2,6 +2,7 @@
 bits as the C++ CLI, dtypes and stats, exceptions with the C++ messages, LoRA context
 managers, and the GIL released during forward. Run by ctest through pytest; the CLI path
 and a scratch folder come from the environment (SLUICE_CLI, SLUICE_TEST_TMP)."""
+import gc
 import json
 import os
 import subprocess
@@ -140,7 +141,7 @@ def test_stats_and_dtypes(checkpoint):
     assert blocks.startswith("blocks: ")
     assert set(blocks[len("blocks: "):]) & {"S", "P"}
     cs = cache.stats()
-    assert cs["models"][model.name]["model"]["total_bytes"] == s["model"]["total_bytes"]
+    assert [m["model"]["total_bytes"] for m in cs["models"]] == [s["model"]["total_bytes"]]
     assert {"hits", "misses", "evictions"} <= set(cs["cache"])
     # Loading the same source with the same options is a hit.
     cache.load(checkpoint, max_resident=0.5)
@@ -219,6 +220,151 @@ def test_lora_context_manager(checkpoint, workdir):
         after = m(x, t, ctx)
     assert not torch.equal(patched, before)
     assert torch.equal(after, before)
+
+
+def every_block_lora(info, rank, path, seed=3):
+    """A rank-`rank` LoRA on every Linear of every DiT block (attention and MLP)."""
+    d = info["model_channels"]
+    h = d * info["mlp_ratio"]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for b in range(info["num_blocks"]):
+        for name, n_in, n_out in (("self_attn.q_proj", d, d), ("self_attn.k_proj", d, d), ("self_attn.v_proj", d, d),
+                                  ("self_attn.output_proj", d, d), ("mlp.layer1", d, h), ("mlp.layer2", h, d)):
+            tensors[f"blocks.{b}.{name}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.02
+            tensors[f"blocks.{b}.{name}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.02
+    save_file(tensors, path)
+    return path
+
+
+@pytest.mark.parametrize("preset,rank", [("anima-small", 64), ("anima-small", 16), ("anima-tiny", 16)])
+def test_a_lora_grows_the_share_into_the_free_budget_and_gives_it_back(workdir, preset, rank):
+    # Issue 29, item 1: the share of a fully resident model had no room for sidecars, so a
+    # LoRA was refused (or streamed every block) while most of the cache's budget was free.
+    cache = sluice.ModelCache(device="cpu", vram_budget="4GiB")
+    model = cache.load(preset)
+    share = model.stats()["budget"]["share_bytes"]
+    residency = model.residency_map()
+    assert "S" not in residency.split(";")[0] and "P" not in residency.split(";")[0]  # fully resident
+    path = every_block_lora(model.info, rank, os.path.join(workdir, f"{preset}-r{rank}.safetensors"))
+    x, t, ctx = inputs(model.info)
+    with model.lock() as m:
+        plain = m(x, t, ctx)
+        with m.lora(path):
+            s = model.stats()
+            sidecars = s["device"]["lora_bytes"]
+            assert sidecars > 0
+            assert s["budget"]["share_bytes"] == share + sidecars
+            assert model.residency_map() == residency  # nothing more streams
+            assert s["cache"]["vram_reserved_bytes"] == share + sidecars
+            assert not torch.equal(m(x, t, ctx), plain)
+        s = model.stats()
+        assert s["device"]["lora_bytes"] == 0
+        assert s["budget"]["share_bytes"] == share  # given back
+        assert model.residency_map() == residency
+        assert torch.equal(m(x, t, ctx), plain)
+
+
+def test_a_budget_that_cannot_hold_the_sidecars_refuses_them_in_one_line(workdir):
+    # Exactly the fully resident model beside 1 MiB of working memory: no free budget, and
+    # sidecars eight times the fp8 weights cannot fit even with every layer streamed.
+    share = sluice.ModelCache(device="cpu").load("anima-tiny").stats()["budget"]["share_bytes"]
+    cache = sluice.ModelCache(device="cpu", vram_budget=str(share + (1 << 20)), working_memory="1MiB")
+    model = cache.load("anima-tiny")
+    assert model.stats()["budget"]["share_bytes"] == share
+    residency = model.residency_map()
+    path = every_block_lora(model.info, 64, os.path.join(workdir, "tiny-r64.safetensors"))
+    x, t, ctx = inputs(model.info)
+    with model.lock() as m:
+        plain = m(x, t, ctx)
+        with pytest.raises(sluice.ResourceError) as e:
+            m.lora(path)
+        msg = str(e.value)
+        assert "\n" not in msg
+        assert f"LoRA '{path}' needs " in msg and "model 'anima-tiny'" in msg and "missing" in msg
+        # Nothing changed.
+        s = model.stats()
+        assert s["device"]["lora_bytes"] == 0 and s["budget"]["share_bytes"] == share
+        assert model.residency_map() == residency
+        assert torch.equal(m(x, t, ctx), plain)
+
+
+def test_a_lora_does_not_outlive_its_lock(checkpoint, workdir):
+    # Issue 29, item 2 (Note [LoRA lifetime]): unlocking removes the LoRAs made through the lock.
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load(checkpoint)
+    x, t, ctx = inputs(model.info)
+    path = every_block_lora(model.info, 4, os.path.join(workdir, "lifetime.safetensors"))
+    lk = model.lock().acquire()
+    plain = lk(x, t, ctx)
+    lora = lk.lora(path)  # no `with`
+    assert lora.active
+    assert not torch.equal(lk(x, t, ctx), plain)
+    assert model.stats()["device"]["lora_bytes"] > 0
+    lk.unlock()
+    assert not lora.active
+    s = model.stats()
+    assert s["device"]["lora_bytes"] == 0
+    assert [m["locks"] for m in s["cache"]["models_held"]] == [0]
+    with model.lock() as m:
+        assert torch.equal(m(x, t, ctx), plain)  # bit for bit
+    lora.remove()  # nothing left to do
+    with pytest.raises(sluice.InvalidArgument, match="unlocked"):
+        lk.lora(path)
+    # The same at the end of the lock's `with` block, with the LoRA's own `with` still open.
+    with model.lock() as m:
+        kept = m.lora(path)
+        with kept:
+            pass
+        again = m.lora(path)
+    assert not again.active and not kept.active
+    with model.lock() as m:
+        assert torch.equal(m(x, t, ctx), plain)
+    assert model.stats()["device"]["lora_bytes"] == 0
+
+
+def test_stats_list_every_cached_model_and_each_total_is_the_sum_of_its_parts(checkpoint):
+    # Issue 29, item 6 (Note [stats parts]).
+    cache = sluice.ModelCache(device="cpu", vram_budget="4GiB")
+    first = cache.load(checkpoint, max_resident=0.5, name="same")
+    second = cache.load("anima-small", seed=4, name="same")
+    for model in (first, second):
+        with model.lock() as m:
+            m(*inputs(model.info))
+            m(*inputs(model.info))
+    first_id = first.stats()["model"]["id"]
+    del first  # its Python handle goes; the cache still holds the model
+    gc.collect()
+    s = cache.stats()
+    models = s["models"]
+    assert isinstance(models, list) and len(models) == 2
+    assert [m["model"]["name"] for m in models] == ["same", "same"]
+    assert [m["model"]["source"] for m in models] == [checkpoint, "anima-small"]
+    assert models[0]["model"]["id"] == first_id != models[1]["model"]["id"]
+    c = s["cache"]
+    assert [(h["id"], h["name"], h["source"]) for h in c["models_held"]] == \
+        [(m["model"]["id"], "same", m["model"]["source"]) for m in models]
+    # The cache's device total is the sum of its models' parts.
+    assert c["vram_unattributed_bytes"] == 0
+    assert c["vram"]["current"] == sum(m["device"]["allocated_bytes"] for m in models) == c["models_allocated_bytes"]
+    assert c["models_device_bytes"] == sum(m["device"]["current_bytes"] for m in models)
+    assert c["vram_reserved_bytes"] == sum(m["budget"]["share_bytes"] for m in models)
+    for m, h in zip(models, c["models_held"]):
+        d = m["device"]
+        assert h["device_bytes"] == d["current_bytes"] and h["allocated_bytes"] == d["allocated_bytes"]
+        assert d["allocated_bytes"] <= d["current_bytes"]
+        # The allocator's whole-device count: this model, the other, and what no model holds
+        # (nothing on the CPU device between forwards).
+        assert d["allocator_current_bytes"] == d["allocated_bytes"] + d["other_models_bytes"] + d["unattributed_bytes"]
+        assert d["unattributed_bytes"] == 0
+    # A model the cache dropped but that is still locked is held (and listed) until unlocked.
+    lk = second.lock().acquire()
+    cache.drop(second)
+    held = cache.stats()
+    assert [m["model"]["dropped"] for m in held["models"]] == [False, True]
+    assert held["cache"]["vram"]["current"] == held["cache"]["models_allocated_bytes"]
+    lk.unlock()
+    assert [m["model"]["id"] for m in cache.stats()["models"]] == [first_id]
 
 
 def test_forward_in_a_second_thread_releases_the_gil():
