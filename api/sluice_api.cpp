@@ -274,6 +274,7 @@ const RuntimeOptions& ModelCache::options() const { return impl_->options; }
 
 Model ModelCache::load(const std::string& path_or_preset, const LoadOptions& options) {
   if (path_or_preset.empty()) throw InvalidArgument("load: empty model path or preset name");
+  anima::require_preset_or_path(path_or_preset);  // "unknown preset 'anima-nope' (known: ...)"
   cache::LoadSpec spec;
   spec.source = path_or_preset;
   spec.name = options.name;

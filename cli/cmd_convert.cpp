@@ -19,8 +19,8 @@ struct ConvertArgs {
   std::string out;                     // converted checkpoint
   std::string storage = "float8_e4m3fn";
   std::string compute = "bfloat16";
-  bool scaled = false;                 // write weight scales
-  std::string scale = "per_tensor";    // with --scaled: per_tensor (ComfyUI's layout) | per_channel
+  bool scaled = false;                 // write weight scales (also set by --scale)
+  std::string scale = "per_tensor";    // per_tensor (ComfyUI's layout) | per_channel; given, it implies --scaled
   std::vector<std::string> skips;      // extra skip patterns
   bool no_default_skips = false;
   bool no_model_skips = false;
@@ -58,6 +58,7 @@ Subcommand add_convert(CLI::App& root) {
       "convert", "Write a checkpoint in sluice's stored form (fp8 weights, skip list in bf16), loadable with no cast");
   sub->add_option("in", a->in, "Source checkpoint (.safetensors)")->required();
   sub->add_option("--out", a->out, "Converted checkpoint (.safetensors)")->required()->check(output_file_validator());
+  check_output_paths(sub, {{"--out", &a->out}}, {{"the input file", &a->in}});  // Note [output paths]
   sub->add_option("--storage", a->storage, "fp8 storage dtype")
       ->check(CLI::IsMember({"float8_e4m3fn", "float8_e5m2"}))
       ->capture_default_str();
@@ -66,9 +67,10 @@ Subcommand add_convert(CLI::App& root) {
       ->capture_default_str();
   sub->add_flag("--scaled", a->scaled, "Store a weight scale per layer (amax / max finite) for more exact values");
   sub->add_option("--scale", a->scale,
-                  "With --scaled: per_tensor (one scalar per layer, ComfyUI's layout) or per_channel (one per output "
-                  "row, [out, 1])")
+                  "Weight scales: per_tensor (one scalar per layer, ComfyUI's layout) or per_channel (one per output "
+                  "row, [out, 1]); implies --scaled")
       ->check(CLI::IsMember({"per_tensor", "per_channel"}))
+      ->each([a](const std::string&) { a->scaled = true; })  // a scale mode given means scales wanted
       ->capture_default_str();
   sub->add_option("--skip", a->skips,
                   "Keep modules matching this pattern in the compute dtype (repeatable; plain names match whole "

@@ -3,7 +3,9 @@
 // the parity tests and the Python bindings' bit-identity test. It checks the input file
 // and goes through the public API (sluice/sluice.hpp) like any other host: the model is
 // loaded into a ModelCache on --device (the CPU plays the device for "cpu") and run under
-// --vram-budget / --max-resident, with --storage (default: --dtype, i.e. no fp8).
+// --vram-budget / --max-resident, with --storage (default float8_e4m3fn, as `sluice run`
+// and the API store weights, so that a budget means the same in all three; --storage
+// float32 or --storage with the --dtype name runs without fp8).
 //
 // Inputs: x [B,C,T,H,W], timesteps [B], and either context [B,S,D] or qwen_hidden
 // [B,S,Dq] + t5_ids [B,S_t] (+ t5_weights [B,S_t]). Output: velocity (+ context when the
@@ -13,6 +15,7 @@
 
 #include <iostream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -35,7 +38,7 @@ struct ForwardArgs {
   std::string config;             // optional: preset or JSON (default: inferred from the checkpoint)
   std::string dtype = "float32";  // run dtype of weights and activations
   std::string device = "cpu";     // cpu | cuda[:N]
-  std::string storage;            // stored dtype of the Linears; empty: --dtype (no fp8)
+  std::string storage = "float8_e4m3fn";  // stored dtype of the Linears
   std::optional<double> max_resident;  // resident fraction of the streamable weights
   std::string vram_budget;        // device budget; empty: all of the device
   std::string vram_headroom;      // --vram-budget auto: memory left free; empty: the default
@@ -118,9 +121,10 @@ int run_forward(const ForwardArgs& a) {
   ro.vram_headroom = a.vram_headroom;
   ro.prefetch = a.prefetch;
   ro.load_threads = a.load_threads;
-  ModelCache cache(ro);
+  const std::unique_ptr<ModelCache> cache_owner = make_model_cache(ro);
+  ModelCache& cache = *cache_owner;
   LoadOptions lo;
-  lo.storage = a.storage.empty() ? a.dtype : a.storage;
+  lo.storage = a.storage;
   lo.compute = a.dtype;
   lo.config = a.config;
   lo.max_resident = a.max_resident;
@@ -202,7 +206,9 @@ Subcommand add_forward(CLI::App& root) {
   sub->add_option("--inputs", args->inputs,
                   "Input tensors: x, timesteps, and context or qwen_hidden + t5_ids [+ t5_weights]")
       ->required();
-  sub->add_option("--output", args->output, "Output file: velocity (+ context when the adapter ran)")->required();
+  sub->add_option("--output", args->output, "Output file: velocity (+ context when the adapter ran)")
+      ->required()
+      ->check(output_file_validator());
   sub->add_option("--config", args->config, "Model preset or JSON config (default: inferred from the checkpoint)")
       ->check(config_validator());
   sub->add_option("--dtype", args->dtype, "Run dtype: float32|bfloat16|float16")
@@ -212,15 +218,19 @@ Subcommand add_forward(CLI::App& root) {
       ->check(device_validator())
       ->capture_default_str();
   sub->add_option("--storage", args->storage,
-                  "Stored dtype of Linear/Embedding weights: float8_e4m3fn|float8_e5m2|bfloat16|... (default: --dtype)");
+                  "Stored dtype of Linear/Embedding weights: float8_e4m3fn|float8_e5m2|bfloat16|float16|float32 (as "
+                  "`sluice run`; the --dtype name for no fp8)")
+      ->capture_default_str();
   sub->add_option("--max-resident", args->max_resident, "Resident fraction (0..1) of the streamable weights")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(number_validator(0.0, 1.0));
   add_vram_budget_options(sub, args->vram_budget, args->vram_headroom, "all of it");
   sub->add_option("--prefetch", args->prefetch,
                   "Most streamed layers copied ahead of compute: auto (as far as the staging ring's bytes allow) or N")
       ->check(prefetch_validator())
       ->capture_default_str();
   add_load_threads_option(sub, args->load_threads);
+  check_output_paths(sub, {{"--output", &args->output}},  // Note [output paths]
+                     {{"--checkpoint", &args->checkpoint}, {"--inputs", &args->inputs}, {"--config", &args->config}});
   return {sub, [args] { return run_forward(*args); }};
 }
 

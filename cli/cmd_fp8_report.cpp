@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "models/anima/fp8_report.h"
 #include "runtime/dtype_policy.h"
 
@@ -49,7 +50,9 @@ Subcommand add_fp8_report(CLI::App& root) {
   sub->add_flag("--forward", args->forward,
                 "Also run one forward per candidate skip list on fixed random inputs and report the velocity's "
                 "relative L2 error against bf16");
-  sub->add_option("--seed", args->seed, "Seed of the --forward inputs")->capture_default_str();
+  sub->add_option("--seed", args->seed, "Seed of the --forward inputs (0 to 2^64 - 1)")
+      ->check(seed_validator())
+      ->capture_default_str();
   sub->add_option("--latent", args->latent, "Latent height and width of the --forward input")
       ->check(CLI::Range(int64_t{1}, int64_t{512}))
       ->capture_default_str();

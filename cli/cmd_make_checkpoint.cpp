@@ -43,8 +43,9 @@ Subcommand add_make_checkpoint(CLI::App& root) {
   sub->add_option("--config", args->config, "Model preset name or JSON config file")
       ->required()
       ->check(config_validator());
-  sub->add_option("--seed", args->seed, "Random seed")->required();
-  sub->add_option("--out", args->out, "Output .safetensors file")->required();
+  sub->add_option("--seed", args->seed, "Random seed (0 to 2^64 - 1)")->required()->check(seed_validator());
+  sub->add_option("--out", args->out, "Output .safetensors file")->required()->check(output_file_validator());
+  check_output_paths(sub, {{"--out", &args->out}}, {{"--config", &args->config}});  // Note [output paths]
   sub->add_option("--dtype", args->dtype, "Stored dtype: bfloat16|float32")
       ->check(dtype_validator({"bfloat16", "float32"}))
       ->capture_default_str();

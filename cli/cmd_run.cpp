@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -223,7 +224,8 @@ int run(const RunArgs& args) {
   ro.policy = a.policy;
   ro.load_threads = a.load_threads;
   ro.trace = !a.trace.empty() || !a.timeline.empty();
-  ModelCache cache(ro);
+  const std::unique_ptr<ModelCache> cache_owner = make_model_cache(ro);
+  ModelCache& cache = *cache_owner;
 
   LoadOptions lo;
   lo.storage = a.storage;
@@ -425,7 +427,7 @@ Subcommand add_run(CLI::App& root) {
   add_vram_budget_options(sub, a->vram_budget, a->vram_headroom,
                           std::string(kGpuDefaultBudget) + " on a GPU for the embedded default, else all of it");
   sub->add_option("--max-resident", a->max_resident, "Cap on the resident fraction of streamable weights (0..1)")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(number_validator(0.0, 1.0));
   sub->add_option("--working-memory", a->working_memory, "Budget part kept for activations (bytes)")
       ->check(size_validator("--working-memory", false));
   sub->add_option("--storage", a->storage, "Stored weight dtype")
@@ -436,7 +438,7 @@ Subcommand add_run(CLI::App& root) {
                   "float16 or float32")
       ->check(CLI::IsMember({"auto", "bfloat16", "float16", "float32"}))
       ->capture_default_str();
-  sub->add_option("--steps", a->steps, "Euler steps (default: 12 on cpu, 30 on a GPU)")->check(CLI::Range(1, 100000));
+  sub->add_option("--steps", a->steps, "Euler steps (default: 12 on cpu, 30 on a GPU)")->check(integer_validator(1, 100000));
   sub->add_option("--cfg", a->cfg, "Classifier-free guidance scale (1: conditional only)")
       ->check(finite_validator())
       ->capture_default_str();
@@ -461,14 +463,24 @@ Subcommand add_run(CLI::App& root) {
                   "pageable (default: min(50% of RAM, RAM - 4GiB))")
       ->check(size_validator("--pin-memory-limit", true));
   add_load_threads_option(sub, a->load_threads);
-  sub->add_option("--seed", a->seed, "Seed of the initial noise and of the random context")->capture_default_str();
+  sub->add_option("--seed", a->seed, "Seed of the initial noise and of the random context (0 to 2^64 - 1)")
+      ->check(seed_validator())
+      ->capture_default_str();
   sub->add_option("--context", a->context, "safetensors file with 'context' [B,S,D] (+ 'negative_context'); default random");
-  sub->add_option("--output", a->output, "Write the final latent here (.safetensors, tensor 'latent')");
-  sub->add_option("--stats-json", a->stats_json, "Write the model/budget/device/forward/cache stats here (JSON)");
-  sub->add_option("--trace", a->trace, "Write a Chrome/Perfetto trace (copy, upcast and compute tracks) here");
+  // Note [output paths]: each checked, and against the others and the inputs, before any work.
+  sub->add_option("--output", a->output, "Write the final latent here (.safetensors, tensor 'latent')")
+      ->check(output_file_validator());
+  sub->add_option("--stats-json", a->stats_json, "Write the model/budget/device/forward/cache stats here (JSON)")
+      ->check(output_file_validator());
+  sub->add_option("--trace", a->trace, "Write a Chrome/Perfetto trace (copy, upcast and compute tracks) here")
+      ->check(output_file_validator());
   sub->add_option("--timeline", a->timeline,
                   "Write an SVG timeline of one steady-state step here (copy, upcast and compute lanes; implies tracing)")
       ->check(output_file_validator());
+  check_output_paths(sub,
+                     {{"--output", &a->output}, {"--stats-json", &a->stats_json}, {"--trace", &a->trace},
+                      {"--timeline", &a->timeline}},
+                     {{"--checkpoint", &a->checkpoint}, {"--synthetic", &a->synthetic}, {"--context", &a->context}});
   return {sub, [a] { return run(*a); }};
 }
 

@@ -4,8 +4,9 @@
 // main.cpp lists them, so adding a subcommand is one line there.
 //
 // Exit status contract (scripts depend on it): 0 success, 1 runtime error (bad file,
-// wrong shape, model error), 2 usage error (unknown flag, bad flag value). Errors are
-// one line on stderr: "sluice: error: ...".
+// wrong shape, model error), 2 usage error (unknown flag, bad flag value, an output path
+// that cannot be written or that is another output or an input: Note [output paths] in
+// cli/options.h). Errors are one line on stderr: "sluice: error: ...".
 #include <CLI/CLI.hpp>
 
 #include <functional>

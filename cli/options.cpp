@@ -6,6 +6,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -101,20 +105,96 @@ CLI::Validator device_validator() {
       "cpu|cuda[:N]", "device");
 }
 
+namespace {
+
+// What is wrong with writing `value` (Note [output paths]), empty when nothing is.
+std::string output_path_problem(const std::string& value) {
+  if (value.empty()) return "expected a file name, got ''";
+  struct stat st;
+  const bool there = ::stat(value.c_str(), &st) == 0;
+  if ((there && S_ISDIR(st.st_mode)) || value.back() == '/') return "'" + value + "' is a folder, not a file";
+  const size_t slash = value.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : value.substr(0, slash));
+  struct stat dst;
+  if (::stat(dir.c_str(), &dst) != 0 || !S_ISDIR(dst.st_mode))
+    return "cannot write '" + value + "': folder '" + dir + "' does not exist";
+  if (::access(dir.c_str(), W_OK) != 0) return "cannot write '" + value + "': folder '" + dir + "' is not writable";
+  if (there && ::access(value.c_str(), W_OK) != 0) return "cannot write '" + value + "': the file is not writable";
+  return {};
+}
+
+// Which file `path` names, whatever its spelling: the device and inode of a file that is
+// there, else the real path of its folder and its name.
+std::string file_identity(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0)
+    return "inode " + std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  char real[PATH_MAX];
+  return "path " + std::string(::realpath(dir.c_str(), real) != nullptr ? real : dir.c_str()) + "/" + name;
+}
+
+}  // namespace
+
 CLI::Validator output_file_validator() {
-  return CLI::Validator(
-      [](std::string& value) -> std::string {
-        if (value.empty()) return "expected a file name, got ''";
+  return CLI::Validator([](std::string& value) -> std::string { return output_path_problem(value); }, "FILE",
+                        "output file");
+}
+
+void check_output_paths(CLI::App* sub, std::vector<PathFlag> outputs, std::vector<PathFlag> inputs) {
+  sub->callback([outputs, inputs] {
+    std::vector<std::pair<const PathFlag*, std::string>> seen;  // outputs checked so far, with their identity
+    for (const PathFlag& out : outputs) {
+      if (out.path->empty()) continue;
+      if (const std::string problem = output_path_problem(*out.path); !problem.empty())
+        throw CLI::ValidationError(out.flag, problem);
+      const std::string id = file_identity(*out.path);
+      for (const PathFlag& in : inputs) {
+        // An input that is not there (a preset name, a missing file) cannot be overwritten.
         struct stat st;
-        if (::stat(value.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return "'" + value + "' is a folder, not a file";
-        const size_t slash = value.rfind('/');
-        const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : value.substr(0, slash));
-        if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-          return "cannot write '" + value + "': folder '" + dir + "' does not exist";
-        if (::access(dir.c_str(), W_OK) != 0) return "cannot write '" + value + "': folder '" + dir + "' is not writable";
-        return {};
-      },
-      "FILE", "output file");
+        if (in.path->empty() || ::stat(in.path->c_str(), &st) != 0) continue;
+        if (file_identity(*in.path) == id)
+          throw CLI::ValidationError(out.flag, "'" + *out.path + "' is " +
+                                                   (in.flag.rfind("--", 0) == 0 ? "the " + in.flag + " input" : in.flag) +
+                                                   ": writing it would destroy what the command reads");
+      }
+      for (const auto& [other, other_id] : seen) {
+        if (other_id == id)
+          throw CLI::ValidationError(out.flag, "'" + *out.path + "' is also the " + other->flag +
+                                                   " file: give each output its own file");
+      }
+      seen.emplace_back(&out, id);
+    }
+  });
+}
+
+std::string api_names_to_flags(const std::string& message) {
+  static const std::pair<const char*, const char*> kNames[] = {
+      {"vram_budget", "--vram-budget"},
+      {"vram_headroom", "--vram-headroom"},
+      {"working_memory", "--working-memory"},
+      {"pin_memory_limit", "--pin-memory-limit"},
+  };
+  auto word = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; };
+  std::string out;
+  for (size_t i = 0; i < message.size();) {
+    bool replaced = false;
+    if (i == 0 || !word(message[i - 1])) {
+      for (const auto& [name, flag] : kNames) {
+        const size_t n = std::char_traits<char>::length(name);
+        if (message.compare(i, n, name) == 0 && (i + n == message.size() || !word(message[i + n]))) {
+          out += flag;
+          i += n;
+          replaced = true;
+          break;
+        }
+      }
+    }
+    if (!replaced) out += message[i++];
+  }
+  return out;
 }
 
 at::Device resolve_device(const std::string& spec) {
@@ -135,6 +215,14 @@ at::Device resolve_device(const std::string& spec) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index < 0 ? 0 : index));
 }
 
+std::unique_ptr<ModelCache> make_model_cache(const RuntimeOptions& options) {
+  try {
+    return std::make_unique<ModelCache>(options);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(api_names_to_flags(e.what()));
+  }
+}
+
 CLI::Validator size_validator(const std::string& flag, bool allow_percent, bool allow_auto) {
   return CLI::Validator(
       [flag, allow_percent, allow_auto](std::string& value) -> std::string {
@@ -143,10 +231,67 @@ CLI::Validator size_validator(const std::string& flag, bool allow_percent, bool 
           parse_size(value, allow_percent ? std::optional<uint64_t>(1ull << 40) : std::nullopt, flag);
           return {};
         } catch (const std::exception& e) {
-          return e.what();
+          // CLI11 puts the flag in front of the message; parse_size did too.
+          std::string message = e.what();
+          if (message.rfind(flag + ": ", 0) == 0) message.erase(0, flag.size() + 2);
+          return message;
         }
       },
       std::string(allow_auto ? "auto|" : "") + (allow_percent ? "BYTES|N%" : "BYTES"), "size");
+}
+
+namespace {
+
+std::string number_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// `value` as a whole number in [lo, hi]: decimal digits only (no sign, so "-1" never wraps).
+bool parse_whole(const std::string& value, uint64_t lo, uint64_t hi) {
+  if (value.empty() || value.size() > 20 ||
+      !std::all_of(value.begin(), value.end(), [](unsigned char c) { return std::isdigit(c); }))
+    return false;
+  unsigned __int128 v = 0;
+  for (char c : value) v = v * 10 + static_cast<unsigned>(c - '0');
+  return v >= lo && v <= hi;
+}
+
+}  // namespace
+
+CLI::Validator number_validator(double lo, double hi) {
+  const std::string range = "from " + number_text(lo) + " to " + number_text(hi);
+  return CLI::Validator(
+      [lo, hi, range](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          const double v = std::stod(value, &used);
+          if (used == value.size() && std::isfinite(v) && v >= lo && v <= hi) return {};
+        } catch (const std::exception&) {
+        }
+        return "expected a number " + range + ", got '" + value + "'";
+      },
+      "FLOAT in [" + number_text(lo) + ", " + number_text(hi) + "]", "number");
+}
+
+CLI::Validator integer_validator(uint64_t lo, uint64_t hi) {
+  const std::string range = "from " + std::to_string(lo) + " to " + std::to_string(hi);
+  return CLI::Validator(
+      [lo, hi, range](std::string& value) -> std::string {
+        if (parse_whole(value, lo, hi)) return {};
+        return "expected a whole number " + range + ", got '" + value + "'";
+      },
+      "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", "integer");
+}
+
+CLI::Validator seed_validator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        if (parse_whole(value, 0, UINT64_MAX)) return {};
+        return "expected a whole number from 0 to 18446744073709551615, got '" + value + "'";
+      },
+      "UINT64", "seed");
 }
 
 namespace {
@@ -178,8 +323,9 @@ CLI::Validator policy_validator() {
 void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,
                              const std::string& default_text) {
   sub->add_option("--vram-budget", vram_budget,
-                  "Device budget: bytes (6GiB, 512MiB), a percentage of the TOTAL device memory (50%), or auto "
-                  "(free memory now minus --vram-headroom) (default: " + default_text + ")")
+                  "Device budget: a size (6GiB, 512MiB; MB and GB are decimal) no larger than the device's memory, a "
+                  "percentage of the TOTAL device memory (50%), or auto (free memory now minus --vram-headroom) "
+                  "(default: " + default_text + ")")
       ->check(size_validator("--vram-budget", true, true));
   sub->add_option("--vram-headroom", vram_headroom,
                   "With --vram-budget auto: device memory left free, bytes or a percentage of the TOTAL memory "
@@ -190,7 +336,7 @@ void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::strin
 void add_load_threads_option(CLI::App* sub, int& load_threads) {
   sub->add_option("--load-threads", load_threads,
                   "Threads that read a checkpoint and cast it to its storage dtype, 0 for every core")
-      ->check(CLI::Range(0, 4096))
+      ->check(integer_validator(0, 4096))
       ->capture_default_str();
 }
 

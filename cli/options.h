@@ -4,11 +4,14 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "models/anima/config.h"
 #include "runtime/shape_str.h"
+#include "sluice/sluice.hpp"
 
 namespace sluice::cli {
 
@@ -27,17 +30,51 @@ at::Device resolve_device(const std::string& spec);
 
 // Syntax-only check of a size flag (the real value needs the device's memory): turns a
 // malformed value into a usage error (exit 2). `allow_auto`: "auto" is accepted too.
+// CLI11 names the flag, so the message does not: "--vram-budget: invalid size 'abc': ...".
 CLI::Validator size_validator(const std::string& flag, bool allow_percent, bool allow_auto = false);
+
+// A finite number in [lo, hi]: "expected a number from 0 to 1, got 'abc'" (after CLI11's
+// "--max-resident: ").
+CLI::Validator number_validator(double lo, double hi);
+// A whole number in [lo, hi]: "expected a whole number from 1 to 100000, got 'abc'".
+CLI::Validator integer_validator(uint64_t lo, uint64_t hi);
+// --seed: a whole number from 0 to 2^64 - 1; "-1" and 2^64 are refused, not wrapped.
+CLI::Validator seed_validator();
 
 // --prefetch: "auto" or a number of streamed layers (offload::parse_prefetch).
 CLI::Validator prefetch_validator();
 // --policy: balanced | spread | front_first (offload::parse_residency_policy).
 CLI::Validator policy_validator();
 
-// A file the command writes at its end (--timeline): its folder exists and is writable and
-// it is not itself a folder, checked before the command starts (so a typo does not cost a
-// whole run). The write itself can still fail (a full disk): that is a FileError.
+// Note [output paths]
+// ~~~~~~~~~~~~~~~~~~~
+// Every file a command writes (run's --output, --stats-json, --trace, --timeline, forward's
+// --output, convert's and make-checkpoint's --out) is checked when the flags are parsed,
+// before anything is read or computed, so that a typo does not cost a whole run: its
+// folder exists and is writable, it is not a folder, an existing file there is writable,
+// and it is none of the command's other outputs and none of its inputs (the same file
+// under another spelling or link counts). A failure is a usage error (exit 2) of one line
+// naming the flag and the path. The write itself can still fail (a full disk): that is a
+// FileError (exit 1).
+
+// The per-file part of Note [output paths], for one flag.
 CLI::Validator output_file_validator();
+
+// A flag and the path it was given (empty: not given, skipped).
+struct PathFlag {
+  std::string flag;  // "--output"; for a positional argument, a description ("the input file")
+  const std::string* path;
+};
+// The cross-flag part of Note [output paths], run when `sub` has been parsed: every output
+// distinct from the others and from every input. Throws CLI::ValidationError (exit 2).
+void check_output_paths(CLI::App* sub, std::vector<PathFlag> outputs, std::vector<PathFlag> inputs);
+
+// Messages of the public API name its options (vram_budget); on the command line they are
+// flags (--vram-budget). Returns `message` with each option name that has a flag replaced.
+std::string api_names_to_flags(const std::string& message);
+// The public API's ModelCache for `options`, its InvalidArgument messages in flag names
+// ("--vram-budget 10TB (9.1TiB) is more than the ...").
+std::unique_ptr<ModelCache> make_model_cache(const RuntimeOptions& options);
 
 // --vram-budget (size, percent of total device memory, or auto) and --vram-headroom on `sub`.
 void add_vram_budget_options(CLI::App* sub, std::string& vram_budget, std::string& vram_headroom,

@@ -1,5 +1,6 @@
 #include "offload/device.h"
 
+#include <ATen/Context.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
@@ -215,6 +216,16 @@ std::unique_ptr<DeviceBackend> make_device(std::string_view spec, uint64_t total
     throw InvalidArgument(flag + ": unknown device '" + std::string(spec) + "' (use cpu, cuda or cuda:N)");
   }
   if (device->is_cpu()) return make_device("cpu", total_memory, flag);
+  if (device->is_cuda()) {
+    // As the CLI says it (cli/options.cpp, resolve_device), in one line: torch's own error
+    // for a missing CUDA device runs to five lines of debugging advice.
+    const int count = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+    if (count == 0)
+      throw InvalidArgument(flag + ": '" + std::string(spec) + "' requested but no CUDA/ROCm device is available");
+    if (device->has_index() && device->index() >= count)
+      throw InvalidArgument(flag + ": device '" + std::string(spec) + "' does not exist (" + std::to_string(count) +
+                            " device(s) visible)");
+  }
   TorchDeviceOptions o;
   o.total_memory = total_memory;
   try {

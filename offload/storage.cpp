@@ -11,6 +11,7 @@
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
 #include "runtime/progress.h"
+#include "runtime/size_parse.h"
 #include "runtime/skip_patterns.h"
 
 namespace sluice::offload {
@@ -150,7 +151,7 @@ StorageReport apply_storage(torch::nn::Module& model, const std::string& model_n
   if (is_fp8(options.storage)) {
     log::info(c10::str("FP8 layerwise casting enabled for ", model_name, " (storage=", dtype_name(options.storage),
                        ", compute=", dtype_name(options.compute),
-                       ", param_size=", static_cast<int64_t>(std::llround(r.param_mib())), "MB",
+                       ", param_size=", format_mib(r.param_bytes),
                        r.kept_layers > 0 ? c10::str(", ", r.kept_layers, " of ", r.cast_layers,
                                                     " layers stored as read, no cast")
                                          : std::string(),

@@ -62,7 +62,7 @@ struct ReadCasts {
 // Casts every ManagedLayer of `model` per Note [layerwise storage] and sets every layer's
 // compute dtype to options.compute. The skip list is SkipList::from_options(options,
 // model_declared_skips). Logs one INFO line when the storage dtype is fp8:
-//   FP8 layerwise casting enabled for <name> (storage=float8_e4m3fn, compute=bfloat16, param_size=2012MB)
+//   FP8 layerwise casting enabled for <name> (storage=float8_e4m3fn, compute=bfloat16, param_size=2012.0MiB)
 // (MB = MiB rounded to an integer). Throws InvalidArgument for an invalid storage/compute
 // dtype or skip pattern, and what cast_to_storage throws (NaN/inf, refused out-of-range).
 // `read`: what a fused read did (its layers count as cast, not as stored as read; their fp8

@@ -300,7 +300,10 @@ std::unique_ptr<DeviceBackend> make_torch_device(c10::Device device, const Torch
   try {
     return std::make_unique<TorchDevice>(device, options);
   } catch (const c10::Error& e) {
-    throw InvalidArgument("device " + device.str() + " is not available: " + e.what_without_backtrace());
+    // One line: torch's text goes on with debugging advice (CUDA_LAUNCH_BLOCKING, ...).
+    std::string why = e.what_without_backtrace();
+    why = why.substr(0, why.find('\n'));
+    throw InvalidArgument("device " + device.str() + " is not available: " + why);
   }
 }
 

@@ -83,7 +83,20 @@ ResolvedVramBudget resolve_vram_budget(DeviceBackend& device, std::string_view s
   if (!is_auto_vram_budget(spec)) {
     const DeviceBackend::DeviceMemoryInfo memory = device.memory_info();
     ResolvedVramBudget r = resolve_vram_budget(spec, headroom_spec, memory, flag, headroom_flag);
-    if (!r.how.empty()) {
+    const uint64_t total = static_cast<uint64_t>(std::max<int64_t>(memory.total_bytes, 0));
+    if (total > 0 && r.bytes > total) {
+      // A size above the device's memory is a mistake (10TB for 10GB), not a wish for all of it
+      // (that is 100% or auto). The memory as printed reads back as a little more than it
+      // (Note [size suffixes]): that, typed back, is the whole device.
+      if (r.bytes > parse_size(format_bytes(total), std::nullopt, flag)) {
+        throw InvalidArgument(flag + " " + std::string(trim(spec)) + " (" + format_bytes(r.bytes) +
+                              ") is more than the " + format_bytes(total) + " of memory of " + device.name() +
+                              ": give at most " + format_bytes(total) + ", a percentage of it or auto");
+      }
+      r.bytes = total;
+      r.how = std::string(trim(spec)) + " = all " + format_bytes(total) + " of " + device.name();
+    }
+    if (!r.how.empty() && trim(spec).back() == '%') {
       // A percent of the total is clamped to what this process can have: the free memory
       // plus what sluice already holds there (other processes keep theirs).
       const int64_t held = std::max<int64_t>(device.memory_stats().total.current, 0);

@@ -15,6 +15,9 @@
 //    max(512 MiB, 5% of total). Memory this runtime already holds on the device counts as
 //    free (it is what the budget would be spent on), and the allocator's unused cache is
 //    released before free memory is read.
+// A size above the device's total memory is refused (InvalidArgument naming the flag, the
+// budget and the memory: "--vram-budget 10TB (9.1TiB) is more than the 23.5GiB of memory of
+// cpu: ..."), except up to the total as format_bytes prints it, which is the whole device.
 // A headroom only means something with "auto" and is refused with any other budget.
 #include <cstdint>
 #include <string>

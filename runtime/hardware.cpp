@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "runtime/logging.h"
+#include "runtime/size_parse.h"
 
 namespace sluice {
 namespace {
@@ -146,8 +147,7 @@ std::string hardware_summary(at::Device device) {
   if (device.is_cuda()) {
     try {
       const cudaDeviceProp* p = at::cuda::getDeviceProperties(device.has_index() ? device.index() : 0);
-      char mem[32];
-      std::snprintf(mem, sizeof mem, "%.1fGiB", static_cast<double>(p->totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+      const std::string mem = format_bytes(p->totalGlobalMem);  // Note [size suffixes]: reads back as all of it
       dev = std::string(p->name) + " (" + device.str() + ", sm_" + std::to_string(p->major) + std::to_string(p->minor) +
             ", " + mem + ")";
     } catch (const std::exception&) {

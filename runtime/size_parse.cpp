@@ -48,7 +48,9 @@ uint64_t suffix_multiplier(std::string_view s) {
       {"", 1},          {"b", 1},
       {"k", 1ull << 10}, {"m", 1ull << 20}, {"g", 1ull << 30}, {"t", 1ull << 40},
       {"kib", 1ull << 10}, {"mib", 1ull << 20}, {"gib", 1ull << 30}, {"tib", 1ull << 40},
+      {"pib", 1ull << 50}, {"eib", 1ull << 60},
       {"kb", 1000ull}, {"mb", 1000000ull}, {"gb", 1000000000ull}, {"tb", 1000000000000ull},
+      {"pb", 1000000000000000ull}, {"eb", 1000000000000000000ull},
   };
   for (const auto& e : kTable) {
     if (ieq(s, e.name)) return e.mult;
@@ -102,36 +104,43 @@ uint64_t parse_size(std::string_view text, std::optional<uint64_t> total_for_per
   }
 
   const uint64_t mult = suffix_multiplier(suffix);
-  if (mult == 0) fail(flag_name, text, "unknown unit (use B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB or %)");
+  if (mult == 0) fail(flag_name, text, "unknown unit (use B, KiB, MiB, GiB, TiB, PiB, EiB, K, M, G, T, KB, MB, GB, TB, PB, EB or %)");
   if (mult == 1 && has_point && frac != 0) fail(flag_name, text, "a byte count must be whole");
-  const u128 whole = int_part * mult;  // int_part <= 2^63, mult <= 2^40: fits in 128 bits
-  const u128 part = static_cast<u128>(frac) * mult / frac_scale;
+  const u128 whole = int_part * mult;  // int_part <= 2^63, mult <= 2^60: fits in 128 bits
+  // A fraction of a byte counts as a whole one (Note [size suffixes]: printed sizes read back).
+  const u128 part = (static_cast<u128>(frac) * mult + frac_scale - 1) / frac_scale;
   const u128 bytes = whole + part;
   if (bytes > kMax) fail(flag_name, text, "too large");
   return static_cast<uint64_t>(bytes);
 }
 
-std::string format_mib(uint64_t bytes) {
+namespace {
+
+// "K.Dunit" for the smallest K.D (tenths of `unit`) that parse_size reads back as at least
+// `bytes`: parse_size counts a fraction of a byte as a whole one, so that is the smallest
+// k with k * unit / 10 > bytes - 1 (Note [size suffixes]).
+std::string tenths(uint64_t bytes, uint64_t unit, const char* label) {
+  const u128 k = bytes == 0 ? 0 : (static_cast<u128>(bytes - 1) * 10) / unit + 1;
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.1fMB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  std::snprintf(buf, sizeof buf, "%llu.%llu%s", static_cast<unsigned long long>(k / 10),
+                static_cast<unsigned long long>(k % 10), label);
   return buf;
 }
 
+}  // namespace
+
+std::string format_mib(uint64_t bytes) { return tenths(bytes, 1ull << 20, "MiB"); }
+
 std::string format_bytes(uint64_t bytes) {
   static const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  char buf[64];
-  if (bytes < 1024) {
-    std::snprintf(buf, sizeof buf, "%lluB", static_cast<unsigned long long>(bytes));
-    return buf;
-  }
-  double v = static_cast<double>(bytes) / 1024.0;
-  size_t u = 0;
-  while (v >= 1024.0 && u + 1 < sizeof kUnits / sizeof kUnits[0]) {
-    v /= 1024.0;
-    ++u;
-  }
-  std::snprintf(buf, sizeof buf, "%.1f%s", v, kUnits[u]);
-  return buf;
+  constexpr size_t kCount = sizeof kUnits / sizeof kUnits[0];
+  if (bytes < 1024) return std::to_string(bytes) + "B";
+  size_t u = 0;  // kUnits[u] is 1024^(u + 1) bytes
+  while (u + 1 < kCount && bytes >= (1ull << (10 * (u + 2)))) ++u;
+  // Just under the next unit the tenths round up to 1024.0: say 1.0 of the next one instead.
+  const uint64_t unit = 1ull << (10 * (u + 1));
+  if (u + 1 < kCount && (static_cast<u128>(bytes - 1) * 10) / unit + 1 >= 10240) ++u;
+  return tenths(bytes, 1ull << (10 * (u + 1)), kUnits[u]);
 }
 
 }  // namespace sluice

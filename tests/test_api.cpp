@@ -721,7 +721,7 @@ TEST_CASE("api: the load log line and the residency map are printed at INFO") {
   sluice::log::set_level(level);
   INFO(text);
   CHECK(std::regex_search(text, std::regex(R"(Loaded model 'anima-tiny' onto )" + device_name() + R"( in \d+\.\d\ds\. Total model size: )"
-                                           R"(\d+\.\dMB, VRAM: \d+\.\dMB \(100\.0%\))")));
+                                           R"(\d+\.\dMiB, VRAM: \d+\.\dMiB \(100\.0%\))")));
   CHECK(std::regex_search(text, std::regex(R"(Residency of 'anima-tiny' \(balanced\): blocks: RR)")));
 }
 

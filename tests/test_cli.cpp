@@ -281,11 +281,80 @@ TEST_CASE("convert writes an fp8 checkpoint that run streams to the latent of a 
   const Result scaled = run_ok({"convert", src, "--scaled", "--scale", "per_channel", "--out", dir / "s.safetensors"});
   CHECK(scaled.out.find(" 0 weight scales") == std::string::npos);
   // Bad input: the input as output, a missing input (exit 1); a bad flag value (exit 2).
-  expect_error({"convert", src, "--out", src}, 1, {src, "input"});
+  expect_error({"convert", src, "--out", src}, 2, {"--out", src, "input"});
   expect_error({"convert", dir / "missing.safetensors", "--out", dir / "x.safetensors"}, 1, {"missing.safetensors"});
   expect_error({"convert", src, "--out", fp8, "--storage", "bfloat16"}, 2, {"--storage", "bfloat16"});
   expect_error({"convert", src, "--out", fp8, "--scale", "per_row"}, 2, {"--scale", "per_row"});
   expect_error({"convert", src, "--out", dir / "no-such-dir/x.safetensors"}, 2, {"--out"});
+}
+
+TEST_CASE("convert --scale without --scaled stores the scales it names") {
+  TempDir dir;
+  const std::string src = dir / "src.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "9", "--out", src});
+  const Result implied = run_ok({"convert", src, "--scale", "per_channel", "--out", dir / "implied.safetensors"});
+  const Result both = run_ok({"convert", src, "--scaled", "--scale", "per_channel", "--out", dir / "both.safetensors"});
+  CHECK(implied.out.find(" 0 weight scales") == std::string::npos);
+  CHECK(slurp(dir / "implied.safetensors") == slurp(dir / "both.safetensors"));
+  // Neither flag: no scales, as before.
+  const Result plain = run_ok({"convert", src, "--out", dir / "plain.safetensors"});
+  CHECK(plain.out.find(" 0 weight scales") != std::string::npos);
+}
+
+TEST_CASE("forward stores weights in float8_e4m3fn by default like run and --storage overrides it") {
+  TempDir dir;
+  const std::string ckpt = dir / "tiny.safetensors", in = dir / "in.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt});
+  at::manual_seed(0);
+  sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 4, 4})}, {"timesteps", at::tensor({0.5f})},
+                                 {"context", at::randn({1, 3, 32})}});
+  const std::string dflt = dir / "default.safetensors", fp8 = dir / "fp8.safetensors", f32 = dir / "f32.safetensors";
+  run_ok({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", dflt});
+  run_ok({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", fp8, "--storage", "float8_e4m3fn"});
+  run_ok({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", f32, "--storage", "float32"});
+  CHECK(sluice::safetensors::File::open(dflt)->metadata().at("storage") == "float8_e4m3fn");
+  CHECK(sluice::safetensors::File::open(f32)->metadata().at("storage") == "float32");
+  const at::Tensor v = sluice::safetensors::File::open(dflt)->tensor("velocity");
+  CHECK(at::equal(v, sluice::safetensors::File::open(fp8)->tensor("velocity")));
+  CHECK_FALSE(at::equal(v, sluice::safetensors::File::open(f32)->tensor("velocity")));
+}
+
+TEST_CASE("forward and convert and make-checkpoint check their output paths before any work") {
+  TempDir dir;
+  const std::string bad = "/nonexistent-sluice-dir/out.safetensors";
+  const std::string ckpt = dir / "tiny.safetensors", in = dir / "in.safetensors";
+  expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", bad}, 2, {"--out", bad, "does not exist"});
+  expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", dir.path}, 2, {"--out", dir.path, "folder"});
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt});
+  sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 4, 4})}, {"timesteps", at::tensor({0.5f})},
+                                 {"context", at::randn({1, 3, 32})}});
+  const std::string ckpt_bytes = slurp(ckpt), in_bytes = slurp(in);
+  expect_error({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", bad}, 2, {"--output", bad, "does not exist"});
+  expect_error({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", dir.path}, 2, {"--output", dir.path, "folder"});
+  expect_error({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", in}, 2, {"--output", "--inputs", in});
+  expect_error({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", dir / "./tiny.safetensors"}, 2,
+               {"--output", "--checkpoint", "tiny.safetensors"});
+  expect_error({"convert", ckpt, "--out", bad}, 2, {"--out", bad});
+  expect_error({"convert", ckpt, "--out", dir.path + "//tiny.safetensors"}, 2, {"--out", "tiny.safetensors", "input"});
+  CHECK(slurp(ckpt) == ckpt_bytes);
+  CHECK(slurp(in) == in_bytes);
+  // A read-only output folder (unless we are root, who may write anyway).
+  if (::geteuid() != 0) {
+    const std::string ro = dir / "ro";
+    REQUIRE(::mkdir(ro.c_str(), 0555) == 0);
+    expect_error({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", ro + "/o.safetensors"}, 2,
+                 {"--output", "not writable"});
+    ::rmdir(ro.c_str());
+  }
+}
+
+TEST_CASE("make-checkpoint and fp8-report refuse a seed out of range") {
+  expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed=-1", "--out", "/tmp/x.safetensors"}, 2,
+               {"--seed: expected a whole number from 0 to 18446744073709551615, got '-1'"});
+  expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "18446744073709551616", "--out",
+                "/tmp/x.safetensors"},
+               2, {"--seed", "'18446744073709551616'"});
+  expect_error({"fp8-report", "x.safetensors", "--seed=-1"}, 2, {"--seed", "'-1'"});
 }
 
 TEST_CASE("forward writes a velocity shaped like x and the adapter context") {
@@ -468,7 +537,8 @@ TEST_CASE("forward: a layer made to overflow exits 1 naming the forward and the 
     ::unlink(out.c_str());
     for (const char* dtype : {"float32", "bfloat16"}) {
       INFO(dtype);
-      expect_error({"forward", "--checkpoint", bad, "--inputs", in, "--output", out, "--dtype", dtype}, 1,
+      // Stored in the run dtype: fp8 storage (the default) would saturate the weight to +-448.
+      expect_error({"forward", "--checkpoint", bad, "--inputs", in, "--output", out, "--dtype", dtype, "--storage", dtype}, 1,
                    {"sluice forward: the dit forward's velocity is non-finite (",
                     " of 256 values); first non-finite output: blocks.1.mlp.layer2 (re-run with a per-layer check)"});
       CHECK(!exists(out));
@@ -480,7 +550,7 @@ TEST_CASE("forward: a layer made to overflow exits 1 naming the forward and the 
     sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 4, 4})}, {"timesteps", at::tensor({0.5f})},
                                    {"qwen_hidden", at::randn({1, 5, 32})},
                                    {"t5_ids", at::randint(0, 128, {1, 4}, at::kLong)}});
-    expect_error({"forward", "--checkpoint", bad, "--inputs", in, "--output", out}, 1,
+    expect_error({"forward", "--checkpoint", bad, "--inputs", in, "--output", out, "--storage", "float32"}, 1,
                  {"sluice forward: the adapter forward's context is non-finite (",
                   "first non-finite output: llm_adapter.blocks.1.mlp.2 (re-run with a per-layer check)"});
     CHECK(!exists(out));

@@ -168,8 +168,8 @@ TEST_CASE("run: the CPU embedded default streams half its streamable weights and
   CHECK(r.out.find("step 13/") == std::string::npos);
   CHECK(r.out.find("nothing streams") == std::string::npos);
   std::smatch m;
-  REQUIRE(std::regex_search(r.out, m, std::regex(R"(streamed per forward (\d+\.\d)MB)")));
-  CHECK(std::stod(m[1].str()) > 10.0);  // about half of anima-medium's 58.8MB
+  REQUIRE(std::regex_search(r.out, m, std::regex(R"(streamed per forward (\d+\.\d)MiB)")));
+  CHECK(std::stod(m[1].str()) > 10.0);  // about half of anima-medium's 56.1MiB
   REQUIRE(std::regex_search(r.out, m, std::regex(R"(\n    mlp\.layer1 +([RS]{12})\n)")));
   const std::string cells = grid_cells(r.out, 12);
   CHECK(cells.find('R') != std::string::npos);
@@ -518,8 +518,10 @@ TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and 
   // A budget that streams does not print the note.
   r = run_ok(small_run({"--max-resident", "0.5"}));
   CHECK(r.out.find("nothing streams") == std::string::npos);
-  expect_error(small_run({"--vram-budget", "auto", "--vram-headroom", "100%"}), 1, {"vram_headroom", "100%"});
-  expect_error(small_run({"--vram-budget", "1GiB", "--vram-headroom", "1GiB"}), 1, {"vram_headroom", "auto"});
+  // The library's messages name its options; the CLI says them as its flags.
+  expect_error(small_run({"--vram-budget", "auto", "--vram-headroom", "100%"}), 1, {"--vram-headroom", "100%"});
+  expect_error(small_run({"--vram-budget", "1GiB", "--vram-headroom", "1GiB"}), 1,
+               {"--vram-headroom: only applies to --vram-budget auto"});
   expect_error(small_run({"--vram-headroom", "lots"}), 2, {"--vram-headroom", "lots"});
 }
 
@@ -573,6 +575,85 @@ TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
   expect_error(small_run({"--vram-budget", "2MiB", "--working-memory", "1MiB"}), 1, {"anima-small", "minimum"});
 }
 
+TEST_CASE("run: sizes print as MiB and a printed minimum budget is accepted back as enough") {
+  // 1MB is 10^6 bytes; the minimum is printed in MiB, rounded up, so typing it back works.
+  const Result small = run_cli(small_run({"--vram-budget", "1MB"}));
+  INFO(small.err);
+  CHECK(small.status == 1);
+  std::smatch m;
+  REQUIRE(std::regex_search(small.err, m, std::regex(R"(the minimum that would work is (\d+\.\dMiB) \((\d+) bytes)")));
+  const std::string minimum = m[1].str();
+  CHECK(small.err.find("vram budget 1.0MiB is too small") != std::string::npos);
+  CHECK_FALSE(std::regex_search(small.err, std::regex(R"(\d\.\dMB)")));  // MB is 10^6 bytes: never a label for MiB
+  const Result ok = run_ok(small_run({"--vram-budget", minimum}));
+  CHECK(ok.out.find("budget " + minimum + " (working memory ") != std::string::npos);
+  CHECK_FALSE(std::regex_search(ok.out, std::regex(R"(\d\.\dMB)")));
+  CHECK(std::regex_search(ok.out, std::regex(R"(streamed per forward \d+\.\dMiB)")));
+}
+
+TEST_CASE("run: every output path is checked before the model loads with one line naming the flag and the path") {
+  TempDir dir;
+  const std::string bad = "/nonexistent-sluice-dir/out.file";
+  for (const std::string flag : {"--output", "--stats-json", "--trace", "--timeline"}) {
+    INFO(flag);
+    expect_error(small_run({flag, bad}), 2, {flag, bad, "does not exist"});
+    expect_error(small_run({flag, dir.path}), 2, {flag, dir.path, "folder"});
+  }
+  // Two outputs on one file: one would overwrite the other.
+  const std::string same = dir / "same.json";
+  expect_error(small_run({"--stats-json", same, "--trace", same}), 2, {"--stats-json", "--trace", same});
+  expect_error(small_run({"--output", dir / "a.safetensors", "--timeline", dir / "./a.safetensors"}), 2,
+               {"--output", "--timeline", "a.safetensors"});
+  // An output on an input.
+  const std::string ckpt = dir / "tiny.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt});
+  const std::string before = slurp(ckpt);
+  expect_error({"run", "--device", "cpu", "--checkpoint", ckpt, "--steps", "1", "--resolution", "64", "--output", ckpt},
+               2, {"--output", "--checkpoint", ckpt});
+  CHECK(slurp(ckpt) == before);
+  expect_error(small_run({"--context", ckpt, "--stats-json", ckpt}), 2, {"--stats-json", "--context", ckpt});
+  CHECK(slurp(ckpt) == before);
+  CHECK_FALSE(exists(same));
+}
+
+TEST_CASE("run: a budget above the device's memory is an error naming the flag and the budget and the memory") {
+  const Result r = run_cli(small_run({"--vram-budget", "10TB"}));
+  INFO(r.out << r.err);
+  CHECK(r.status == 1);
+  CHECK(r.out.empty());
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK(r.err.find("--vram-budget 10TB") != std::string::npos);
+  // The device's memory as printed is accepted back: it is all of the device.
+  std::smatch m;
+  REQUIRE(std::regex_search(r.err, m, std::regex(R"(more than the (\d+\.\d[KMGT]iB) of memory of cpu)")));
+  run_ok(small_run({"--vram-budget", m[1].str()}));
+}
+
+TEST_CASE("run: a seed out of range is refused with one line naming --seed") {
+  const auto tiny = [](const std::string& seed) {
+    return std::vector<std::string>{"run", "--device", "cpu", "--synthetic", "anima-tiny", "--steps", "1",
+                                    "--resolution", "64", "--seed=" + seed};
+  };
+  expect_error(tiny("-1"), 2, {"--seed: expected a whole number from 0 to 18446744073709551615, got '-1'"});
+  expect_error(tiny("18446744073709551616"), 2, {"--seed", "'18446744073709551616'"});
+  expect_error(tiny("1.5"), 2, {"--seed", "'1.5'"});
+  expect_error(tiny("abc"), 2, {"--seed", "'abc'"});
+  const Result r = run_ok(tiny("18446744073709551615"));
+  CHECK(r.out.find("seed 18446744073709551615,") != std::string::npos);
+}
+
+TEST_CASE("run: bad values name the flag once and say what is expected") {
+  const Result budget = run_cli(small_run({"--vram-budget", "abc"}));
+  CHECK(budget.status == 2);
+  CHECK(budget.err.rfind("sluice: error: --vram-budget: invalid size 'abc': expected a number", 0) == 0);
+  const Result limit = run_cli(small_run({"--pin-memory-limit", "lots"}));
+  CHECK(limit.err.rfind("sluice: error: --pin-memory-limit: invalid size 'lots'", 0) == 0);
+  expect_error(small_run({"--max-resident", "abc"}), 2, {"--max-resident: expected a number from 0 to 1, got 'abc'"});
+  expect_error(small_run({"--max-resident", "1.5"}), 2, {"--max-resident: expected a number from 0 to 1, got '1.5'"});
+  expect_error(small_run({"--max-resident", "nan"}), 2, {"--max-resident: expected a number from 0 to 1, got 'nan'"});
+  expect_error(small_run({"--steps", "abc"}), 2, {"--steps: expected a whole number from 1 to 100000, got 'abc'"});
+}
+
 TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model fits its measured working memory") {
   // anima-2b's 2012 MiB of fp8 weights on an 8 GiB card, scaled to anima-small's 10.2 MiB:
   // 42 MiB of device memory, and working memory guessed as 1 GiB scaled alike (5 MiB). At
@@ -608,7 +689,7 @@ TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model
   on_accel.insert(on_accel.end(), job.begin(), job.end());
   on_cpu.insert(on_cpu.end(), job.begin(), job.end());
   const Result streamed = run_ok(on_accel);
-  CHECK(streamed.out.find("streamed per forward 0.0MB") == std::string::npos);
+  CHECK(streamed.out.find("streamed per forward 0.0MiB") == std::string::npos);
   run_ok(on_cpu);
   CHECK(slurp(dir / "accel.safetensors") == slurp(dir / "cpu.safetensors"));
 }

@@ -2,6 +2,7 @@
 
 #include <random>
 #include <string>
+#include <vector>
 
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
@@ -113,11 +114,56 @@ TEST_CASE("parse_size: random input either parses or throws InvalidArgument") {
 }
 
 TEST_CASE("format_mib and format_bytes") {
-  CHECK(format_mib(1006ull << 20) == "1006.0MB");
-  CHECK(format_mib(0) == "0.0MB");
-  CHECK(format_mib((2012ull << 20) + (1ull << 19)) == "2012.5MB");
+  CHECK(format_mib(1006ull << 20) == "1006.0MiB");
+  CHECK(format_mib(0) == "0.0MiB");
+  CHECK(format_mib((2012ull << 20) + (1ull << 19)) == "2012.5MiB");
   CHECK(format_bytes(512) == "512B");
   CHECK(format_bytes(1536) == "1.5KiB");
   CHECK(format_bytes(6ull << 30) == "6.0GiB");
   CHECK(format_bytes(1023ull << 20) == "1023.0MiB");
+}
+
+TEST_CASE("format_mib and format_bytes round up to what parse_size reads back as enough") {
+  // anima-small's minimum budget: 2.43 MiB is printed 2.5MiB, not 2.4MiB (which is less).
+  CHECK(format_mib(2543274) == "2.5MiB");
+  CHECK(format_mib(1) == "0.1MiB");
+  CHECK(format_mib((1ull << 20) + 1) == "1.1MiB");
+  CHECK(format_bytes(1025) == "1.1KiB");
+  // 10 GiB minus 5% of 16 GiB is 0.2 bytes above 9.2 GiB: 9.2GiB reads back as it.
+  CHECK(format_bytes((10ull << 30) - (16ull << 30) / 20) == "9.2GiB");
+  // Just under a unit: the next unit, not "1024.0".
+  CHECK(format_bytes((1ull << 30) - 1) == "1.0GiB");
+  CHECK(format_bytes((1ull << 20) - 1) == "1.0MiB");
+  CHECK(format_bytes(1ull << 50) == "1.0PiB");
+  CHECK(format_bytes(3ull << 60) == "3.0EiB");
+  CHECK(parse("1.0PiB") == 1ull << 50);
+  CHECK(parse("2EiB") == 2ull << 60);
+  CHECK(parse("1PB") == 1000000000000000ull);
+  // A fraction of a byte counts as a byte.
+  CHECK(parse("0.1MiB") == 104858);
+  CHECK(parse("0.1KiB") == 103);
+}
+
+TEST_CASE("parse_size of format_mib and format_bytes is at least the bytes and within a printed tenth") {
+  std::mt19937_64 rng(29);
+  std::vector<uint64_t> xs;
+  for (uint64_t x = 0; x < 5000; ++x) xs.push_back(x);
+  for (int shift = 10; shift < 62; ++shift)
+    for (int64_t d = -3; d <= 3; ++d) xs.push_back(static_cast<uint64_t>((int64_t{1} << shift) + d));
+  for (int i = 0; i < 20000; ++i) xs.push_back(rng() >> (2 + rng() % 61));  // every magnitude below 2^62
+  for (const uint64_t x : xs) {
+    for (const bool mib : {true, false}) {
+      const std::string shown = mib ? format_mib(x) : format_bytes(x);
+      INFO(x << " bytes printed " << shown);
+      CHECK(shown.find("MB") == std::string::npos);
+      const uint64_t back = parse(shown);
+      CHECK(back >= x);
+      // Not more than a tenth of the printed unit above (the unit is what follows the digits).
+      const std::string unit = shown.substr(shown.find_first_not_of("0123456789."));
+      const uint64_t tenth = unit == "B" ? 0 : parse("1" + unit) / 10 + 1;
+      CHECK(back - x <= tenth);
+      // Printing what was read back prints the same.
+      CHECK((mib ? format_mib(back) : format_bytes(back)) == shown);
+    }
+  }
 }

@@ -161,6 +161,26 @@ TEST_CASE("cpu device: without a memory source, free memory is the total minus w
   CHECK_THROWS_AS(resolve_vram_budget(*dev, "", "1GiB"), sluice::InvalidArgument);
 }
 
+TEST_CASE("vram budget: a size above the device's memory is refused naming the flag and the budget and the memory") {
+  CpuDeviceOptions o;
+  o.total_memory = 100 * MiB + 12345;
+  auto dev = make_cpu_device(o);
+  std::string e;
+  try {
+    resolve_vram_budget(*dev, "1GiB", "");
+  } catch (const sluice::InvalidArgument& ex) {
+    e = ex.what();
+  }
+  CHECK(e == "--vram-budget 1GiB (1.0GiB) is more than the 100.1MiB of memory of cpu: give at most 100.1MiB, a "
+             "percentage of it or auto");
+  // The memory as printed (rounded up) is the whole device; below it, a size is taken as given.
+  const ResolvedVramBudget all = resolve_vram_budget(*dev, "100.1MiB", "");
+  CHECK(all.bytes == static_cast<uint64_t>(100 * MiB + 12345));
+  CHECK(all.how == "100.1MiB = all 100.1MiB of cpu");
+  CHECK(resolve_vram_budget(*dev, "100MiB", "").bytes == static_cast<uint64_t>(100 * MiB));
+  CHECK_THROWS_AS(resolve_vram_budget(*dev, "100.2MiB", ""), sluice::InvalidArgument);
+}
+
 TEST_CASE("stats json: the device reports the ledger peak and the allocator's numbers only where it has them") {
   EngineStats s;
   s.device_memory.total.increase(1000);

@@ -402,8 +402,8 @@ class ModelCache {
   // A model by preset name ("anima-small": generated from options.seed, no file), by JSON
   // config file (generated likewise), or from a .safetensors checkpoint. A source already
   // cached with the same [reload] options is a hit and returns the same model. Logs at
-  // INFO: "Loaded model 'NAME' onto DEVICE in 0.36s. Total model size: 2012.0MB, VRAM:
-  // 1006.0MB (50.0%)" and the residency map. Throws FileError, CheckpointError,
+  // INFO: "Loaded model 'NAME' onto DEVICE in 0.36s. Total model size: 2012.0MiB, VRAM:
+  // 1006.0MiB (50.0%)" and the residency map. Throws FileError, CheckpointError,
   // InvalidArgument, or ResourceError naming the minimum budget that would work.
   Model load(const std::string& path_or_preset, const LoadOptions& options = {});
 

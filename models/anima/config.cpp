@@ -1,5 +1,8 @@
 #include "models/anima/config.h"
 
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -183,6 +186,21 @@ AnimaConfig config_from_json(const nlohmann::json& j, const std::string& origin)
   }
   c.validate();
   return c;
+}
+
+void require_preset_or_path(const std::string& source) {
+  auto ends_with = [&](const std::string& suffix) {
+    return source.size() >= suffix.size() && source.compare(source.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (source.find('/') != std::string::npos || ends_with(".safetensors") || ends_with(".json")) return;
+  const auto names = preset_names();
+  if (std::find(names.begin(), names.end(), source) != names.end()) return;
+  struct stat st;
+  if (::stat(source.c_str(), &st) == 0) return;  // a file of that name: opened as given
+  std::string known;
+  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+  throw InvalidArgument("unknown preset '" + source + "' (known: " + known +
+                        "; or a path to a .safetensors checkpoint or a .json config)");
 }
 
 AnimaConfig config_from_name_or_file(const std::string& name_or_path) {

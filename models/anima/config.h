@@ -56,6 +56,12 @@ std::vector<std::string> preset_names();
 AnimaConfig preset(const std::string& name);
 // A preset name, or a path to a JSON file whose fields override anima-2b's.
 AnimaConfig config_from_name_or_file(const std::string& name_or_path);
+
+// For a model source that is neither a preset nor a path: a name with no '/', without a
+// ".safetensors" or ".json" suffix, that is no file either ("anima-nope"), throws
+// InvalidArgument "unknown preset 'anima-nope' (known: ...)" rather than letting the file
+// open fail with "cannot open". Does nothing for anything else (paths keep "cannot open").
+void require_preset_or_path(const std::string& source);
 AnimaConfig config_from_json(const nlohmann::json& j, const std::string& origin);
 nlohmann::json config_to_json(const AnimaConfig& c);
 

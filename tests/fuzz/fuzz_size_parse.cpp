@@ -1,7 +1,8 @@
 // libFuzzer target: parse_size (runtime/size_parse.h). The first 8 input bytes (when
 // there are at least 9) are the total for percentages, the rest is the text. Accepted
-// sizes must fit in int64, percentages must stay within the total, and the plain decimal
-// form of any accepted size must parse back to itself.
+// sizes must fit in int64, percentages must stay within the total, the plain decimal
+// form of any accepted size must parse back to itself, and its printed forms (format_mib,
+// format_bytes) must parse back to at least it.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -36,7 +37,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const sluice::InvalidArgument&) {
     std::abort();
   }
-  (void)sluice::format_mib(v);
-  (void)sluice::format_bytes(v);
+  // Note [size suffixes]: a printed size reads back as at least the bytes it stands for
+  // (up to 2^62: nearer int64's end the rounded-up text can exceed it).
+  for (const std::string& shown : {sluice::format_mib(v), sluice::format_bytes(v)}) {
+    if (v > (uint64_t{1} << 62)) break;
+    try {
+      if (sluice::parse_size(shown, std::nullopt, "--budget") < v) std::abort();
+    } catch (const sluice::InvalidArgument&) {
+      std::abort();
+    }
+  }
   return 0;
 }

@@ -177,6 +177,35 @@ def test_errors_become_python_exceptions(checkpoint, workdir):
             pass
 
 
+def test_a_device_that_is_not_there_is_one_line_like_the_cli():
+    if torch.cuda.is_available():
+        missing = f"cuda:{torch.cuda.device_count() + 3}"
+        with pytest.raises(sluice.InvalidArgument) as e:
+            sluice.ModelCache(device=missing)
+        assert "\n" not in str(e.value) and f"device '{missing}' does not exist" in str(e.value)
+        return
+    with pytest.raises(sluice.InvalidArgument) as e:
+        sluice.ModelCache(device="cuda")
+    assert str(e.value) == "device: 'cuda' requested but no CUDA/ROCm device is available"
+
+
+def test_an_unknown_preset_is_named_with_the_known_ones(workdir):
+    cache = sluice.ModelCache(device="cpu")
+    with pytest.raises(sluice.InvalidArgument,
+                       match=r"^unknown preset 'anima-nope' \(known: anima-2b, anima-tiny, anima-small, anima-medium; "):
+        cache.load("anima-nope")
+    # A path (a separator or a file suffix) is opened, and a missing one says so.
+    for path in ("anima-nope.safetensors", os.path.join(workdir, "anima-nope"), "anima-nope.json"):
+        with pytest.raises(sluice.FileError, match="cannot open"):
+            cache.load(path)
+
+
+def test_a_budget_above_the_device_memory_is_refused():
+    with pytest.raises(sluice.InvalidArgument,
+                       match=r"^vram_budget 10TB \(9\.1TiB\) is more than the \d+\.\d[KMGT]iB of memory of cpu"):
+        sluice.ModelCache(device="cpu", vram_budget="10TB")
+
+
 def test_nonfinite_inputs_are_named_and_locate_nonfinite_names_the_layer(checkpoint, workdir):
     cache = sluice.ModelCache(device="cpu")
     model = cache.load(checkpoint)

@@ -80,8 +80,9 @@ def main():
         t = torch.rand(c["B"], generator=g) * 0.9 + 0.05  # sigma, distinct per batch item
         ctx = torch.randn(c["B"], c["S"], cfg["crossattn_emb_channels"], generator=g)
         save_file({"x": x, "timesteps": t, "context": ctx}, inputs)
+        # --storage: weights kept in the run dtype like the reference's (forward stores fp8 by default).
         run([args.sluice, "forward", "--checkpoint", ckpt, "--inputs", inputs, "--output", out, "--config",
-             c["config"], "--dtype", "float32", "--device", "cpu"], "sluice forward")
+             c["config"], "--dtype", "float32", "--storage", "float32", "--device", "cpu"], "sluice forward")
         got = load_file(out)["velocity"]
 
         t0 = time.perf_counter()
