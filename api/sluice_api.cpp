@@ -523,8 +523,12 @@ at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps
       ~ProgressScope() { e.set_layer_progress({}); }
     } progress_scope{engine};
     if (progress) engine.set_layer_progress(progress);
-    offload::ForwardScope scope(engine, "dit");
-    out = run_dit(m, engine, x, timesteps, context);
+    {
+      offload::ForwardScope scope(engine, "dit");
+      out = run_dit(m, engine, x, timesteps, context);
+    }
+    // An Interrupted from the callback after the last layer: the forward stops all the same.
+    if (const std::exception_ptr stop = engine.take_interrupt()) std::rethrow_exception(stop);
   });
   return out;
 }

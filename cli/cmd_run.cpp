@@ -24,6 +24,16 @@
 // The output depends only on the model, the seed, the context and the sampling flags: on
 // the CPU device it is bit-identical whatever --vram-budget, --max-resident, --prefetch
 // or --pin-memory (tests/test_run.cpp).
+//
+// Note [run storage]
+// ~~~~~~~~~~~~~~~~~~
+// --storage takes every storage dtype the runtime supports: float8_e4m3fn, float8_e5m2,
+// bfloat16, float16, float32. Unset, a checkpoint whose Linear weights are fp8 (a file of
+// `sluice convert --storage float8_e5m2`, a community e4m3fn file) keeps its own fp8 dtype,
+// so that it runs as stored with no second rounding; anything else (a bf16/fp16/fp32 file, a
+// generated model) is stored as float8_e4m3fn. Where the file's weights are in another
+// dtype than the storage, the run says so once, under its header: "note: 'F' stores its
+// weights as float8_e5m2; cast to float8_e4m3fn storage as they are read".
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -35,6 +45,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -47,6 +58,7 @@
 #include "cli/run_progress.h"
 #include <sluice/sluice.hpp>
 #include "models/anima/anima.h"
+#include "models/anima/checkpoint.h"
 #include "models/sampling.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
@@ -68,7 +80,7 @@ struct RunArgs {
   std::string vram_headroom;              // --vram-budget auto: memory left free; empty: the default
   std::optional<double> max_resident;     // cap on the resident fraction of streamable weights
   std::string working_memory;             // empty: the runtime sizes it for the resolution
-  std::string storage = "float8_e4m3fn";  // stored dtype of Linear/Embedding weights
+  std::string storage;                    // stored dtype of Linear/Embedding weights; empty: Note [run storage]
   std::string compute = "auto";           // compute dtype (Note [compute dtype auto])
   std::optional<int> steps;               // Euler steps
   double cfg = 4.5;                       // classifier-free guidance scale
@@ -131,6 +143,29 @@ CLI::Validator resolution_validator() {
         return "resolution must be a multiple of 16 between 16 and 16384 pixels, got '" + value + "'";
       },
       "PX", "resolution");
+}
+
+// The dtype of a checkpoint's Linear weights (its 2-d ".weight" tensors): the fp8 dtype most
+// of them have when any is fp8, else the most common one; nullopt when it has none.
+std::optional<at::ScalarType> stored_weight_dtype(const std::string& path) {
+  const auto f = safetensors::File::open(path);
+  const anima::CheckpointProbe probe = anima::probe_checkpoint(*f);
+  std::map<at::ScalarType, int64_t> fp8, all;
+  const std::string suffix = ".weight";
+  for (const auto& t : f->tensors()) {
+    if (t.name.rfind(probe.prefix, 0) != 0 || t.shape.size() != 2 || t.name.size() < suffix.size() ||
+        t.name.compare(t.name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    all[t.dtype] += 1;
+    if (is_fp8(t.dtype)) fp8[t.dtype] += 1;
+  }
+  const auto& from = fp8.empty() ? all : fp8;
+  std::optional<at::ScalarType> best;
+  for (const auto& [dtype, n] : from) {
+    if (!best || n > from.at(*best)) best = dtype;
+  }
+  return best;
 }
 
 struct Context {
@@ -227,6 +262,11 @@ int run(const RunArgs& args) {
   const std::unique_ptr<ModelCache> cache_owner = make_model_cache(ro);
   ModelCache& cache = *cache_owner;
 
+  // Note [run storage]: unset, an fp8 checkpoint keeps its own fp8 dtype.
+  const std::optional<at::ScalarType> file_dtype =
+      a.checkpoint.empty() ? std::nullopt : stored_weight_dtype(a.checkpoint);
+  const bool storage_given = !a.storage.empty();
+  if (!storage_given) a.storage = file_dtype && is_fp8(*file_dtype) ? dtype_name(*file_dtype) : "float8_e4m3fn";
   LoadOptions lo;
   lo.storage = a.storage;
   lo.compute = a.compute;
@@ -244,6 +284,13 @@ int run(const RunArgs& args) {
   std::cout << "sluice run: " << info.name << (a.checkpoint.empty() ? " (random weights)" : " from " + a.checkpoint)
             << " on " << cs0.device << ", storage " << info.storage_dtype << ", compute " << info.compute_dtype
             << (embedded ? " [embedded default]" : "") << "\n";
+  if (file_dtype && dtype_name(*file_dtype) != info.storage_dtype) {
+    std::cout << "note: '" << a.checkpoint << "' stores its weights as " << dtype_name(*file_dtype) << "; cast to "
+              << info.storage_dtype << " storage as they are read"
+              << (storage_given ? " (--storage " + a.storage + ")"
+                                : std::string(" (the default --storage for a checkpoint that is not fp8)"))
+              << "\n";
+  }
   std::cout << "hardware: " << hardware_summary(device) << "\n";
   std::cout << "compute " << info.compute_dtype << ": " << info.compute_reason << "\n";
   std::cout << "loaded in " << fmt("%.2f", load_s) << " s: total " << mb(ms0.total_bytes) << ", resident "
@@ -430,9 +477,11 @@ Subcommand add_run(CLI::App& root) {
       ->check(number_validator(0.0, 1.0));
   sub->add_option("--working-memory", a->working_memory, "Budget part kept for activations (bytes)")
       ->check(size_validator("--working-memory", false));
-  sub->add_option("--storage", a->storage, "Stored weight dtype")
-      ->check(CLI::IsMember({"float8_e4m3fn", "bfloat16"}))
-      ->capture_default_str();
+  sub->add_option("--storage", a->storage,
+                  "Stored weight dtype: float8_e4m3fn, float8_e5m2, bfloat16, float16 or float32 (default: an fp8 "
+                  "checkpoint's own fp8 dtype, else float8_e4m3fn); a checkpoint stored in another dtype is cast as "
+                  "it is read, which the run says once")
+      ->check(CLI::IsMember({"float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "float32"}));
   sub->add_option("--compute", a->compute,
                   "Compute dtype: auto (bfloat16 where the device computes it natively, else float32), bfloat16, "
                   "float16 or float32")
@@ -452,7 +501,8 @@ Subcommand add_run(CLI::App& root) {
       ->capture_default_str();
   sub->add_option("--policy", a->policy,
                   "Residency plan: balanced (minimises the step predicted from measured compute and copy rate), "
-                  "spread or front_first")
+                  "spread (streamed layers spread evenly by bytes) or front_first (whole blocks resident from the "
+                  "front, the rest streamed)")
       ->check(policy_validator())
       ->capture_default_str();
   sub->add_option("--pin-memory", a->pin_memory, "Page-locked host memory for streamed layers (off on ROCm if it stalls)")

@@ -595,6 +595,7 @@ void StreamingEngine::open_forward(std::string_view kind, bool implicit) {
   depth_ = 1;
   implicit_ = implicit;
   ++epoch_;
+  interrupt_ = nullptr;  // a request to stop the last forward that came after its last layer
   kind_name_ = std::string(kind);
   acc_cur_ = std::move(acc_next_);
   acc_next_ = ForwardAcc{};
@@ -931,6 +932,9 @@ LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
     deferred_error_.clear();
     TORCH_INTERNAL_ASSERT(false, "streaming engine: an earlier forward ended with an error: ", msg);
   }
+  // A layer callback asked to stop (set_layer_progress): this forward ends here, before the
+  // layer, as from any error.
+  if (interrupt_ && depth_ > 0) std::rethrow_exception(take_interrupt());
   const auto it = index_.find(&layer);
   TORCH_CHECK(attached_ && it != index_.end(), "acquire: layer '", layer.qualified_name(),
               "' is not attached to this engine");
@@ -1169,6 +1173,9 @@ void StreamingEngine::release(ManagedLayerImpl& layer) noexcept {
   if (layer_progress_ && depth_ > 0) {
     try {
       layer_progress_(++released_, static_cast<int64_t>(sched_.order(kind_name_).size()));
+    } catch (const Interrupted&) {
+      interrupt_ = std::current_exception();  // thrown by the next acquire()
+      layer_progress_ = nullptr;
     } catch (const std::exception& e) {
       log::warn("model '" + model_name_ + "': the layer progress callback threw (" + e.what() + "); it is turned off");
       layer_progress_ = nullptr;

@@ -99,6 +99,7 @@
 
 #include <chrono>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -109,6 +110,7 @@
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "offload/calibration.h"
@@ -233,8 +235,16 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   // enqueued, not necessarily finished. If it throws, the exception is logged (one
   // warning) and the callback turned off; the forward goes on. An empty function turns it
   // off. For progress displays (sluice run's live line).
+  // Except sluice::Interrupted (runtime/error.h), a host's request to stop (Python's
+  // Ctrl-C, Note [Ctrl-C in a forward] in python/src/sluice_python.cpp): it is kept, the
+  // callback turned off, and the next acquire() of this forward throws it, so the forward
+  // unwinds before its next layer as from any error (leases released, weights left in
+  // their storage dtype). After the forward's last layer, take_interrupt() hands it over.
   using LayerProgressFn = std::function<void(int64_t done, int64_t expected)>;
   void set_layer_progress(LayerProgressFn fn) { layer_progress_ = std::move(fn); }
+  // The Interrupted a layer callback threw in this forward and no acquire() rethrew yet
+  // (null when none); cleared. A new forward starts with none.
+  std::exception_ptr take_interrupt() { return std::exchange(interrupt_, nullptr); }
   // As end_forward(), for destructors: an error is logged and rethrown by the next acquire().
   void end_forward_noexcept(bool aborted) noexcept;
 
@@ -452,6 +462,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer {
   TraceWriter trace_;
   std::string deferred_error_;  // from end_forward_noexcept(), raised by the next acquire()
   LayerProgressFn layer_progress_;
+  std::exception_ptr interrupt_;  // an Interrupted from layer_progress_, raised by the next acquire()
   // Note [measured working memory]
   std::unordered_set<std::string> measured_kinds_;
   bool measuring_ = false;       // the open forward is measured

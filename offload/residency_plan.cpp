@@ -90,14 +90,20 @@ uint64_t minimum(const PlanInput& in, const Prepared& p) {
   return best;
 }
 
-// How select() walks the candidates before its first-fit pass.
+// How select() walks the candidates.
 enum class Walk {
-  bytes,    // Bresenham by bytes (spread), Note [residency policy]
-  compute,  // Bresenham by measured compute time (balanced), Note [balanced plan]
-  none,     // first fit only (front_first)
+  bytes,      // Bresenham by bytes (spread), Note [residency policy], then first fit
+  compute,    // Bresenham by measured compute time (balanced), Note [balanced plan], then first fit
+  first_fit,  // first fit only (one of balanced's candidate sets)
+  prefix,     // whole blocks from the front until one does not fit (front_first), nothing after
 };
 
-Walk walk_of(ResidencyPolicy policy) { return policy == ResidencyPolicy::front_first ? Walk::none : Walk::bytes; }
+Walk walk_of(ResidencyPolicy policy) { return policy == ResidencyPolicy::front_first ? Walk::prefix : Walk::bytes; }
+
+// Whether layers a and b belong to the same block (the unit of front_first).
+bool same_block(const PlanLayer& a, const PlanLayer& b) {
+  return a.block >= 0 && a.block == b.block && a.group == b.group;
+}
 
 // Marks candidates resident within `limit` bytes; returns the bytes taken. `compute[i]` is
 // layer i's weighted compute time (Walk::compute only).
@@ -116,6 +122,21 @@ uint64_t select(const PlanInput& in, const std::vector<size_t>& candidates, uint
   };
   if (total <= limit) {
     for (size_t i : candidates) take(i);
+    return taken;
+  }
+  if (walk == Walk::prefix) {
+    // front_first, Note [residency policy]: whole units in execution order (a block's
+    // candidates, or one layer outside blocks) until the first that does not fit; the rest
+    // streams, even where a later, smaller layer would fit.
+    for (size_t k = 0; k < candidates.size();) {
+      size_t end = k + 1;
+      uint64_t bytes = in.layers[candidates[k]].stored_bytes;
+      while (end < candidates.size() && same_block(in.layers[candidates[k]], in.layers[candidates[end]])) {
+        bytes += in.layers[candidates[end++]].stored_bytes;
+      }
+      if (taken + bytes > limit) break;
+      for (; k < end; ++k) take(candidates[k]);
+    }
     return taken;
   }
   if (walk == Walk::compute && !(total_compute > 0)) walk = Walk::bytes;  // nothing to weigh by
@@ -144,7 +165,7 @@ uint64_t select(const PlanInput& in, const std::vector<size_t>& candidates, uint
       before += compute[i];
     }
   }
-  for (size_t i : candidates) {  // first fit: all of front_first, the rest of the budget for the walks
+  for (size_t i : candidates) {  // first fit: all of Walk::first_fit, the rest of the budget for the walks
     if (!resident[i] && taken + in.layers[i].stored_bytes <= limit) take(i);
   }
   return taken;
@@ -202,22 +223,53 @@ uint64_t largest_streamed_slot(const PlanInput& in, const Prepared& p, const std
   return slot;
 }
 
-// The spread / front_first plan: keeping the k largest layers resident shrinks the ring to
-// the (k+1)-th largest. Try every k at which the ring size changes and keep the plan with
-// the most resident bytes (ties: the smaller k, i.e. the walk's own choice).
+// Whether the resident streamable layers are whole blocks (and layers outside blocks) from
+// the front of the execution order, everything after them streamed: front_first's shape.
+bool front_shaped(const PlanInput& in, const Prepared& p, const std::vector<bool>& resident) {
+  bool streaming = false;
+  for (size_t k = 0; k < p.streamable.size(); ++k) {
+    const size_t i = p.streamable[k];
+    if (streaming && resident[i]) return false;
+    if (!streaming && !resident[i]) {
+      // The first streamed layer starts its block: the last resident unit is whole.
+      if (k > 0 && same_block(in.layers[p.streamable[k - 1]], in.layers[i])) return false;
+      streaming = true;
+    }
+  }
+  return true;
+}
+
+// The spread / front_first / first-fit plan: keeping the k largest layers resident shrinks
+// the ring to the (k+1)-th largest. Try every k at which the ring size changes and keep the
+// plan with the most resident bytes (ties: the smaller k, i.e. the walk's own choice). For
+// front_first (Walk::prefix) only plans of its shape count (the forced layers lie in the
+// resident front); only where none is feasible (a budget near the minimum, which needs the
+// largest layers resident to shrink the ring) does it take the best plan of another shape.
 Choice walk_plan(const PlanInput& in, const Prepared& p, Walk walk, const std::vector<bool>& required) {
-  Choice best;
-  bool found = false;
+  Choice best, best_any;
+  bool found = false, found_any = false;
   for (size_t k = 0; k < p.by_size.size(); ++k) {
     if (p.prefix[k] > p.cap) break;
     if (!forced_candidate(in, p, k)) continue;
     std::vector<bool> resident = required;
     const uint64_t r = plan_with_forced(in, p, k, walk, resident);
+    if (walk == Walk::prefix && !front_shaped(in, p, resident)) {
+      if (!found_any || r > best_any.taken) {
+        best_any.resident = std::move(resident);
+        best_any.taken = r;
+        found_any = true;
+      }
+      continue;
+    }
     if (!found || r > best.taken) {
       best.resident = std::move(resident);
       best.taken = r;
       found = true;
     }
+  }
+  if (!found && found_any) {
+    best = std::move(best_any);
+    found = true;
   }
   TORCH_INTERNAL_ASSERT(found, "plan_residency: no feasible plan above the minimum");
   best.ring = static_cast<uint64_t>(in.ring_slots) * largest_streamed_slot(in, p, best.resident);
@@ -253,14 +305,15 @@ Choice balanced_plan(const PlanInput& in, const Prepared& p, const std::vector<b
       if (kind.order[pos] < compute.size()) compute[kind.order[pos]] += kind.weight * kind.compute_ms[pos];
     }
   }
-  // The plans of the other policies at this budget: the balanced plan never predicts worse.
-  Choice spread = walk_plan(in, p, Walk::bytes, required);
-  spread.step = predicted_step(in, spread.resident, spread.ring);
-  Choice front = walk_plan(in, p, Walk::none, required);
-  front.step = predicted_step(in, front.resident, front.ring);
+  // The plans of the other policies (and plain first fit) at this budget: the balanced plan
+  // never predicts worse.
+  constexpr size_t kBaselines = 3;
   std::vector<Choice> choices;
-  choices.push_back(std::move(spread));
-  choices.push_back(std::move(front));
+  for (Walk walk : {Walk::bytes, Walk::first_fit, Walk::prefix}) {
+    Choice c = walk_plan(in, p, walk, required);
+    c.step = predicted_step(in, c.resident, c.ring);
+    choices.push_back(std::move(c));
+  }
 
   for (size_t k = 0; k < p.by_size.size(); ++k) {
     if (p.prefix[k] > p.cap) break;
@@ -280,7 +333,7 @@ Choice balanced_plan(const PlanInput& in, const Prepared& p, const std::vector<b
     const uint64_t most = std::min(in.weight_budget - fixed, std::max(base, candidate_slots));
     for (uint64_t ring : ring_candidates(base, slot, in.ring_slots, most)) {
       const uint64_t limit = std::min(in.weight_budget - fixed - ring, p.cap - p.prefix[k]);
-      for (Walk walk : {Walk::compute, Walk::bytes, Walk::none}) {
+      for (Walk walk : {Walk::compute, Walk::bytes, Walk::first_fit}) {
         Choice c;
         c.resident = forced;
         c.taken = p.prefix[k] + select(in, candidates, limit, walk, compute, c.resident);
@@ -291,11 +344,13 @@ Choice balanced_plan(const PlanInput& in, const Prepared& p, const std::vector<b
       }
     }
   }
-  // The smallest ring within 1% of the best prediction, and no worse than spread or
-  // front_first (choices[0], choices[1]); then the better prediction, then more resident.
+  // The smallest ring within 1% of the best prediction, and no worse than spread, first fit
+  // or front_first (the baselines, choices[0..3)); then the better prediction, then more
+  // resident.
   double best = choices[0].step;
   for (const auto& c : choices) best = std::min(best, c.step);
-  const double bound = std::min({best * 1.01, choices[0].step, choices[1].step});
+  double bound = best * 1.01;
+  for (size_t i = 0; i < kBaselines; ++i) bound = std::min(bound, choices[i].step);
   size_t pick = 0;
   bool found = false;
   for (size_t i = 0; i < choices.size(); ++i) {

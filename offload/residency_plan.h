@@ -28,9 +28,14 @@
 // token, attention sits on the output projection), which a byte spread cannot see:
 // `balanced` (the default) plans by measured compute time, Note [balanced plan].
 //
-// `front_first` fills the budget in execution order (first fit), like InvokeAI's partial
-// load: the streamed layers then form one run at the end, the worst case for overlap.
-// It is kept for comparison and for the benchmarks.
+// `front_first` keeps whole blocks resident from the front of the execution order, like
+// InvokeAI's partial load: blocks (and layers outside blocks) are taken in order until the
+// first that does not fit in what the budget (and max_resident) leaves after the ring, and
+// everything after it streams, even a later layer small enough to fit. The streamed layers
+// then form one run at the end, the worst case for overlap. Its ring holds `ring_slots` of
+// the largest streamed layer; only where the budget is too small for that ring (near the
+// minimum) are the largest layers kept resident out of order to shrink it. Plans made again
+// from measurements keep the policy. It is kept for comparison and for the benchmarks.
 //
 // Required layers (skip-listed unconverted modules, embeddings, the final layer) and the
 // parameters outside managed layers (norms) are always resident.
@@ -57,10 +62,11 @@
 //    stay within S/W times the compute *before* it (its copy must end before it computes),
 //    and is resident otherwise. Streamed bytes per compute-ms are then even through the
 //    order, so the ring only absorbs the local unevenness.
-//  - Every candidate is predicted (O(positions) each), and so are the spread and
+//  - Every candidate is predicted (O(positions) each), and so are the spread, first-fit and
 //    front_first plans of the same input. The plan is the smallest ring whose prediction
-//    is within 1% of the best, and no worse than spread's or front_first's (a smaller ring
-//    is fewer device bytes held, for the same step); ties go to the better prediction.
+//    is within 1% of the best, and no worse than spread's, first fit's or front_first's (a
+//    smaller ring is fewer device bytes held, for the same step); ties go to the better
+//    prediction.
 //  - That ring then gets headroom, up to 4x, from budget the resident set leaves unused
 //    (under a max_resident cap or a roomy budget; never beyond the streamed layers'
 //    slots): the model sees exact times, while real ones vary and copies are issued at

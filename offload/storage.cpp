@@ -43,13 +43,22 @@ bool scale_fits(const at::Tensor& scale, const at::Tensor& w, ScaleMode mode) {
   return false;
 }
 
-// An fp8 tensor kept as read: refuses NaN/Inf bytes (the only check an fp8 tensor needs,
-// its values are in range by construction).
-void check_fp8_finite(const at::Tensor& t, const std::string& name) {
-  if (!is_fp8(t.scalar_type()) || !t.device().is_cpu()) return;
-  const at::Tensor c = t.contiguous();
-  const Fp8NonFinite bad = count_fp8_non_finite(c.scalar_type(), static_cast<const uint8_t*>(c.data_ptr()), c.numel());
-  refuse_non_finite(name, bad.nans, bad.infs, c.scalar_type());
+// A tensor kept as it is (already in its storage dtype, e.g. generated in it): refuses
+// NaN/Inf, as every other path does (the only check it needs, its values are in range by
+// construction). One vectorized scan on the CPU; on another device one reduction.
+void check_finite(const at::Tensor& t, const std::string& name) {
+  if (t.is_meta()) return;
+  const at::ScalarType d = t.scalar_type();
+  if (t.device().is_cpu() && (is_fp8(d) || d == at::kBFloat16 || d == at::kHalf || d == at::kFloat)) {
+    const at::Tensor c = t.contiguous();
+    const Fp8NonFinite bad = count_non_finite(d, c.data_ptr(), c.numel());
+    refuse_non_finite(name, bad.nans, bad.infs, d);
+    return;
+  }
+  const at::Tensor f = is_fp8(d) ? t.to(at::kFloat) : t;
+  if (!at::isfinite(f).all().item<bool>()) {
+    refuse_non_finite(name, at::isnan(f).sum().item<int64_t>(), at::isinf(f).sum().item<int64_t>(), d);
+  }
 }
 
 Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Options& options, bool checked) {
@@ -74,7 +83,7 @@ Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Op
   const bool want_scale = is_fp8(dtype) && w.dim() >= 2 && options.scale_mode != ScaleMode::none;
   const at::Tensor& scale = layer.weight_scale();
   if (w.scalar_type() == dtype && (scale.defined() ? scale_fits(scale, w, options.scale_mode) : !want_scale)) {
-    if (!checked) check_fp8_finite(w, layer.qualified_name() + ".weight");
+    if (!checked) check_finite(w, layer.qualified_name() + ".weight");
     c.weight = w;
     c.scale = scale;
     c.kept = true;
@@ -87,7 +96,7 @@ Cast cast_layer(const ManagedLayerImpl& layer, at::ScalarType dtype, const Fp8Op
   }
   if (b.defined()) {
     if (b.scalar_type() == dtype) {
-      if (!checked) check_fp8_finite(b, layer.qualified_name() + ".bias");
+      if (!checked) check_finite(b, layer.qualified_name() + ".bias");
       c.bias = b;
     } else {
       StorageCast sc = cast_to_storage(b, dtype, layer.qualified_name() + ".bias", options);

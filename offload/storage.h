@@ -11,7 +11,10 @@
 // cast because they are the only modules whose forward upcasts through a WeightLease; a
 // norm's forward reads its parameter directly, so casting it would break it.
 //  - Values go through cast_to_storage (runtime/fp8.h): out-of-range values saturate or
-//    are refused per Fp8Options::out_of_range, NaN/inf are always refused, never stored.
+//    are refused per Fp8Options::out_of_range, NaN/inf are always refused, never stored,
+//    whatever the storage dtype (fp8, bfloat16, float16, float32). A tensor already in its
+//    dtype (a generated model's, one a read left there) is scanned for NaN/inf once, unless
+//    the read already did (ReadCasts::checked).
 //  - On a meta (shape-only) model the dtype changes without value checks, so sizes of a
 //    model that was never allocated can be reported (`sluice inspect --storage`).
 //  - apply_storage uses options.storage/options.compute as given (validated, not
@@ -55,7 +58,7 @@ class ManagedLayerImpl;
 // their storage dtype, so that apply_storage neither redoes nor miscounts it.
 struct ReadCasts {
   std::set<const ManagedLayerImpl*> cast;     // converted to the storage dtype as read
-  std::set<const ManagedLayerImpl*> checked;  // fp8 bytes checked for NaN/Inf as read
+  std::set<const ManagedLayerImpl*> checked;  // values checked for NaN/Inf as read
   int64_t clipped = 0;                        // values the read saturated
 };
 
@@ -65,8 +68,8 @@ struct ReadCasts {
 //   FP8 layerwise casting enabled for <name> (storage=float8_e4m3fn, compute=bfloat16, param_size=2012.0MiB)
 // (MB = MiB rounded to an integer). Throws InvalidArgument for an invalid storage/compute
 // dtype or skip pattern, and what cast_to_storage throws (NaN/inf, refused out-of-range).
-// `read`: what a fused read did (its layers count as cast, not as stored as read; their fp8
-// bytes are not checked again; its saturations are added to the report).
+// `read`: what a fused read did (its layers count as cast, not as stored as read; their
+// values are not checked again; its saturations are added to the report).
 StorageReport apply_storage(torch::nn::Module& model, const std::string& model_name, const Fp8Options& options,
                             const std::vector<std::string>& model_declared_skips, const ReadCasts* read = nullptr);
 

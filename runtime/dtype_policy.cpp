@@ -157,7 +157,18 @@ std::string dtype_name(at::ScalarType t) {
   for (const auto& entry : kDtypeNames) {
     if (entry.type == t) return entry.name;  // canonical names come first
   }
-  return lower(c10::toString(t));
+  switch (t) {  // torch's names ("torch.int8"), where c10's differ ("Char")
+    case at::kDouble: return "float64";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kComplexHalf: return "complex32";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    default: return lower(c10::toString(t));
+  }
 }
 
 at::ScalarType parse_storage_dtype(std::string_view name) {

@@ -36,6 +36,14 @@ class ResourceError : public Error {
   using Error::Error;
 };
 
+// A host's request that a running call stop (a forward's layer callback threw it; Python's
+// Ctrl-C becomes one): the call unwinds at the next layer boundary as from any error, and
+// rethrows it.
+class Interrupted : public Error {
+ public:
+  using Error::Error;
+};
+
 // A device operation that failed: a host->device copy that failed or timed out. The
 // tensors it was writing hold unusable bytes; the caller drops them.
 class DeviceError : public Error {

@@ -13,6 +13,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "runtime/error.h"
@@ -232,22 +233,64 @@ Fp8NonFinite count_fp8_non_finite(at::ScalarType fp8, const uint8_t* b, int64_t 
   return r;
 }
 
-void refuse_non_finite(const std::string& name, int64_t nans, int64_t infs, at::ScalarType storage) {
+Fp8NonFinite count_non_finite(at::ScalarType t, const void* bytes, int64_t n) {
+  if (is_fp8(t)) return count_fp8_non_finite(t, static_cast<const uint8_t*>(bytes), n);
+  Fp8NonFinite r;
+  if (t == at::kBFloat16 || t == at::kHalf) {
+    const auto* in = static_cast<const uint16_t*>(bytes);
+    const uint16_t inf = t == at::kBFloat16 ? 0x7F80 : 0x7C00;
+    if (fp8_kernels::stats_16(in, n, static_cast<uint16_t>(inf - 1)).over == 0) return r;
+    for (int64_t i = 0; i < n; ++i) {
+      const auto m = static_cast<uint16_t>(in[i] & 0x7FFF);
+      if (m > inf) ++r.nans;
+      if (m == inf) ++r.infs;
+    }
+    return r;
+  }
+  if (t == at::kFloat) {
+    const auto* in = static_cast<const uint32_t*>(bytes);
+    if (fp8_kernels::stats_32(in, n, 0x7F7FFFFFu).over == 0) return r;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t m = in[i] & 0x7FFFFFFFu;
+      if (m > 0x7F800000u) ++r.nans;
+      if (m == 0x7F800000u) ++r.infs;
+    }
+    return r;
+  }
+  throw InvalidArgument("count_non_finite: " + dtype_name(t) + " is not an fp8, bfloat16, float16 or float32 dtype");
+}
+
+void refuse_non_finite(const std::string& name, int64_t nans, int64_t infs, at::ScalarType storage,
+                       const std::string& where) {
   if (nans + infs == 0) return;
-  throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' holds ", nans, " NaN and ", infs,
-                                 " inf values; refusing to store it as ", dtype_name(storage)));
+  throw InvalidArgument(c10::str(where.empty() ? std::string("cast_to_storage") : where, ": tensor '", name,
+                                 "' holds ", nans, " NaN and ", infs, " inf values; refusing to store it as ",
+                                 dtype_name(storage)));
+}
+
+double storage_max_finite(at::ScalarType storage) {
+  if (is_fp8(storage)) return fp8_max_finite(storage);
+  switch (storage) {
+    case at::kHalf: return 65504.0;
+    case at::kBFloat16: return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
+    case at::kFloat: return static_cast<double>(FLT_MAX);
+    default: throw InvalidArgument("storage_max_finite: " + dtype_name(storage) + " is not a storage dtype");
+  }
 }
 
 void report_out_of_range(const std::string& name, int64_t clipped, int64_t numel, double amax, at::ScalarType storage,
                          OutOfRangePolicy policy) {
-  const double max_finite = fp8_max_finite(storage);
+  const double max_finite = storage_max_finite(storage);
   if (policy == OutOfRangePolicy::refuse) {
     throw InvalidArgument(c10::str("cast_to_storage: tensor '", name, "' has ", clipped, " of ", numel,
                                    " values beyond +-", max_finite, " (max |w| = ", amax, "), the range of ",
-                                   dtype_name(storage), "; use scaled storage or out_of_range=saturate"));
+                                   dtype_name(storage),
+                                   is_fp8(storage) ? "; use scaled storage or out_of_range=saturate"
+                                                   : "; use a wider storage dtype or out_of_range=saturate"));
   }
-  log::warn(c10::str("fp8: tensor '", name, "': ", clipped, " of ", numel, " values beyond +-", max_finite,
-                     " (max |w| = ", amax, ") saturated to +-", max_finite, " for ", dtype_name(storage)));
+  log::warn(c10::str(is_fp8(storage) ? "fp8" : "storage", ": tensor '", name, "': ", clipped, " of ", numel,
+                     " values beyond +-", max_finite, " (max |w| = ", amax, ") saturated to +-", max_finite, " for ",
+                     dtype_name(storage)));
 }
 
 float fp8_tensor_scale(double amax, at::ScalarType fp8) {
@@ -268,7 +311,40 @@ StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const s
   }
   at::NoGradGuard no_grad;
   StorageCast r;
-  if (!is_fp8(storage) || w.numel() == 0) {
+  if (w.numel() == 0) {
+    r.stored = w.to(storage);
+    return r;
+  }
+  if (!is_fp8(storage)) {
+    if (is_fp8(w.scalar_type())) {
+      // An exact upcast (every fp8 value is finite in bfloat16/float16/float32): only the
+      // bytes need a look.
+      if (w.device().is_cpu()) {
+        const at::Tensor c = w.contiguous();
+        const Fp8NonFinite bad = count_fp8_non_finite(c.scalar_type(), static_cast<const uint8_t*>(c.data_ptr()), c.numel());
+        refuse_non_finite(name, bad.nans, bad.infs, storage);
+      } else {
+        const at::Tensor f = w.to(at::kFloat);
+        refuse_non_finite(name, at::isnan(f).sum().item<int64_t>(), at::isinf(f).sum().item<int64_t>(), storage);
+      }
+      r.stored = w.to(storage);
+      return r;
+    }
+    const double amax = w.abs().amax().item<double>();  // NaN propagates through amax, inf is its own max
+    if (!std::isfinite(amax)) {
+      refuse_non_finite(name, at::isnan(w).sum().item<int64_t>(), at::isinf(w).sum().item<int64_t>(), storage);
+    }
+    const double max_finite = storage_max_finite(storage);
+    if (amax > max_finite) {
+      // float16 from bfloat16/float32, bfloat16 from float32: what would round to inf.
+      // Compared and clamped in fp32 (or fp64): 65504 is not a bfloat16 value, and rounds up
+      // to 65536 there.
+      const at::Tensor wide = w.scalar_type() == at::kDouble ? w : w.to(at::kFloat);
+      r.clipped = wide.abs().gt(max_finite).sum().item<int64_t>();
+      report_out_of_range(name, r.clipped, w.numel(), amax, storage, options.out_of_range);
+      r.stored = wide.clamp(-max_finite, max_finite).to(storage);
+      return r;
+    }
     r.stored = w.to(storage);
     return r;
   }

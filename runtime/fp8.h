@@ -46,12 +46,15 @@ struct StorageCast {
   int64_t clipped = 0;  // values saturated to +-max finite (see Note [fp8 out-of-range values])
 };
 
-// Casts `w` to `storage`. For an fp8 storage dtype: refuses NaN/inf, applies
-// options.out_of_range, and with options.scale_mode != none also returns the fp32 scale
-// (amax / max finite; 1 for an all-zero tensor or row) with stored = cast(w / scale).
-// Scales apply only to tensors of 2 or more dims (weights); 1-d tensors (biases) are cast
-// unscaled, because layers upcast biases without a scale. `name` is used in messages only.
-// A non-fp8 storage dtype is a plain .to(). options.storage/compute are not consulted.
+// Casts `w` to `storage`. Refuses NaN/inf for every storage dtype and applies
+// options.out_of_range to finite values beyond the storage dtype's largest finite value
+// (fp8; float16's 65504; bfloat16's from float32). For an fp8 storage dtype with
+// options.scale_mode != none it also returns the fp32 scale (amax / max finite; 1 for an
+// all-zero tensor or row) with stored = cast(w / scale). Scales apply only to tensors of 2
+// or more dims (weights); 1-d tensors (biases) are cast unscaled, because layers upcast
+// biases without a scale. A non-fp8 storage dtype is otherwise a plain .to(); an fp8 input
+// there is checked on its bytes (its upcast is exact). `name` is used in messages only.
+// options.storage/compute are not consulted.
 StorageCast cast_to_storage(const at::Tensor& w, at::ScalarType storage, const std::string& name,
                             const Fp8Options& options = {});
 
@@ -64,10 +67,20 @@ struct Fp8NonFinite {
   int64_t infs = 0;
 };
 Fp8NonFinite count_fp8_non_finite(at::ScalarType fp8, const uint8_t* bytes, int64_t n);
-// Throws InvalidArgument naming `name`, the counts and `storage` when nans + infs > 0.
-void refuse_non_finite(const std::string& name, int64_t nans, int64_t infs, at::ScalarType storage);
-// `clipped` of `numel` values beyond +-max finite of `storage` (largest |w| `amax`): throws
-// InvalidArgument under OutOfRangePolicy::refuse, else logs the one saturation warning.
+// NaN and Inf among `n` elements of dtype `t` at `bytes`: any fp8 dtype, bfloat16, float16
+// or float32 (InvalidArgument for another dtype). A vectorized scan (runtime/fp8_kernels.h);
+// the elements are told apart one by one only when it finds any.
+Fp8NonFinite count_non_finite(at::ScalarType t, const void* bytes, int64_t n);
+// Throws InvalidArgument naming `name`, the counts and `storage` when nans + infs > 0:
+// "<where>: tensor 'w' holds 1 NaN and 0 inf values; refusing to store it as bfloat16"
+// (`where` names the file, "file 'x.safetensors'"; empty: "cast_to_storage").
+void refuse_non_finite(const std::string& name, int64_t nans, int64_t infs, at::ScalarType storage,
+                       const std::string& where = {});
+// The largest finite value of a storage dtype: fp8_max_finite for fp8, 65504 for float16,
+// bfloat16's 3.3895e38, float32's FLT_MAX; InvalidArgument for another dtype.
+double storage_max_finite(at::ScalarType storage);
+// `clipped` of `numel` values beyond +-storage_max_finite(storage) (largest |w| `amax`):
+// throws InvalidArgument under OutOfRangePolicy::refuse, else logs the one saturation warning.
 void report_out_of_range(const std::string& name, int64_t clipped, int64_t numel, double amax, at::ScalarType storage,
                          OutOfRangePolicy policy);
 // The per-tensor scale of a tensor whose largest |w| is `amax`: amax / max finite in

@@ -473,6 +473,34 @@ Cast16Stats cast_bf16_e4m3fn(const uint16_t* in, uint8_t* out, int64_t n, uint16
   return active().cast_bf16_e4m3fn(in, out, n, max_bits);
 }
 
+Scan32Stats stats_32(const uint32_t* __restrict in, int64_t n, uint32_t max_bits) {
+  Scan32Stats s;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = n - start < kBlock ? n : start + kBlock;
+    uint32_t block_over = 0;
+    uint32_t worst = s.worst;
+    for (int64_t i = start; i < end; ++i) {
+      const uint32_t m = in[i] & 0x7FFFFFFFu;
+      block_over += m > max_bits;
+      worst = worst > m ? worst : m;
+    }
+    s.over += block_over;
+    s.worst = worst;
+  }
+  return s;
+}
+
+void f32_to_bf16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = in[i];
+    out[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+void bf16_to_f32(const uint16_t* __restrict in, uint32_t* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(in[i]) << 16;
+}
+
 Cast16Stats stats_16(const uint16_t* in, int64_t n, uint16_t max_bits) { return active().stats_16(in, n, max_bits); }
 
 int64_t count_masked(const uint8_t* b, int64_t n, uint8_t mask, uint8_t value) {

@@ -79,6 +79,24 @@ Cast16Stats stats_16(const uint16_t* in, int64_t n, uint16_t max_bits);
 // inf/NaN bytes of e5m2 (0x7C, 0x7C), the NaN byte of the fnuz types (0xFF, 0x80).
 int64_t count_masked(const uint8_t* b, int64_t n, uint8_t mask, uint8_t value);
 
+// ---- plain loops (one variant, vectorized by the compiler at -O3 for the baseline ISA) --
+// The checks and conversions of loads into a non-fp8 dtype (Note [fused read]).
+
+// What a scan of fp32 bits saw.
+struct Scan32Stats {
+  int64_t over = 0;    // elements whose magnitude bits exceed `max_bits` (inf/NaN included)
+  uint32_t worst = 0;  // largest magnitude bits (sign cleared) seen
+};
+Scan32Stats stats_32(const uint32_t* in, int64_t n, uint32_t max_bits);
+
+// fp32 -> bf16 rounded to nearest even: c10::BFloat16's conversion for every non-NaN value
+// (NaN inputs give unspecified bits, which the caller refuses; finite values beyond bf16's
+// largest finite value round to inf, which the caller saturates).
+void f32_to_bf16(const uint32_t* in, uint16_t* out, int64_t n);
+
+// bf16 -> fp32 (exact).
+void bf16_to_f32(const uint16_t* in, uint32_t* out, int64_t n);
+
 // ---- the variants (Note [vectorized fp8 loops]) -------------------------------------
 
 enum class Isa { generic, sse2, avx2, avx512 };

@@ -32,6 +32,8 @@ namespace {
 // ---- element conversions ----------------------------------------------------------
 
 bool is_16bit_float(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+// The dtypes the fused read reads and writes: what a weight may be stored as.
+bool is_float_storage(at::ScalarType t) { return is_fp8(t) || is_16bit_float(t) || t == at::kFloat; }
 
 float to_float(at::ScalarType t, uint16_t bits) {
   return t == at::kBFloat16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))
@@ -181,9 +183,86 @@ void cast_float(at::ScalarType t, const uint8_t* in, uint8_t* out, int64_t n, fl
   }
 }
 
+// Stores `v` (finite, within dtype t's range) as element i of a bf16/fp16/fp32 buffer,
+// rounded to nearest even as ATen's .to() does.
+void store(at::ScalarType t, uint8_t* p, int64_t i, float v) {
+  if (t == at::kFloat) {
+    std::memcpy(p + i * 4, &v, 4);
+    return;
+  }
+  const uint16_t b = t == at::kBFloat16 ? c10::BFloat16(v).x : c10::Half(v).x;
+  std::memcpy(p + i * 2, &b, 2);
+}
+
+// Any float storage dtype -> bfloat16/float16/float32 (not equal): NaN/Inf counted in the same
+// pass (count_non_finite's vectorized scan), finite values beyond the destination's largest
+// finite value (float16 from bfloat16/float32, bfloat16 from float32) counted and saturated.
+// fp8 sources go through the exact tables; bf16 <-> fp32 through the vectorized loops of
+// runtime/fp8_kernels.h; pairs with float16 one element at a time (c10's conversions, what
+// ATen's .to() computes).
+void convert(at::ScalarType src, at::ScalarType dst, const uint8_t* in, uint8_t* out, int64_t n, ChunkResult& r) {
+  if (src == at::kFloat && dst == at::kBFloat16) {
+    // One scan for both: magnitudes beyond bfloat16's largest finite value (0x7F7F0000 as
+    // fp32 bits) are the non-finite ones and the finite ones to saturate (counted, as for
+    // fp8, even where they round down to it).
+    const auto* in32 = reinterpret_cast<const uint32_t*>(in);
+    auto* o = reinterpret_cast<uint16_t*>(out);
+    const fp8_kernels::Scan32Stats s = fp8_kernels::stats_32(in32, n, 0x7F7F0000u);
+    fp8_kernels::f32_to_bf16(in32, o, n);
+    if (s.over == 0) return;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t m = in32[i] & 0x7FFFFFFFu;
+      if (m <= 0x7F7F0000u) continue;
+      if (m > 0x7F800000u) {
+        ++r.nans;
+      } else if (m == 0x7F800000u) {
+        ++r.infs;
+      } else {
+        ++r.over;
+        r.amax = std::max(r.amax, std::fabs(load(src, in, i)));
+        o[i] = static_cast<uint16_t>(((in32[i] >> 16) & 0x8000u) | 0x7F7Fu);
+      }
+    }
+    return;
+  }
+  const Fp8NonFinite bad = count_non_finite(src, in, n);
+  r.nans += bad.nans;
+  r.infs += bad.infs;
+  if (is_fp8(src)) {  // exact: every fp8 value is a bfloat16, float16 and float32 value
+    const Fp8Tables& tab = fp8_tables(src);
+    if (dst == at::kFloat) {
+      auto* o = reinterpret_cast<float*>(out);
+      for (int64_t i = 0; i < n; ++i) o[i] = tab.f32[in[i]];
+    } else {
+      const uint16_t* table = dst == at::kBFloat16 ? tab.bf16 : tab.f16;
+      auto* o = reinterpret_cast<uint16_t*>(out);
+      for (int64_t i = 0; i < n; ++i) o[i] = table[in[i]];
+    }
+    return;
+  }
+  if (src == at::kBFloat16 && dst == at::kFloat) {
+    fp8_kernels::bf16_to_f32(reinterpret_cast<const uint16_t*>(in), reinterpret_cast<uint32_t*>(out), n);
+    return;
+  }
+  const auto maxf = static_cast<float>(storage_max_finite(dst));
+  for (int64_t i = 0; i < n; ++i) {
+    float v = load(src, in, i);
+    if (!std::isfinite(v)) {  // counted above; refused before the bytes are used
+      store(dst, out, i, 0.0f);
+      continue;
+    }
+    if (std::fabs(v) > maxf) {
+      ++r.over;
+      r.amax = std::max(r.amax, std::fabs(v));
+      v = std::copysign(maxf, v);
+    }
+    store(dst, out, i, v);
+  }
+}
+
 // ---- the work ---------------------------------------------------------------------
 
-enum class Kind { copy, cast16, cast_float, scaled_rows, scaled_tensor };
+enum class Kind { copy, cast16, cast_float, scaled_rows, scaled_tensor, convert };
 
 struct Plan {
   Kind kind;
@@ -206,6 +285,8 @@ Plan plan_of(const ReadTarget& t) {
   p.row_len = n;
   if (p.src == p.dst) {
     p.kind = Kind::copy;
+  } else if (!is_fp8(p.dst)) {
+    p.kind = Kind::convert;
   } else if (t.scale_mode != ScaleMode::none && t.dst.dim() >= 2 && n > 0) {
     p.kind = t.scale_mode == ScaleMode::per_tensor ? Kind::scaled_tensor : Kind::scaled_rows;
     if (p.kind == Kind::scaled_rows) {
@@ -225,6 +306,10 @@ void check_target(const File& file, const ReadTarget& t) {
     throw InvalidArgument(where + ": the destination must be a contiguous CPU tensor of " +
                           std::to_string(t.source->numel()) + " elements");
   }
+  if (!is_float_storage(t.source->dtype)) {
+    throw InvalidArgument(where + " has dtype " + sluice::dtype_name(t.source->dtype) +
+                          ", expected a floating-point tensor (float8, bfloat16, float16 or float32)");
+  }
   if (!can_fuse(t.source->dtype, t.dst.scalar_type())) {
     throw InvalidArgument(where + ": cannot read " + sluice::dtype_name(t.source->dtype) + " into " +
                           sluice::dtype_name(t.dst.scalar_type()));
@@ -234,8 +319,10 @@ void check_target(const File& file, const ReadTarget& t) {
 }  // namespace
 
 bool can_fuse(at::ScalarType source_dtype, at::ScalarType dst_dtype) {
+  if (!is_float_storage(source_dtype) || !is_float_storage(dst_dtype)) return false;
   if (source_dtype == dst_dtype) return true;
-  return is_fp8(dst_dtype) && (is_16bit_float(source_dtype) || source_dtype == at::kFloat);
+  if (is_fp8(dst_dtype)) return !is_fp8(source_dtype);  // bf16/fp16/fp32 -> fp8, checked and saturated
+  return true;                                           // any -> bf16/fp16/fp32
 }
 
 int resolve_threads(int threads) {
@@ -312,11 +399,13 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
             // Straight into `dst`, whose pages populate_pages() has just faulted in.
             uint8_t* at = dst + c.begin * p.elem_src;
             file.read_range(*t.source, static_cast<uint64_t>(c.begin * p.elem_src), nbytes, at);
-            if (is_fp8(p.dst)) {
-              const Fp8NonFinite bad = count_fp8_non_finite(p.dst, at, n);
-              r.nans += bad.nans;
-              r.infs += bad.infs;
-            }
+            // Checked while the chunk is in cache (Note [fused read]).
+            const Fp8NonFinite bad = count_non_finite(p.dst, at, n);
+            r.nans += bad.nans;
+            r.infs += bad.infs;
+          } else if (p.kind == Kind::convert) {
+            file.read_range(*t.source, static_cast<uint64_t>(c.begin * p.elem_src), nbytes, buf.get());
+            convert(p.src, p.dst, buf.get(), dst + c.begin * static_cast<int64_t>(t.dst.element_size()), n, r);
           } else {
             file.read_range(*t.source, static_cast<uint64_t>(c.begin * p.elem_src), nbytes, buf.get());
             const auto maxf = static_cast<float>(fp8_max_finite(p.dst));
@@ -347,7 +436,8 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
                 }
                 break;
               }
-              case Kind::copy: break;
+              case Kind::copy:
+              case Kind::convert: break;
             }
           }
         } catch (...) {
@@ -386,8 +476,11 @@ FusedReadStats read_tensors(const File& file, std::vector<ReadTarget>& targets, 
     }
     return sum;
   };
+  const std::string where = "file '" + file.path() + "'";
   auto refuse_any_non_finite = [&](const std::vector<ChunkResult>& sum) {
-    for (size_t i : order) refuse_non_finite(targets[i].name, sum[i].nans, sum[i].infs, targets[i].dst.scalar_type());
+    for (size_t i : order) {
+      refuse_non_finite(targets[i].name, sum[i].nans, sum[i].infs, targets[i].dst.scalar_type(), where);
+    }
   };
 
   std::vector<ChunkResult> results;

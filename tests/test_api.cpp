@@ -200,6 +200,38 @@ TEST_CASE("api: forward with a progress callback reports each layer and returns 
   CHECK(grid.find('S') != std::string::npos);
 }
 
+TEST_CASE("api: a progress callback that throws Interrupted stops the forward before its next layer") {
+  // Issue 29, item 10 (Python's Ctrl-C is built on it): a request to stop ends the forward at
+  // the next layer boundary, as an exception does; the next forward is unchanged.
+  sluice::ModelCache cache(cpu());
+  sluice::LoadOptions lo;
+  lo.max_resident = 0.5;
+  sluice::Model model = cache.load("anima-small", lo);
+  const Inputs in = inputs(model.info());
+  sluice::LockedModel m = model.lock();
+  int64_t n = 0;
+  const at::Tensor ref = m.forward(in.x, in.t, in.ctx, [&](int64_t done, int64_t) { n = done; });
+  REQUIRE(n > 4);
+  for (const int64_t stop_at : {int64_t{1}, n / 2, n}) {  // n: after the last layer
+    INFO("stop at layer " << stop_at);
+    int64_t calls = 0;
+    try {
+      m.forward(in.x, in.t, in.ctx, [&](int64_t done, int64_t) {
+        calls = done;
+        if (done == stop_at) throw sluice::Interrupted("stop at " + std::to_string(done));
+      });
+      FAIL("no Interrupted");
+    } catch (const sluice::Interrupted& e) {
+      CHECK(std::string(e.what()) == "stop at " + std::to_string(stop_at));
+    }
+    CHECK(calls == stop_at);  // no layer after the one whose callback asked
+    CHECK(at::equal(m(in.x, in.t, in.ctx), ref));
+  }
+  // Storage dtypes and residency are as before.
+  CHECK(model.stats().residency_grid.find('S') != std::string::npos);
+  CHECK(model.info().storage_dtype == "float8_e4m3fn");
+}
+
 TEST_CASE("api: bytes streamed equal the non-resident bytes and outputs match across budgets") {
   sluice::ModelCache roomy(cpu());
   sluice::Model ref_model = roomy.load("anima-small");

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -646,4 +647,80 @@ TEST_CASE("convert: refuses its input as output and a non-fp8 storage; an fp8 Na
   st::save(s.path("nan.safetensors"), t);
   CHECK_THROWS_WITH(load_anima(s.path("nan.safetensors"), with_storage(fp8(sluice::ScaleMode::none))),
                     Catch::Contains("blocks.0.mlp.layer1.weight") && Catch::Contains("NaN"));
+}
+
+TEST_CASE("load: NaN and Inf weights are refused naming the file and the tensor for every storage and read path") {
+  // Issue 29, item 3: fp8 storage refused a NaN weight, bf16 storage (and a load with no
+  // storage) kept it. Each file dtype, each storage dtype and each way a tensor is read
+  // (cast as read, read as stored, converted to the compute dtype, a skipped layer, a norm).
+  Scratch s;
+  const AnimaConfig c = preset("anima-tiny");
+  for (const auto file_dtype : {at::kBFloat16, at::kFloat}) {
+    write_random_checkpoint(c, 5, file_dtype, s.path("ok.safetensors"));
+    for (const std::string key : {"net.blocks.0.mlp.layer1.weight", "net.blocks.1.self_attn.q_norm.weight",
+                                  "net.t_embedder.1.linear_1.weight", "net.x_embedder.proj.1.weight"}) {
+      for (const double bad : {std::nan(""), -static_cast<double>(INFINITY)}) {
+        Tensors t = read_all(s.path("ok.safetensors"));
+        find(t, key).view({-1}).index_put_({3}, bad);
+        const std::string path = s.path("bad.safetensors");
+        st::save(path, t);
+        std::vector<LoadOptions> options(1);  // no storage: every weight in options.dtype
+        options[0].dtype = at::kBFloat16;
+        for (const at::ScalarType storage : {at::kFloat8_e4m3fn, at::kFloat8_e5m2, at::kBFloat16, at::kHalf, at::kFloat}) {
+          sluice::Fp8Options o;
+          o.storage = storage;
+          for (const at::ScalarType compute : {at::kBFloat16, at::kFloat}) {
+            o.compute = compute;
+            options.push_back(with_storage(o));
+          }
+        }
+        for (const LoadOptions& o : options) {
+          CAPTURE(file_dtype, key, bad, o.storage ? sluice::dtype_name(o.storage->storage) : "none");
+          try {
+            load_anima(path, o);
+            FAIL("no throw");
+          } catch (const sluice::InvalidArgument& e) {
+            const std::string what = e.what();
+            CHECK(has(what, "'" + path + "'"));
+            CHECK(has(what, "'" + key + "'"));
+            CHECK(has(what, std::isnan(bad) ? "1 NaN and 0 inf" : "0 NaN and 1 inf"));
+          }
+        }
+      }
+    }
+  }
+  // fp8 files: a NaN byte, read as stored or upcast into bf16/fp32 storage.
+  write_random_checkpoint(c, 5, at::kBFloat16, s.path("ok.safetensors"));
+  convert_checkpoint(s.path("ok.safetensors"), s.path("fp8.safetensors"), fp8(sluice::ScaleMode::none));
+  Tensors t = read_all(s.path("fp8.safetensors"));
+  find(t, "net.blocks.1.mlp.layer2.weight").view(at::kByte).view({-1}).index_put_({9}, 0xFF);  // e4m3fn -NaN
+  st::save(s.path("nan8.safetensors"), t);
+  for (const at::ScalarType storage : {at::kFloat8_e4m3fn, at::kBFloat16, at::kFloat}) {
+    sluice::Fp8Options o;
+    o.storage = storage;
+    CAPTURE(storage);
+    CHECK_THROWS_WITH(load_anima(s.path("nan8.safetensors"), with_storage(o)),
+                      Catch::Contains("'" + s.path("nan8.safetensors") + "'") &&
+                          Catch::Contains("'net.blocks.1.mlp.layer2.weight'") && Catch::Contains("1 NaN"));
+  }
+}
+
+TEST_CASE("load: an integer or bool tensor where a weight belongs is a CheckpointError naming its dtype") {
+  Scratch s;
+  write_random_checkpoint(preset("anima-tiny"), 5, at::kBFloat16, s.path("ok.safetensors"));
+  for (const at::ScalarType dtype : {at::kChar, at::kByte, at::kInt, at::kBool}) {
+    Tensors t = read_all(s.path("ok.safetensors"));
+    at::Tensor& w = find(t, "net.blocks.0.mlp.layer1.weight");
+    w = at::ones_like(w, dtype);
+    st::save(s.path("int.safetensors"), t);
+    CAPTURE(dtype);
+    for (const bool storage : {false, true}) {
+      const std::string what = load_error(s.path("int.safetensors"), storage ? with_storage(fp8(sluice::ScaleMode::none))
+                                                                             : LoadOptions{});
+      CHECK(has(what, "'" + s.path("int.safetensors") + "'"));
+      CHECK(has(what, "'net.blocks.0.mlp.layer1.weight'"));
+      CHECK(has(what, "has dtype " + sluice::dtype_name(dtype)));
+      CHECK(has(what, "expected a floating-point dtype"));
+    }
+  }
 }

@@ -288,6 +288,50 @@ TEST_CASE("convert writes an fp8 checkpoint that run streams to the latent of a 
   expect_error({"convert", src, "--out", dir / "no-such-dir/x.safetensors"}, 2, {"--out"});
 }
 
+TEST_CASE("run: an e5m2 checkpoint runs as stored and a --storage that casts it says so once") {
+  // Issue 29, item 7: `run --storage` took only float8_e4m3fn and bfloat16, and an e5m2 file
+  // from `convert --storage float8_e5m2` was re-cast to e4m3fn with no word.
+  TempDir dir;
+  const std::string src = dir / "src.safetensors", e5 = dir / "e5.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "9", "--out", src});
+  run_ok({"convert", src, "--out", e5, "--storage", "float8_e5m2"});
+  auto count = [](const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  auto run = [&](const std::string& checkpoint, const std::vector<std::string>& extra, const std::string& out) {
+    std::vector<std::string> args{"run", "--device", "cpu", "--checkpoint", checkpoint, "--steps", "2",
+                                  "--resolution", "64", "--max-resident", "0.5", "--output", out};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_ok(args);
+  };
+  // By default an fp8 file keeps its own fp8 dtype: nothing is cast, nothing to say.
+  const std::string a = dir / "a.safetensors", b = dir / "b.safetensors", c = dir / "c.safetensors";
+  const Result stored = run(e5, {}, a);
+  CHECK(stored.out.find(", storage float8_e5m2, ") != std::string::npos);
+  CHECK(stored.out.find("cast to") == std::string::npos);
+  CHECK(stored.err.empty());
+  // Bit for bit the latent of converting the bf16 source to e5m2 at load time, which says
+  // once that the file's bf16 weights are cast.
+  const Result from_src = run(src, {"--storage", "float8_e5m2"}, b);
+  CHECK(at::equal(sluice::safetensors::File::open(a)->tensor("latent"),
+                  sluice::safetensors::File::open(b)->tensor("latent")));
+  CHECK(count(from_src.out, "'" + src + "' stores its weights as bfloat16; cast to float8_e5m2 storage") == 1);
+  // Every storage dtype the runtime supports is taken; a cast of the file's dtype is said once.
+  for (const std::string storage : {"float8_e4m3fn", "bfloat16", "float16", "float32"}) {
+    INFO("storage " << storage);
+    const Result r = run(e5, {"--storage", storage}, c);
+    CHECK(r.out.find(", storage " + storage + ", ") != std::string::npos);
+    CHECK(count(r.out, "'" + e5 + "' stores its weights as float8_e5m2; cast to " + storage + " storage") == 1);
+    CHECK(r.err.empty());
+  }
+  const Result gen = run_ok({"run", "--device", "cpu", "--synthetic", "anima-tiny", "--steps", "1", "--resolution",
+                             "64", "--storage", "float16"});
+  CHECK(gen.out.find(", storage float16, ") != std::string::npos);
+  expect_error({"run", "--synthetic", "anima-tiny", "--storage", "int8"}, 2, {"--storage", "int8"});
+}
+
 TEST_CASE("convert --scale without --scaled stores the scales it names") {
   TempDir dir;
   const std::string src = dir / "src.safetensors";

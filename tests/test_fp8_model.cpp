@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -263,6 +264,55 @@ TEST_CASE("apply_storage refuses NaN weights and leaves that layer untouched") {
   }
   CHECK(victim->stored_weight().scalar_type() == at::kBFloat16);
   CHECK(at::isnan(victim->stored_weight()).sum().item<int64_t>() == 1);
+}
+
+TEST_CASE("apply_storage refuses NaN and Inf weights for every storage dtype, a weight kept as it is too") {
+  // Issue 29, item 3: bf16 storage kept a NaN weight of a bf16 model as it was.
+  for (const at::ScalarType storage : {at::kFloat8_e4m3fn, at::kBFloat16, at::kHalf, at::kFloat}) {
+    for (const at::ScalarType compute : {at::kBFloat16, at::kFloat}) {
+      for (const float bad : {std::nanf(""), -INFINITY}) {
+        CAPTURE(storage, compute, bad);
+        AnimaModel m = random_model(preset("anima-tiny"), 2, compute);
+        offload::ManagedLayerImpl* victim = nullptr;
+        for (auto& [name, layer] : offload::managed_layers(*m)) {
+          if (name == "blocks.1.mlp.layer2") victim = layer;
+        }
+        REQUIRE(victim != nullptr);
+        at::Tensor w = victim->stored_weight().clone();
+        w.view(-1)[7] = bad;
+        victim->set_stored(w);
+        Fp8Options o = fp8();
+        o.storage = storage;
+        o.compute = compute;
+        const std::string what = std::isnan(bad) ? "1 NaN and 0 inf" : "0 NaN and 1 inf";
+        CHECK_THROWS_WITH(offload::apply_storage(*m, "anima-tiny", o, declared_fp8_skips()),
+                          Catch::Contains("'blocks.1.mlp.layer2.weight'") && Catch::Contains(what));
+      }
+    }
+  }
+  // Beyond float16's range: saturated with the one warning, never inf.
+  AnimaModel m = random_model(preset("anima-tiny"), 2, at::kFloat);
+  offload::ManagedLayerImpl* victim = offload::managed_layers(*m).front().second;
+  for (auto& [name, layer] : offload::managed_layers(*m)) {
+    if (name == "blocks.1.mlp.layer2") victim = layer;
+  }
+  at::Tensor w = victim->stored_weight().clone();
+  w.view(-1)[3] = 1e6f;
+  victim->set_stored(w);
+  Fp8Options o = fp8();
+  o.storage = at::kHalf;
+  o.compute = at::kFloat;
+  const offload::StorageReport r = offload::apply_storage(*m, "anima-tiny", o, declared_fp8_skips());
+  CHECK(r.clipped == 1);
+  CHECK(victim->stored_weight().scalar_type() == at::kHalf);
+  CHECK(victim->stored_weight().view(-1)[3].item<float>() == 65504.0f);
+  o.out_of_range = OutOfRangePolicy::refuse;
+  AnimaModel m2 = random_model(preset("anima-tiny"), 2, at::kFloat);
+  for (auto& [name, layer] : offload::managed_layers(*m2)) {
+    if (name == "blocks.1.mlp.layer2") layer->set_stored(w);
+  }
+  CHECK_THROWS_WITH(offload::apply_storage(*m2, "anima-tiny", o, declared_fp8_skips()),
+                    Catch::Contains("blocks.1.mlp.layer2.weight") && Catch::Contains("65504"));
 }
 
 TEST_CASE("apply_storage on a meta model also builds meta scales for scaled storage") {

@@ -305,14 +305,108 @@ TEST_CASE("fused read: targets it cannot read are refused before any byte is rea
     t[0].dst = std::move(dst);
     return error_text([&] { st::read_tensors(*f, t); });
   };
-  CHECK_THAT(attempt("w", at::empty({4, 4}, at::kFloat)), Catch::Contains("cannot read bfloat16 into float32"));
+  CHECK_THAT(attempt("w", at::empty({4, 4}, at::kInt)), Catch::Contains("cannot read bfloat16 into int32"));
   CHECK_THAT(attempt("q", at::empty({4, 4}, at::kFloat8_e5m2)), Catch::Contains("cannot read float8_e4m3fn"));
   CHECK_THAT(attempt("w", at::empty({4, 5}, at::kBFloat16)), Catch::Contains("16 elements"));
   CHECK_THAT(attempt("w", at::empty({4, 8}, at::kBFloat16).slice(1, 0, 4)), Catch::Contains("contiguous"));
   CHECK(st::can_fuse(at::kBFloat16, at::kFloat8_e4m3fn));
   CHECK(st::can_fuse(at::kFloat, at::kFloat8_e5m2));
   CHECK_FALSE(st::can_fuse(at::kFloat8_e5m2, at::kFloat8_e4m3fn));
-  CHECK_FALSE(st::can_fuse(at::kBFloat16, at::kHalf));
+  CHECK(st::can_fuse(at::kBFloat16, at::kHalf));
+  CHECK(st::can_fuse(at::kFloat8_e5m2, at::kFloat));
+  CHECK_FALSE(st::can_fuse(at::kChar, at::kBFloat16));
+  CHECK_FALSE(st::can_fuse(at::kBFloat16, at::kBool));
+  CHECK_FALSE(st::can_fuse(at::kDouble, at::kFloat));
   CHECK(st::resolve_threads(3) == 3);
   CHECK(st::resolve_threads(0) >= 1);
+}
+
+TEST_CASE("fused read: every float dtype into bfloat16, float16 and float32 matches the checked cast byte for byte") {
+  // Issue 29, item 3: loads into a non-fp8 dtype are converted in the read, with the same
+  // checks as fp8 storage (NaN/Inf refused, values beyond the destination's range saturated).
+  TempDir dir;
+  const std::string path = dir / "src.safetensors";
+  at::manual_seed(4);
+  const at::Tensor f32 = at::cat({at::randn({60, 64}) * 30, at::tensor({3.39e38f, -3.4e38f, 70000.0f, -65519.0f,
+                                                                          65520.0f, 1e-40f, -0.0f, 1.0f})
+                                                                   .repeat({64})
+                                                                   .reshape({8, 64})})
+                         .contiguous();
+  const Tensors sources = {{"bf16", all_finite_16(at::kBFloat16)},
+                           {"f16", all_finite_16(at::kHalf)},
+                           {"f32", f32},
+                           {"e4", (at::randn({16, 64}) * 100).clamp(-448, 448).to(at::kFloat8_e4m3fn)},
+                           {"e5", (at::randn({16, 64}) * 1000).to(at::kFloat8_e5m2)}};
+  st::save(path, sources);
+  for (const auto& [name, src] : sources) {
+    for (const at::ScalarType dst : {at::kBFloat16, at::kHalf, at::kFloat}) {
+      if (src.scalar_type() == dst) continue;
+      CAPTURE(name, dst);
+      st::FusedReadOptions o;
+      o.threads = 3;
+      o.chunk_bytes = 1000;  // chunks that split rows
+      st::FusedReadStats stats;
+      const auto got = read(path, {name}, dst, ScaleMode::none, o, &stats);
+      const StorageCast want = cast_to_storage(src, dst, name);
+      CHECK(same_bytes(got[0].dst, want.stored));
+      CHECK(got[0].clipped == want.clipped);
+      CHECK(got[0].cast);
+      CHECK(stats.cast == 1);
+    }
+  }
+  // float16 from float32 saturates what is beyond 65504 (5 of the 8 values, 64 times each:
+  // 65519 rounds down to it and is counted too, as for fp8), and so does bfloat16 from
+  // float32 beyond 3.3895e38 (3.39e38 rounds down to it, -3.4e38 would round to -inf).
+  CHECK(read(path, {"f32"}, at::kHalf, ScaleMode::none)[0].clipped == 64 * 5);
+  CHECK(read(path, {"f32"}, at::kBFloat16, ScaleMode::none)[0].clipped == 64 * 2);
+  st::FusedReadOptions refuse;
+  refuse.out_of_range = OutOfRangePolicy::refuse;
+  CHECK_THAT(error_text([&] { read(path, {"f32"}, at::kHalf, ScaleMode::none, refuse); }),
+             Catch::Contains("'f32'") && Catch::Contains("beyond +-65504"));
+}
+
+TEST_CASE("fused read: NaN and Inf are refused naming the file and the tensor whatever the dtype read into") {
+  // Issue 29, item 3: a bf16 tensor read as bf16 was copied with no look at its values.
+  TempDir dir;
+  const std::string path = dir / "bad.safetensors";
+  Tensors tensors;
+  for (const at::ScalarType t : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    at::Tensor bad = at::ones({8, 64}, t);
+    bad[1][2] = std::numeric_limits<float>::quiet_NaN();
+    bad[7][63] = -std::numeric_limits<float>::infinity();
+    tensors.emplace_back("blocks.0.bad_" + dtype_name(t), bad);
+  }
+  at::Tensor e5 = at::ones({8, 64}, at::kFloat8_e5m2);
+  e5.view(at::kByte).view(-1)[3] = 0x7C;    // +inf
+  e5.view(at::kByte).view(-1)[300] = 0xFE;  // NaN
+  tensors.emplace_back("blocks.0.bad_e5", e5);
+  st::save(path, tensors);
+  for (const auto& [name, src] : tensors) {
+    for (const at::ScalarType dst : {src.scalar_type(), at::kBFloat16, at::kHalf, at::kFloat, at::kFloat8_e4m3fn}) {
+      if (!st::can_fuse(src.scalar_type(), dst)) continue;
+      CAPTURE(name, dst);
+      st::FusedReadOptions o;
+      o.threads = 2;
+      o.chunk_bytes = 128;
+      const std::string msg = error_text([&] { read(path, {name}, dst, ScaleMode::none, o); });
+      CHECK_THAT(msg, Catch::Contains("file '" + path + "'") && Catch::Contains("'" + name + "'") &&
+                          Catch::Contains("1 NaN and 1 inf"));
+    }
+  }
+}
+
+TEST_CASE("fused read: a tensor that is not floating-point is refused naming its dtype") {
+  TempDir dir;
+  const std::string path = dir / "ints.safetensors";
+  st::save(path, {{"w", at::ones({4, 4}, at::kChar)}, {"b", at::ones({4}, at::kBool)}});
+  const auto f = st::File::open(path);
+  for (const auto& [name, dtype] : std::vector<std::pair<std::string, std::string>>{{"w", "int8"}, {"b", "bool"}}) {
+    std::vector<st::ReadTarget> t(1);
+    t[0].source = f->find(name);
+    t[0].name = name;
+    t[0].dst = at::empty(t[0].source->shape, at::kBFloat16);
+    CHECK_THAT(error_text([&] { st::read_tensors(*f, t); }),
+               Catch::Contains("'" + name + "'") && Catch::Contains("has dtype " + dtype) &&
+                   Catch::Contains("expected a floating-point tensor"));
+  }
 }

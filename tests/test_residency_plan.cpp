@@ -152,15 +152,60 @@ TEST_CASE("residency plan: partial blocks and required layers in the map") {
   in.ring_slots = 2;
   // required 3 + scratch 8 + ring 2*4 = 19; 9 MiB left for resident layers.
   in.weight_budget = 28 * MiB;
-  in.policy = ResidencyPolicy::front_first;
+  in.policy = ResidencyPolicy::spread;
   const ResidencyPlan p = plan_residency(in);
-  // First fit in order: b0.q 2, b0.mlp 4, b1.q 2 (8 taken), b1.mlp 4 no, b2.q 2 no (10 > 9)...
-  CHECK(p.residency_map() == "blocks: RPSS; other: 2 resident (2 required), 0 streamed");
+  // The byte walk (f = 9/24; layer i taken when taken + half of it <= f * seen): b0.q no
+  // (1 > 0.75), b0.mlp yes (2 <= 2.25), b1.q no, b1.mlp no (6 > 4.5), b2.q yes (5 <= 5.25),
+  // b2.mlp no, b3.q yes (7 <= 7.5), b3.mlp no; first fit then finds no room (8 + 2 > 9).
+  CHECK(p.residency_map() == "blocks: PSPP; other: 2 resident (2 required), 0 streamed");
   CHECK(p.required_bytes == 3 * MiB);
   CHECK(p.resident_bytes == 3 * MiB + 8 * MiB);
   CHECK(p.streamed_bytes == 24 * MiB - 8 * MiB);
   CHECK(p.device_bytes() == 11 * MiB + 8 * MiB + 8 * MiB);
   CHECK(p.to_string().find("streamed blocks.3.mlp") != std::string::npos);
+
+  // front_first takes whole blocks from the front: b0 (6 MiB) fits, b1 (6 more) does not,
+  // and nothing after it is taken even though b1.q alone would fit (issue 29, item 7).
+  in.policy = ResidencyPolicy::front_first;
+  const ResidencyPlan f = plan_residency(in);
+  CHECK(f.residency_map() == "blocks: RSSS; other: 2 resident (2 required), 0 streamed");
+  CHECK(f.resident_bytes == 3 * MiB + 6 * MiB);
+  CHECK(f.streamed_bytes == 24 * MiB - 6 * MiB);
+  CHECK(f.device_bytes() == 9 * MiB + 8 * MiB + 8 * MiB);
+  CHECK(f.to_string().find("streamed blocks.1.q") != std::string::npos);
+}
+
+TEST_CASE("residency plan: front_first keeps whole blocks from the front even where the largest layers would shrink the ring") {
+  // An anima-like block: small attention layers and two large MLP layers. Keeping every
+  // block's MLP resident would shrink the ring (the first-fit plan of old did that: MLP rows
+  // resident in all blocks, block 0 mixed); front_first keeps whole blocks from the front.
+  PlanInput in;
+  for (int b = 0; b < 8; ++b) {
+    for (const char* l : {"q", "k", "v", "o"}) in.layers.push_back(layer("blocks." + std::to_string(b) + "." + l, 1 * MiB));
+    in.layers.push_back(layer("blocks." + std::to_string(b) + ".mlp1", 4 * MiB));
+    in.layers.push_back(layer("blocks." + std::to_string(b) + ".mlp2", 4 * MiB));
+  }
+  in.ring_slots = 3;
+  in.policy = ResidencyPolicy::front_first;
+  for (const double f : {0.25, 0.5, 0.75}) {
+    CAPTURE(f);
+    in.max_resident = f;
+    in.weight_budget = 1000 * MiB;
+    const ResidencyPlan p = plan_residency(in);
+    check_invariants(in, p);
+    const std::string map = p.residency_map();
+    CHECK(map.find('P') == std::string::npos);
+    CHECK(map.find("RS") != std::string::npos);
+    CHECK(map.find("SR") == std::string::npos);
+    // Whole 12 MiB blocks within f x 96 MiB.
+    CHECK(p.resident_bytes == static_cast<uint64_t>(f * 96 / 12) * 12 * MiB);
+  }
+  // Under a budget instead of a cap: the ring is 3 x 4 MiB, the rest holds whole blocks.
+  in.max_resident.reset();
+  in.weight_budget = 12 * MiB + 40 * MiB;
+  const ResidencyPlan p = plan_residency(in);
+  CHECK(p.residency_map() == "blocks: RRRSSSSS");
+  CHECK(p.ring_bytes == 12 * MiB);
 }
 
 TEST_CASE("residency plan: everything resident needs no ring") {
@@ -288,7 +333,25 @@ TEST_CASE("residency plan: random inputs keep every invariant") {
     const ResidencyPlan p = plan_residency(in);
     INFO(p.to_string());
     check_invariants(in, p);  // residency, bytes, ring, required layers, max_resident
-    if (!in.max_resident) {
+    if (in.policy == ResidencyPolicy::front_first) {
+      // Whole blocks from the front, the rest streamed (Note [residency policy]), wherever
+      // a ring for the largest layer fits beside the required bytes.
+      uint64_t largest = 0;
+      for (const auto& l : in.layers) largest = std::max(largest, l.required ? 0 : l.slot_size());
+      if (p.required_bytes + in.scratch_bytes + in.ring_slots * largest <= in.weight_budget) {
+        bool streaming = false;
+        const PlanLayer* previous = nullptr;
+        for (size_t i = 0; i < p.layers.size(); ++i) {
+          if (p.layers[i].required) continue;
+          if (streaming) CHECK_FALSE(p.resident[i]);
+          if (!streaming && !p.resident[i]) {
+            streaming = true;
+            if (previous != nullptr && p.layers[i].block >= 0) CHECK(previous->block != p.layers[i].block);
+          }
+          previous = &p.layers[i];
+        }
+      }
+    } else if (!in.max_resident) {
       // The budget is filled as far as whole layers allow.
       for (size_t i = 0; i < p.layers.size(); ++i) {
         if (!p.resident[i]) CHECK(p.layers[i].stored_bytes > in.weight_budget - p.device_bytes());

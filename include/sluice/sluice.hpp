@@ -327,7 +327,10 @@ class LockedModel {
   // The same, calling `progress(layers_done, layers_expected)` on this thread after each
   // layer: `layers_expected` is the layer count of the previous forward (0 for the first).
   // On a GPU a layer counts once its work is enqueued. If `progress` throws, one warning
-  // is logged and it is not called again in this forward.
+  // is logged and it is not called again in this forward; except sluice::Interrupted
+  // (runtime/error.h), a request to stop: the forward then ends before its next layer and
+  // rethrows it, leaving the model as any forward that threw does (every weight in its
+  // storage dtype, leases released; the next forward is unchanged). Python's Ctrl-C uses it.
   using LayerProgress = std::function<void(int64_t layers_done, int64_t layers_expected)>;
   at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
                      const LayerProgress& progress);

@@ -13,6 +13,7 @@
 #include "offload/layer.h"
 #include "offload/storage.h"
 #include "runtime/error.h"
+#include "runtime/fp8.h"
 #include "runtime/fused_read.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
@@ -191,6 +192,11 @@ std::string plural(size_t n, const std::string& one, const std::string& many) {
   return std::to_string(n) + " " + (n == 1 ? one : many);
 }
 
+// The dtypes a model parameter may be read from: what sluice casts from.
+bool is_float_dtype(at::ScalarType t) {
+  return is_fp8(t) || t == at::kBFloat16 || t == at::kHalf || t == at::kFloat || t == at::kDouble;
+}
+
 }  // namespace
 
 at::Tensor read_scale(const safetensors::File& f, const TensorSource& src, const std::string& name, int64_t out_rows,
@@ -324,6 +330,14 @@ WeightReadReport load_weights(AnimaModelImpl& model, const safetensors::File& f,
       continue;
     }
     const auto* info = f.find(it->second.key);
+    if (!is_float_dtype(info->dtype) && is_float_dtype(item.value().scalar_type())) {
+      // Never converted: an int8 or bool tensor where a weight belongs is a broken or
+      // foreign file, not values to cast (issue 29).
+      throw CheckpointError("checkpoint '" + f.path() + "': tensor '" + it->second.key + "' has dtype " +
+                            dtype_name(info->dtype) +
+                            ", expected a floating-point dtype (float8_e4m3fn, float8_e5m2, bfloat16, float16, "
+                            "float32 or float64) for the model's parameter '" + item.key() + "'");
+    }
     if (at::IntArrayRef(info->shape) != item.value().sizes()) {
       mismatched.push_back(it->second.key + " file " + shape_str(info->shape) + " vs model " +
                            shape_str(item.value().sizes()));
@@ -400,7 +414,10 @@ WeightReadReport load_weights(AnimaModelImpl& model, const safetensors::File& f,
       dtype = storage->storage;
       scale_mode = storage->scale_mode;
       if (dtype != info.dtype) report.casts.cast.insert(layer);
-      if (is_fp8(dtype)) report.casts.checked.insert(layer);
+    }
+    if (layer != nullptr && l->second.to_storage && info.dtype != storage->storage &&
+        ends_with(item.key(), ".weight")) {
+      report.cast_from[dtype_name(info.dtype)] += 1;  // Note [converted checkpoints]: said once by load_anima
     }
     if (fuse && safetensors::can_fuse(info.dtype, dtype)) {
       safetensors::ReadTarget t;
@@ -437,15 +454,27 @@ WeightReadReport load_weights(AnimaModelImpl& model, const safetensors::File& f,
   report.cast = rs.cast;
   report.casts.clipped = rs.clipped;
   fused.clear();
-  // The rest (scaled fp8 into another dtype, conversions the fused read lacks), one at a time.
+  // The rest (scaled fp8 into another dtype, float64 sources), one at a time, checked as the
+  // fused read checks: NaN/Inf refused naming the file, values beyond the parameter's dtype
+  // saturated (cast_to_storage).
   for (size_t j : one_by_one) {
     const auto& item = params[j];
     const TensorSource& src = sources.at(item.key());
     const at::Tensor& param = item.value();
-    const at::Tensor values = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
-    loaded[j] = to_host_owned(values, param.scalar_type());
+    at::Tensor values = source_tensor(f, src, src.key, param.dim() > 0 ? param.size(0) : 1);
+    if (is_fp8(values.scalar_type())) values = values.to(at::kFloat);
+    if (!at::isfinite(values).all().item<bool>()) {
+      refuse_non_finite(src.key, at::isnan(values).sum().item<int64_t>(), at::isinf(values).sum().item<int64_t>(),
+                        param.scalar_type(), "file '" + f.path() + "'");
+    }
+    Fp8Options range;
+    if (storage != nullptr) range.out_of_range = storage->out_of_range;
+    loaded[j] = to_host_owned(cast_to_storage(values, param.scalar_type(), src.key, range).stored, param.scalar_type());
     task.advance(f.find(src.key)->nbytes());
   }
+  // Every value read above was checked for NaN/Inf (Note [fused read]): apply_storage need
+  // not look again at what it keeps.
+  for (const auto& [name, l] : layer_of) report.casts.checked.insert(l.layer);
   report.other = static_cast<int64_t>(one_by_one.size());
   i = 0;
   for (const auto& item : params) {
@@ -493,6 +522,14 @@ AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
   const auto t1 = clock::now();
   offload::StorageReport report;
   if (storage) report = offload::apply_storage(*model, config.name, *storage, declared_fp8_skips(), &read.casts);
+  if (storage) {
+    // The file's weights in another dtype than the storage: said once (the CLI's `run` says
+    // it on stdout, Note [run storage] in cli/cmd_run.cpp).
+    for (const auto& [dtype, n] : read.cast_from) {
+      log::info("checkpoint '" + path + "' stores " + plural(static_cast<size_t>(n), "weight", "weights") + " as " +
+                dtype + "; cast to " + dtype_name(storage->storage) + " storage");
+    }
+  }
   const auto t2 = clock::now();
   std::ostringstream s;
   s.setf(std::ios::fixed);

@@ -107,7 +107,9 @@ struct LoadOptions {
 
 // Opens, probes, builds and strictly loads, then applies options.storage. Throws FileError
 // (unreadable file), CheckpointError naming the file (not Anima, missing/unexpected keys,
-// shape mismatches), InvalidArgument for bad storage options or NaN/inf weights under fp8.
+// shape mismatches, a tensor that is not floating-point), InvalidArgument for bad storage
+// options or NaN/inf weights (any storage dtype; the message names the file and the tensor).
+// Logs one INFO line per file dtype its weights are cast from to another storage dtype.
 // A DiT-only file (no llm_adapter keys) loads with adapter.enabled = false.
 AnimaModel load_anima(const std::string& path, const LoadOptions& options = {});
 
@@ -129,16 +131,21 @@ struct WeightReadReport {
   int64_t other = 0;       // tensors read one at a time, then converted (e.g. scaled fp8 into bf16)
   uint64_t file_bytes = 0;  // bytes of the file's model tensors
   offload::ReadCasts casts;  // for offload::apply_storage
+  // With storage: file dtype name -> weights of layers to store that the file holds in
+  // another dtype than the storage (cast as read, or after it for fp8 files).
+  std::map<std::string, int64_t> cast_from;
 };
 
 // Strictly copies a file's tensors into an existing model's parameters, converting to
 // each parameter's dtype and device (or, with options.storage, to the storage dtype).
 // CPU parameters get one owned buffer each, written once (nothing aliases the file):
 // Note [fused read]. Throws CheckpointError listing missing, unexpected and mismatched
-// keys (first 10 of each and the count), FileError when a tensor cannot be read (a file
-// truncated since it was opened), and InvalidArgument for NaN/Inf weights cast to fp8, all
-// before touching any parameter: every tensor is read into host memory first, so loading
-// onto a device holds the model in RAM once.
+// keys (first 10 of each and the count) or naming a tensor whose dtype is not floating-point
+// (int8, bool, complex: never converted), FileError when a tensor cannot be read (a file
+// truncated since it was opened), and InvalidArgument naming the file and the tensor for
+// NaN/Inf values, whatever the dtype read into (every tensor is checked in the pass that
+// reads it), all before touching any parameter: every tensor is read into host memory
+// first, so loading onto a device holds the model in RAM once.
 WeightReadReport load_weights(AnimaModelImpl& model, const safetensors::File& file, const std::string& prefix,
                               const WeightReadOptions& options = {});
 

@@ -9,7 +9,8 @@
 
 Tensors are passed zero-copy as torch tensors. Errors are sluice.Error subclasses
 (FileError, CheckpointError, InvalidArgument, ResourceError) carrying the C++ message.
-The GIL is released while sluice loads, locks and runs forwards.
+The GIL is released while sluice loads, locks and runs forwards. Ctrl-C stops a forward
+called on the main thread at its next layer (KeyboardInterrupt), leaving the model as it was.
 """
 from __future__ import annotations
 
@@ -77,7 +78,9 @@ class LockedModel:
                 progress: Optional[Callable[[int, int], None]] = None) -> torch.Tensor:
         """The velocity; `progress(layers_done, layers_expected)` is called after each layer
         (`layers_expected` is the previous forward's layer count, 0 for the first). If it
-        raises, sluice logs one warning and stops calling it for this forward."""
+        raises an Exception, sluice logs one warning and stops calling it for this forward; a
+        KeyboardInterrupt (or SystemExit) raised in it stops the forward before its next layer
+        and is raised again, as Ctrl-C during any forward on the main thread is."""
         return self._locked.forward(x, timesteps, context, progress)
 
     def encode_text(self, qwen_hidden: torch.Tensor, t5_ids: torch.Tensor,

@@ -23,6 +23,30 @@ namespace {
 
 using release_gil = py::call_guard<py::gil_scoped_release>;
 
+// Note [Ctrl-C in a forward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A forward runs with the GIL released, and Python runs signal handlers only on the main
+// thread, between bytecodes: a Ctrl-C would be seen only once the forward returned (7.6 s
+// in issue 29). So a forward called on the main thread checks for signals between layers:
+// after each layer (LockedModel::LayerProgress) it takes the GIL briefly and calls
+// PyErr_CheckSignals(). When a handler raised (SIGINT's default handler raises
+// KeyboardInterrupt), that Python error travels as a PythonInterrupt, a sluice::Interrupted:
+// the forward ends before its next layer and unwinds as from any error (leases released,
+// weights in their storage dtype), and the binding raises the Python error again. A
+// KeyboardInterrupt (or another BaseException that is not an Exception, SystemExit) raised
+// inside the caller's own progress callback stops the forward the same way; an Exception
+// there is logged once and the callback dropped, as before. The cost is one uncontended GIL
+// acquisition per layer (about a microsecond); a forward on another thread, where no
+// handler could run, does not check. encode_text and locate_nonfinite do not check.
+unsigned long main_thread_ident = 0;  // threading.main_thread().ident, set when the module loads
+
+struct PythonInterrupt : sluice::Interrupted {
+  // GIL held: what() of the Python error is read here.
+  explicit PythonInterrupt(py::error_already_set e)
+      : sluice::Interrupted(std::string("forward interrupted: ") + e.what()), error(std::move(e)) {}
+  py::error_already_set error;  // its copies and destruction take the GIL themselves
+};
+
 // LockedModel::locate_nonfinite's finding as a dict, or None (GIL held).
 py::object nonfinite_dict(const std::optional<sluice::NonFiniteReport>& r) {
   if (!r) return py::none();
@@ -83,6 +107,7 @@ sluice::LoadOptions load_options(const std::string& storage, const std::string& 
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "sluice: run large diffusion transformers on GPUs too small to hold them";
+  main_thread_ident = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
 
   // pybind11 tries translators newest first, so the base class is registered first.
   auto& error = py::register_exception<sluice::Error>(m, "Error", PyExc_RuntimeError);
@@ -137,25 +162,35 @@ PYBIND11_MODULE(_C, m) {
           "forward",
           [](sluice::LockedModel& m, const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
              const std::optional<py::function>& progress) {
-            if (!progress) {
+            // Note [Ctrl-C in a forward]: signals are checked between layers on the main thread.
+            const bool check_signals = PyThread_get_thread_ident() == main_thread_ident;
+            if (!progress && !check_signals) {
               py::gil_scoped_release release;
               return m.forward(x, timesteps, context);
             }
             // progress(layers_done, layers_expected) after each layer, with the GIL taken for
             // the call only. The function object stays owned here (the GIL is held while it
             // is copied or freed); a Python exception becomes a C++ one before the GIL goes,
-            // and sluice logs it and stops calling (LockedModel::forward).
-            const py::function* fn = &*progress;
-            const sluice::LockedModel::LayerProgress call = [fn](int64_t done, int64_t expected) {
+            // and sluice logs it and stops calling (LockedModel::forward), unless it is a
+            // KeyboardInterrupt or SystemExit, which stops the forward.
+            const py::function* fn = progress ? &*progress : nullptr;
+            const sluice::LockedModel::LayerProgress call = [fn, check_signals](int64_t done, int64_t expected) {
               py::gil_scoped_acquire gil;
+              if (check_signals && PyErr_CheckSignals() != 0) throw PythonInterrupt(py::error_already_set());
+              if (fn == nullptr) return;
               try {
                 (*fn)(done, expected);
               } catch (py::error_already_set& e) {
+                if (!e.matches(PyExc_Exception)) throw PythonInterrupt(std::move(e));
                 throw std::runtime_error(e.what());
               }
             };
-            py::gil_scoped_release release;
-            return m.forward(x, timesteps, context, call);
+            try {
+              py::gil_scoped_release release;
+              return m.forward(x, timesteps, context, call);
+            } catch (PythonInterrupt& e) {
+              throw e.error;  // the GIL is held again: pybind11 raises it (KeyboardInterrupt)
+            }
           },
           py::arg("x"), py::arg("timesteps"), py::arg("context"), py::arg("progress") = py::none())
       .def("encode_text", &sluice::LockedModel::encode_text, py::arg("qwen_hidden"), py::arg("t5_ids"),

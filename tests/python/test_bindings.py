@@ -451,3 +451,71 @@ def test_inspect_and_encode_text(checkpoint):
         assert torch.equal(c[:, 5:], torch.zeros_like(c[:, 5:]))
         with pytest.raises(sluice.InvalidArgument, match="t5_ids"):
             m.encode_text(q, torch.full((1, 5), a["vocab_size"]))
+
+
+def test_ctrl_c_stops_a_forward_within_a_layer_and_the_next_forward_is_clean():
+    """Issue 29, item 10: a KeyboardInterrupt arrived only once the forward returned (7.6 s in
+    the report). A forward on the main thread checks for signals between layers: SIGINT
+    stops it before its next layer, as an exception would, and the model stays as it was."""
+    import signal
+    import time
+
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load("anima-medium", seed=5, max_resident=0.5)
+    info = model.info
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, info["in_channels"], 1, 64, 64, generator=g)  # 512 px, batch 2: about a second
+    t = torch.full((2,), 0.5)
+    ctx = torch.randn(2, 16, info["crossattn_emb_channels"], generator=g)
+
+    def interrupted(call, delay, at_signal=None):
+        """Runs call() with SIGINT sent from a timer thread `delay` s in. Returns the seconds
+        from the signal to the KeyboardInterrupt (None when none came)."""
+        sent = []
+
+        def kill():
+            sent.append(time.monotonic())
+            if at_signal is not None:
+                at_signal()
+            os.kill(os.getpid(), signal.SIGINT)
+
+        timer = threading.Timer(delay, kill)
+        timer.start()
+        try:
+            call()
+            timer.join()
+            time.sleep(1.0)  # a SIGINT that came after the forward is raised here
+        except KeyboardInterrupt:
+            timer.join()
+            return time.monotonic() - sent[0]
+        return None
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with model.lock() as m:
+            layers = []
+            m.forward(x, t, ctx, progress=lambda done, expected: layers.append(done))  # records the order
+            n = len(layers)
+            start = time.monotonic()
+            clean = m(x, t, ctx)
+            clean_s = time.monotonic() - start
+
+            # The plain call, as a script makes it: stopped well before the forward would end.
+            elapsed = interrupted(lambda: m(x, t, ctx), clean_s / 4)
+            assert elapsed is not None
+            assert elapsed < clean_s / 2, f"KeyboardInterrupt {elapsed:.3f} s after SIGINT; a forward takes {clean_s:.3f} s"
+            assert torch.equal(m(x, t, ctx), clean)
+
+            # With a progress callback, counted in layers: at most the layer running when the
+            # signal came and the one whose callback saw it.
+            done = []
+            seen = {}
+            elapsed = interrupted(lambda: m.forward(x, t, ctx, progress=lambda d, e: done.append(d)), clean_s / 4,
+                                  at_signal=lambda: seen.setdefault("layers", len(done)))
+            assert elapsed is not None
+            assert 0 < seen["layers"] <= len(done) <= seen["layers"] + 2 < n
+            assert torch.equal(m(x, t, ctx), clean)
+            # And a forward after all that is not interrupted.
+            assert torch.equal(m.forward(x, t, ctx, progress=lambda d, e: None), clean)
+    finally:
+        signal.signal(signal.SIGINT, old)
