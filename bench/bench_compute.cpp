@@ -8,6 +8,8 @@
 //   - the time of a forward (best of --reps) and its ratio to fp32's;
 //   - the velocity's error against fp32: relative L2 (||v - v32|| / ||v32||), the largest
 //     absolute difference, and non-finite values;
+//   - the largest |output| of any module computing in the compute dtype in the fp32
+//     forward (Note [layer output observer]), against fp16's largest finite 65504;
 //   - fp16's headroom: the smallest power-of-two factor on every Linear weight (up to
 //     --sweep-max) at which the fp16 velocity goes non-finite (activations past 65504);
 //   - what `compute auto` picks here, and why.
@@ -32,6 +34,8 @@
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -39,6 +43,7 @@
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
 #include "models/anima/generator.h"
+#include "offload/output_observer.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/hardware.h"
@@ -116,7 +121,25 @@ int main(int argc, char** argv) {
       const at::Tensor ctx = at::randn({1, 128, cfg.crossattn_emb_channels}, gen);
 
       AnimaModel m32 = build(cfg, at::kFloat, 1, weight_scale);
-      const at::Tensor v32 = m32->forward(x, t, ctx);
+      // The largest |output| of any module that computes in the compute dtype (every Linear,
+      // the timestep norm, the final layer; not the DiT blocks, whose residual stream stays
+      // fp32 under fp16), seen through the layer output observer: what fp16 must hold.
+      std::map<const torch::nn::Module*, std::string> names;
+      for (const auto& item : m32->named_modules()) names[item.value().get()] = item.key();
+      const std::regex block(R"(blocks\.\d+)");
+      double peak = 0;
+      std::string peak_module;
+      at::Tensor v32;
+      {
+        sluice::offload::ObserveOutputs observe([&](const torch::nn::Module& mod, const at::Tensor& out) {
+          const auto it = names.find(&mod);
+          const std::string name = it == names.end() ? std::string("?") : it->second;
+          if (std::regex_match(name, block)) return;
+          const double a = out.abs().max().item<double>();
+          if (a > peak) peak = a, peak_module = name;
+        });
+        v32 = m32->forward(x, t, ctx);
+      }
       std::vector<Row> rows;
       double ms32 = std::numeric_limits<double>::infinity();
       for (int r = 0; r < reps; ++r) ms32 = std::min(ms32, 1e3 * seconds_of([&] { (void)m32->forward(x, t, ctx); }));
@@ -147,6 +170,9 @@ int main(int argc, char** argv) {
         const at::Tensor v = m->forward(x.to(at::kHalf), t, ctx.to(at::kHalf));
         if (!at::isfinite(v).all().item<bool>()) overflow_scale = f;
       }
+      std::printf("%s: largest |output| in fp32 %.4g at %s, %.2g of fp16's 65504 (attention logits inside SDPA "
+                  "not seen)\n",
+                  cfg.name.c_str(), peak, peak_module.c_str(), peak / 65504.0);
       std::printf("%s, latent %lldx%lld (%lld tokens), %lld blocks, width %lld; |v| fp32 max %.3g; fp16 %s\n",
                   cfg.name.c_str(), static_cast<long long>(side), static_cast<long long>(side),
                   static_cast<long long>((side / cfg.patch_spatial) * (side / cfg.patch_spatial)),
