@@ -206,9 +206,7 @@ void check_compute_dtype(at::ScalarType t) {
 }
 
 ComputeChoice choose_compute_dtype(std::string_view request, at::Device device, const Fp16Verdict& model_fp16) {
-  std::string lower(request);
-  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (lower != "auto") {
+  if (lower(request) != "auto") {
     ComputeChoice c;
     c.dtype = parse_compute_dtype(request);
     c.reason = "requested";

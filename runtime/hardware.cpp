@@ -10,6 +10,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -77,22 +78,26 @@ NativeAnswer cpu_native(at::ScalarType dtype) {
   if (!at::hasMKLDNN()) return {false, "this torch is built without oneDNN, torch's only fast CPU path for it"};
   if (!at::globalContext().userEnabledMkldnn())
     return {false, "torch's oneDNN is switched off (torch.backends.mkldnn.enabled = False, or SLUICE_CPU_ONEDNN=off)"};
-  const auto caps = at::cpu::get_cpu_capabilities();
+  // The flags cpu_description() read once from torch's cpuinfo (every key asked here is
+  // among kVectorKeys).
   const CpuDescription& cpu = cpu_description();
+  const auto has = [&](const char* key) {
+    return std::find(cpu.vector_extensions.begin(), cpu.vector_extensions.end(), key) != cpu.vector_extensions.end();
+  };
   if (dtype == at::kBFloat16) {
     if (cpu.architecture == "x86_64") {
-      if (has(caps, "avx512_bw") && has(caps, "avx512_vl") && has(caps, "avx512_dq"))
+      if (has("avx512_bw") && has("avx512_vl") && has("avx512_dq"))
         return {true, std::string("torch's oneDNN runs bf16 matrix products natively on this CPU (avx512_bw/vl/dq") +
-                          (has(caps, "avx512_bf16") ? ", avx512_bf16" : "") + (has(caps, "amx_bf16") ? ", amx_bf16" : "") +
+                          (has("avx512_bf16") ? ", avx512_bf16" : "") + (has("amx_bf16") ? ", amx_bf16" : "") +
                           ")"};
       return {false, "this CPU has no AVX-512 (avx512_bw/vl/dq), which torch's oneDNN bf16 matrix product needs; "
                      "torch falls back to a generic kernel about 100x slower than fp32"};
     }
-    if (has(caps, "bf16") || has(caps, "sve_bf16")) return {true, "torch's oneDNN runs bf16 natively on this CPU (Arm bf16)"};
+    if (has("bf16") || has("sve_bf16")) return {true, "torch's oneDNN runs bf16 natively on this CPU (Arm bf16)"};
     return {false, "this CPU has no bf16 instructions that torch's oneDNN uses"};
   }
   if (dtype == at::kHalf) {
-    if (has(caps, "avx512_fp16") || has(caps, "amx_fp16") || has(caps, "fp16_arith"))
+    if (has("avx512_fp16") || has("amx_fp16") || has("fp16_arith"))
       return {true, "torch's oneDNN runs fp16 natively on this CPU"};
     return {false, "this CPU has no fp16 matrix instructions (avx512_fp16, amx_fp16) that torch's oneDNN uses"};
   }
