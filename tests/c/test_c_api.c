@@ -92,30 +92,50 @@ static size_t numel(const DLTensor* t) {
   return n;
 }
 
-/* One forward of anima-tiny (seed 11) under `max_resident`; returns the velocity and the
- * model's stats JSON through the out-parameters. */
-static DLManagedTensor* run_forward(double max_resident, char** stats_json) {
+/* A cache on the CPU device, told it has 256 MiB: the budget is 128 MiB, 16 MiB of it
+ * working memory. */
+static sluice_cache* make_cache(void) {
   sluice_cache_options o;
   sluice_cache_options_init(&o);
   o.device = "cpu";
   o.vram_budget = "50%";
-  o.device_memory = 256ull << 20; /* the CPU device is told it has 256 MiB: the budget is 128 MiB */
+  o.device_memory = 256ull << 20;
   o.working_memory = "16MiB";
   sluice_cache* cache = NULL;
   REQUIRE_OK(sluice_cache_create(&o, &cache));
+  return cache;
+}
 
+/* anima-tiny (seed 11) under `max_resident` (< 0: the budget decides), with the sizes its
+ * inputs and a LoRA need. */
+typedef struct {
+  sluice_model* model;
+  int64_t channels, ctx_dim, width;
+} TinyModel;
+
+static TinyModel load_tiny(sluice_cache* cache, double max_resident) {
   sluice_load_options lo;
   sluice_load_options_init(&lo);
   lo.seed = 11;
   lo.max_resident = max_resident;
-  sluice_model* model = NULL;
-  REQUIRE_OK(sluice_load(cache, "anima-tiny", &lo, &model));
-
+  TinyModel m = {NULL, 0, 0, 0};
+  REQUIRE_OK(sluice_load(cache, "anima-tiny", &lo, &m.model));
   char* info = NULL;
-  REQUIRE_OK(sluice_model_info_json(model, &info));
-  const int64_t channels = json_int(info, "in_channels");
-  const int64_t ctx_dim = json_int(info, "crossattn_emb_channels");
+  REQUIRE_OK(sluice_model_info_json(m.model, &info));
+  m.channels = json_int(info, "in_channels");
+  m.ctx_dim = json_int(info, "crossattn_emb_channels");
+  m.width = json_int(info, "model_channels");
   sluice_free_string(info);
+  return m;
+}
+
+/* One forward of anima-tiny under `max_resident`; returns the velocity and the model's
+ * stats JSON through the out-parameters. */
+static DLManagedTensor* run_forward(double max_resident, char** stats_json) {
+  sluice_cache* cache = make_cache();
+  const TinyModel tiny = load_tiny(cache, max_resident);
+  sluice_model* model = tiny.model;
+  const int64_t channels = tiny.channels, ctx_dim = tiny.ctx_dim;
 
   const int64_t xs[5] = {1, channels, 1, 8, 8}, ts[1] = {1}, cs[3] = {1, 4, ctx_dim};
   OwnedTensor* x = make_tensor(5, xs, 1);
@@ -201,25 +221,10 @@ static void write_lora(int64_t width, char* path) {
  * (its handle stays valid, inactive); the next lock's forward is the unpatched model's, bit
  * for bit, and the sidecars' device bytes are given back. */
 static void lora_ends_with_its_lock(void) {
-  sluice_cache_options o;
-  sluice_cache_options_init(&o);
-  o.device = "cpu";
-  o.vram_budget = "50%";
-  o.device_memory = 256ull << 20;
-  o.working_memory = "16MiB";
-  sluice_cache* cache = NULL;
-  REQUIRE_OK(sluice_cache_create(&o, &cache));
-  sluice_load_options lo;
-  sluice_load_options_init(&lo);
-  lo.seed = 11;
-  sluice_model* model = NULL;
-  REQUIRE_OK(sluice_load(cache, "anima-tiny", &lo, &model));
-  char* info = NULL;
-  REQUIRE_OK(sluice_model_info_json(model, &info));
-  const int64_t channels = json_int(info, "in_channels");
-  const int64_t ctx_dim = json_int(info, "crossattn_emb_channels");
-  const int64_t width = json_int(info, "model_channels");
-  sluice_free_string(info);
+  sluice_cache* cache = make_cache();
+  const TinyModel tiny = load_tiny(cache, -1.0);
+  sluice_model* model = tiny.model;
+  const int64_t channels = tiny.channels, ctx_dim = tiny.ctx_dim, width = tiny.width;
   char path[64];
   write_lora(width, path);
 
