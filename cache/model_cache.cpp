@@ -555,7 +555,7 @@ void ModelCache::resize(Entry& e, uint64_t share) {
 // its bytes plus the arena's alignment padding of its pinned layers. A detach changes
 // nothing (the pinned copies stay with the model until it leaves RAM). Run lock held.
 void ModelCache::count_pinned_ram(Entry& e) {
-  const uint64_t host = e.needs.model_bytes + e.engine->pinned_padding_bytes();
+  const uint64_t host = e.needs.model_bytes + e.engine->residency().pinned_padding_bytes();
   if (host > e.ram_bytes) ram_.increase(static_cast<int64_t>(host - e.ram_bytes));
   if (host < e.ram_bytes) ram_.decrease(static_cast<int64_t>(e.ram_bytes - host));
   e.ram_bytes = host;
@@ -596,7 +596,7 @@ void ModelCache::publish(Entry& e, bool settle) {
   }
   if (e.attached) {
     p.device_bytes = e.engine->device_bytes();
-    p.device_allocated = e.engine->device_allocated_bytes();
+    p.device_allocated = e.engine->residency().device_allocated_bytes();
     const offload::ResidencyPlan& plan = e.engine->plan();
     p.residency = plan.residency_map();
     for (size_t i = 0; i < plan.layers.size(); ++i) {
@@ -1158,7 +1158,7 @@ void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaMode
       throw;
     }
     publish(e, /*settle=*/false);
-    measured = e.engine->measured_working_memory();
+    measured = e.engine->budget().measured_working_memory();
   }
   // Note [measured working memory]: the engines measure, the cache keeps the working memory.
   if (measured) grow_working_memory(*measured, e.name, e.engine->last_forward_kind());

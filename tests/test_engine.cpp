@@ -855,7 +855,7 @@ TEST_CASE("engine: a first forward whose activations pass the working memory gro
   CHECK(s.measured_working_memory_bytes <= static_cast<uint64_t>(activations) + 64 * 1024);
   CHECK(s.working_memory_grown == 1);
   CHECK(s.working_memory_bytes >= s.measured_working_memory_bytes);
-  CHECK(engine.working_memory() == s.working_memory_bytes);
+  CHECK(engine.residency().limits().working_memory == s.working_memory_bytes);
   CHECK(sluice::log::message_count(sluice::log::Level::info) == infos + 1);  // the one line
   CHECK(engine.plan().streamed_count() > 0);  // replanned under budget minus the grown working memory
   CHECK(engine.device_bytes() + s.working_memory_bytes <= o.budget_bytes);
@@ -895,9 +895,9 @@ TEST_CASE("engine: what nested leases held beyond the plan is reserved in later 
     CHECK(at::equal(lb.weight().cpu(), b.upcast_stored().weight));
   };
   const uint64_t minimum_before = engine.minimum_budget();
-  CHECK(engine.nested_reserve_bytes() == 0);
+  CHECK(engine.residency().limits().nested_reserve == 0);
   nested();
-  const uint64_t reserve = engine.nested_reserve_bytes();
+  const uint64_t reserve = engine.residency().limits().nested_reserve;
   CHECK(reserve >= a.upcast_stored().weight.nbytes());  // a second scratch buffer at least
   CHECK(engine.minimum_budget() == minimum_before + reserve);
   engine.set_budget(engine.minimum_budget());
@@ -905,7 +905,7 @@ TEST_CASE("engine: what nested leases held beyond the plan is reserved in later 
   for (int f = 0; f < 3; ++f) REQUIRE_NOTHROW(nested());
   CHECK(alive_peak(*dev) <= sluice::testing::allocator_bound(*dev, engine.minimum_budget() - o.working_memory_bytes,
                                                              o.working_memory_bytes));
-  CHECK(engine.nested_reserve_bytes() == reserve);
+  CHECK(engine.residency().limits().nested_reserve == reserve);
   CHECK(engine.stats().slot_violations == 0);
 }
 
@@ -1011,7 +1011,7 @@ TEST_CASE("env device: detach empties the allocator's cache, so reserved memory 
   dev->synchronize();
   const auto before = dev->allocator_stats();
   REQUIRE(before.available);
-  const int64_t held = static_cast<int64_t>(e.device_allocated_bytes());
+  const int64_t held = static_cast<int64_t>(e.residency().device_allocated_bytes());
   REQUIRE(before.reserved_bytes >= held);
   e.detach();
   const auto after = dev->allocator_stats();

@@ -139,8 +139,8 @@ void require_accounting_exact(StreamingEngine& e, AnimaModelImpl& m, DeviceBacke
   CHECK(s.ring_slot_bytes <= s.ring_capacity_bytes);
   CHECK(static_cast<uint64_t>(s.device_memory.kind(MemoryKind::params).current) ==
         s.model_resident_bytes - resident);
-  CHECK(e.device_allocated_bytes() == e.device_bytes() - s.ring_capacity_bytes + s.ring_slot_bytes);
-  CHECK(e.device_allocated_bytes() == static_cast<uint64_t>(dev.memory_stats().total.current));
+  CHECK(e.residency().device_allocated_bytes() == e.device_bytes() - s.ring_capacity_bytes + s.ring_slot_bytes);
+  CHECK(e.residency().device_allocated_bytes() == static_cast<uint64_t>(dev.memory_stats().total.current));
   CHECK(s.slot_violations == 0);
 }
 

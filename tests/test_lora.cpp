@@ -417,7 +417,7 @@ TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the mod
     LoraScope scope(*m, adapter, 1.0, std::nullopt, &engine);
     CHECK(scope.patched_layers() == static_cast<int64_t>(adapter.targets.size()));
     CHECK(scope.device_bytes() > 0);
-    CHECK(engine.sidecar_bytes() == scope.device_bytes());
+    CHECK(engine.residency().limits().sidecar_bytes == scope.device_bytes());
     CHECK(lora_bytes_in_stats(engine) == scope.device_bytes());
     CHECK(engine.plan().resident_bytes < resident);  // replanned: fewer resident bytes
     CHECK(engine.plan().streamed_count() > 0);
@@ -432,7 +432,7 @@ TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the mod
                 static_cast<unsigned long long>(alive_peak(*dev)));
   }
   // Dropped: the room goes back to resident layers.
-  CHECK(engine.sidecar_bytes() == 0);
+  CHECK(engine.residency().limits().sidecar_bytes == 0);
   CHECK(lora_bytes_in_stats(engine) == 0);
   CHECK(engine.plan().streamed_count() == 0);
   CHECK(engine.plan().resident_bytes == resident);
@@ -469,10 +469,10 @@ TEST_CASE("lora: sidecars placed by the engine give the outputs of the patched m
   {
     // Without the engine named: the layers' engine places the sidecars all the same.
     LoraScope scope(*m, adapter, 0.7);
-    CHECK(engine.sidecar_bytes() == scope.device_bytes());
+    CHECK(engine.residency().limits().sidecar_bytes == scope.device_bytes());
     CHECK(at::equal(forward(), patched));
   }
-  CHECK(engine.sidecar_bytes() == 0);
+  CHECK(engine.residency().limits().sidecar_bytes == 0);
   CHECK(at::equal(forward(), plain));
   CHECK(engine.plan().streamed_count() == 0);
 }
@@ -500,7 +500,7 @@ TEST_CASE("lora: sidecars that cannot fit even with every layer streamed give on
   CHECK(error.find("missing") != std::string::npos);
   CHECK(error.find('\n') == std::string::npos);
   for (const auto& [name, l] : offload::managed_layers(*m)) CHECK(l->loras().empty());  // nothing patched
-  CHECK(engine.sidecar_bytes() == 0);
+  CHECK(engine.residency().limits().sidecar_bytes == 0);
   CHECK(engine.plan().residency_map() == map);
   CHECK(alive_peak(*dev) <= sluice::testing::allocator_bound(*dev, n.full, o.working_memory_bytes));
   offload::ForwardScope scope(engine);

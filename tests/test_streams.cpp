@@ -229,7 +229,7 @@ TEST_CASE("streams: a forward right after placing LoRA sidecars reads them after
   engine.attach(*model, "toy");
   {
     sluice::LoraScope scope(*model, adapter, 0.7, std::nullopt, &engine);
-    REQUIRE(engine.sidecar_bytes() > 0);
+    REQUIRE(engine.residency().limits().sidecar_bytes > 0);
     CHECK(at::equal(run(engine, model, x), patched));
     // F10: a forward on a stream of the host's reads the sidecars, which the scope then
     // frees from the default stream: the free waits for that forward.
