@@ -61,7 +61,7 @@ LoraAdapter load_lora(const std::string& path, torch::nn::Module& model);
 // Patches `model` with `adapter` at `strength` while alive (Note [LoRA sidecars]).
 // Sidecars are converted to each layer's compute dtype and placed by `placer` when given
 // (the streaming engine running the model: it charges them to its budget and streams more
-// layers to make room, Note [device extras] in offload/engine.h; or the model cache's
+// layers to make room, Note [device extras] in offload/model_budget.h; or the model cache's
 // placer, which grows the model's share for them first, Note [sidecar share] in
 // cache/model_cache.h; the placer must outlive the scope). Without `placer` or `device`, a
 // model attached to a streaming engine gets its sidecars through that engine all the same

@@ -16,9 +16,10 @@
 // squares line ms = overhead + bytes / rate over those copies (a plain bytes / time rate
 // when their sizes are all alike), so a per-copy latency is not mistaken for bandwidth.
 //
-// Once a kind has a profile the engine replans with it (StreamingEngine: between forwards,
-// never during one; the host waits for the end of a forward measured in detail, so the
-// plan follows it at once on an asynchronous device too). Under the new plan the first forward of each kind warms the ring up
+// Once a kind has a profile the engine replans with it (ModelResidency::replan_if_measured,
+// between forwards, never during one; the host waits for the end of a forward measured in
+// detail, so the plan follows it at once on an asynchronous device too). Under the new
+// plan the first forward of each kind warms the ring up
 // and the second is compared with the prediction: when it is more than 15% off, that
 // forward (measured in detail as well) replaces the kind's profile and the plan is made
 // again, once per attach. The stats report the prediction, the floor and the median

@@ -54,7 +54,7 @@ struct LoraSidecar {
 
 // Places a model's device-side extras (LoRA sidecars) so that they count where the model's
 // device memory is counted. The streaming engine implements it (Note [device extras] in
-// engine.h); without one, a LoraScope places sidecars with a plain .to(device).
+// model_budget.h); without one, a LoraScope places sidecars with a plain .to(device).
 class SidecarPlacer {
  public:
   virtual ~SidecarPlacer() = default;

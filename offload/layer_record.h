@@ -3,8 +3,9 @@
 // the host copies of its stored tensors (kept in RAM for as long as the model is attached),
 // its device copies while resident, and the sizes and layout the residency plan, the
 // staging ring and the upcast need. The residency applier (residency_applier.h) moves
-// records between host and device; the streaming engine (engine.h) reads them to stream
-// and upcast. Leases are the engine's own and are kept beside the records, by index.
+// records between host and device; ModelRecords (model_records.h) holds them for an
+// attached model, and a forward (forward_pass.h) reads them to stream and upcast. Leases
+// are the forward's own and are kept beside the records, by index.
 #include <ATen/ATen.h>
 
 #include <cstdint>

@@ -1,9 +1,10 @@
 #pragma once
 // ResidencyApplier: moves the layers of an attached model between host and device as a
 // ResidencyPlan (residency_plan.h) says: device copies for resident layers, the host copies
-// (pinned in the pinned arena when allowed, pinned_arena.h) for streamed ones. The streaming engine (engine.h) owns the
-// records, the staging ring and the forwards; it calls apply() at attach and at every
-// residency change, and reads pinned() and residency_h2d() for its stats.
+// (pinned in the pinned arena when allowed, pinned_arena.h) for streamed ones.
+// ModelResidency (model_residency.h) owns the records and the staging ring; it calls
+// apply() at attach and at every residency change, and the engine reads pinned() and
+// residency_h2d() for its stats.
 //
 // Note [residency applier]
 // ~~~~~~~~~~~~~~~~~~~~~~~~

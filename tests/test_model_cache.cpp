@@ -748,7 +748,7 @@ TEST_CASE("model_cache: the published state follows forwards and residency chang
 }
 
 TEST_CASE("model_cache: a forward that uses more than the working memory grows the cache's working memory") {
-  // Note [measured working memory] (offload/engine.h): the engines measure, the cache keeps
+  // Note [measured working memory] (offload/model_budget.h): the engines measure, the cache keeps
   // the working memory out of every share and grows it to a measurement plus an eighth.
   auto counting = std::make_shared<sluice::testing::CountingDevice>(
       std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device()));
