@@ -60,17 +60,17 @@ void ModelRecords::collect(torch::nn::Module& model, const std::string& model_na
     index_[layer] = static_cast<int64_t>(layers_.size());
     layers_.push_back(std::move(r));
   }
+  auto add_extra = [&](const std::string& name, const at::Tensor& t) {
+    if (check_host && !t.device().is_cpu()) {
+      throw InvalidArgument("attach: parameter '" + name + "' of model '" + model_name + "' is not on the host");
+    }
+    extras_.push_back({t, host_alias(t), at::Tensor()});
+    extra_bytes_ += extras_.back().host.nbytes();
+  };
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    if (managed_impls.count(item.value().unsafeGetTensorImpl())) continue;
-    extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
+    if (!managed_impls.count(item.value().unsafeGetTensorImpl())) add_extra(item.key(), item.value());
   }
-  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
-    extras_.push_back({item.value(), host_alias(item.value()), at::Tensor()});
-  }
-  for (const auto& e : extras_) {
-    if (check_host && !e.host.device().is_cpu()) throw InvalidArgument("attach: a parameter of model '" + model_name + "' is not on the host");
-    extra_bytes_ += e.host.nbytes();
-  }
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) add_extra(item.key(), item.value());
   for (const auto& r : layers_) scratch_bytes_ = std::max(scratch_bytes_, r.scratch_bytes);
 }
 
@@ -78,6 +78,9 @@ void ModelRecords::place_extras(DeviceBackend& device, const std::shared_ptr<Mem
   for (auto& e : extras_) {
     e.dev = device.allocate(e.host.sizes(), e.host.scalar_type(), MemoryKind::params, "parameter", budget);
     device.copy_to_device(e.dev, e.host);
+    // A later allocation that fails gives these back before anything waited for the copy
+    // (restore_to_host): the free waits for it (Note [stream-safe frees]).
+    device.record_use(e.dev, StreamKind::copy);
   }
   device.synchronize();  // reports a failed parameter copy here (apply_plan's first synchronize orders them)
   for (auto& e : extras_) repoint(e.handle, e.dev);

@@ -15,7 +15,9 @@
 // the tensor), and no layer may already have a weight provider (it would be attached to
 // two engines). The host copies are aliased, not copied (contiguous ones as they are), and
 // kept for as long as the model is attached: giving the model back (restore_to_host) only
-// re-points its tensors at them, so nothing is ever copied device->host.
+// re-points its tensors at them, so nothing is ever copied device->host. (Where pinning
+// replaced a streamed layer's host copy by a page-locked one, Note [residency applier],
+// that copy is the one the layer gets back: same values, pinned memory.)
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -47,13 +49,14 @@ class ModelRecords {
   // InvalidArgument, naming the layer, when `model` cannot be attached: a managed layer off
   // the host or with a weight provider already. Reads only.
   static void check_attachable(torch::nn::Module& model, const std::string& model_name);
-  // Fills the records from `model` (reads only). `check_host`: refuse tensors that are not
+  // Fills the (empty) records from `model` (reads only). `check_host`: refuse tensors that are not
   // on the host (attach; sizing reads a model wherever it is). A layer is required when it
   // is an embedding, matches `required`, or (require_unconverted) is stored unconverted.
   void collect(torch::nn::Module& model, const std::string& model_name, const std::vector<std::regex>& required,
                bool require_unconverted, bool check_host);
   // Allocates the extras on the device under `budget` (MemoryKind::params), copies them,
-  // waits for the copies and points the model at them. A failed copy throws here.
+  // waits for the copies and points the model at them. A failed copy throws here; a failed
+  // allocation leaves the copies made so far to restore_to_host(), whose frees wait for them.
   void place_extras(DeviceBackend& device, const std::shared_ptr<MemoryLedger>& budget);
   // Points every layer and extra back at its host copy, drops the device copies and the
   // layers' provider. Never throws: a failure is logged per tensor.

@@ -55,6 +55,7 @@ declare -A caught_by=(
   ["offload/bounce_ring.cpp|device_.record(*s.done, StreamKind::copy);"]="streams: a bounce slot's reuse never waits for compute the device is still running"
   ["offload/staging_ring.cpp|device_.record(*s.copy_done, StreamKind::copy);"]="streams: streamed forwards through a wrapping ring match the model"
   ["offload/forward_pass.cpp|device_.record(*last_end_, StreamKind::compute);"]="streams: forwards alternate between two host streams"
+  ["offload/model_records.cpp|device.record_use(e.dev, StreamKind::copy);"]="sluice_test_model_records::model records: an allocation failing after the first extra gives the placed ones back after their copies"
 )
 
 # Candidates that are no fence, with the reason.

@@ -301,7 +301,7 @@ TEST_CASE("model records: a layer off the host is refused naming it on one line"
       CHECK(one_line(e.what()));
     }
   }
-  SECTION("a parameter outside the layers: collect refuses it naming the model") {
+  SECTION("a parameter outside the layers: collect refuses it naming the parameter and the model") {
     repoint(model->norm_weight, at::empty(model->norm_weight.sizes(), meta.dtype(at::kFloat)));
     ModelRecords sizing;
     CHECK_NOTHROW(sizing.collect(*model, "toy", {}, false, /*check_host=*/false));
@@ -311,6 +311,7 @@ TEST_CASE("model records: a layer off the host is refused naming it on one line"
       FAIL("no error");
     } catch (const InvalidArgument& e) {
       CHECK_THAT(e.what(), Catch::Contains("'toy'"));
+      CHECK_THAT(e.what(), Catch::Contains("'norm_weight'"));
       CHECK(one_line(e.what()));
     }
   }
@@ -398,4 +399,24 @@ TEST_CASE("model records: extras that do not fit the budget throw ResourceError 
   records.restore_to_host();
   CHECK(model->norm_weight.data_ptr() == norm_ptr);
   CHECK(dev->memory_stats().total.current == 0);
+}
+
+TEST_CASE("model records: an allocation failing after the first extra gives the placed ones back after their copies") {
+  // The strict device runs copies on its copy stream: restore_to_host() frees the extras
+  // placed so far, and each free must wait for its queued copy (record_use in place_extras;
+  // without it the strict device reports a free while the copy stream may still write).
+  auto dev = sluice::testing::test_device_or_cpu();
+  ToyModel model = small_toy(1);
+  ModelRecords records;
+  records.collect(*model, "toy", {}, false, true);
+  REQUIRE(records.extras().size() >= 2);
+  const at::Tensor norm_before = records.extras()[0].host.clone();
+  auto ledger = std::make_shared<MemoryLedger>("budget one byte short", records.extra_bytes() - 1);
+  CHECK_THROWS_AS(records.place_extras(*dev, ledger), ResourceError);
+  CHECK(ledger->current() > 0);  // the first extras were placed
+  records.restore_to_host();
+  dev->synchronize();
+  CHECK(ledger->current() == 0);
+  CHECK(records.extras()[0].handle.device().is_cpu());
+  CHECK(at::equal(records.extras()[0].handle, norm_before));
 }
