@@ -219,86 +219,61 @@ uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Lock
-
-Lock::Lock(std::shared_ptr<ModelCache> cache, std::shared_ptr<Entry> entry)
-    : cache_(std::move(cache)), entry_(std::move(entry)) {}
-
-Lock::Lock(Lock&& other) noexcept : cache_(std::move(other.cache_)), entry_(std::move(other.entry_)) {}
-
-Lock& Lock::operator=(Lock&& other) noexcept {
-  if (this != &other) {
-    unlock();
-    cache_ = std::move(other.cache_);
-    entry_ = std::move(other.entry_);
-  }
-  return *this;
-}
-
-Lock::~Lock() { unlock(); }
-
-void Lock::unlock() {
-  if (!entry_) return;
-  cache_->unlock(*entry_);
-  entry_.reset();
-  cache_.reset();
-}
-
-// ---------------------------------------------------------------------------------------
 // construction
 
 std::shared_ptr<ModelCache> ModelCache::create(CacheOptions options) {
   return std::shared_ptr<ModelCache>(new ModelCache(std::move(options)));
 }
 
-ModelCache::ModelCache(CacheOptions options) : options_(std::move(options)) {
-  device_ = options_.device ? options_.device : std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
-  offload::parse_prefetch(offload::prefetch_name(options_.prefetch), "prefetch");  // in range
-  if (options_.resolution <= 0) {
-    throw InvalidArgument("resolution must be positive, got " + std::to_string(options_.resolution));
+ModelCache::ModelCache(CacheOptions options) : state_(std::move(options)) {
+  const CacheOptions& o = state_.options;
+  state_.device = o.device ? o.device : std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device());
+  offload::parse_prefetch(offload::prefetch_name(o.prefetch), "prefetch");  // in range
+  if (o.resolution <= 0) {
+    throw InvalidArgument("resolution must be positive, got " + std::to_string(o.resolution));
   }
-  ram_limit_ = options_.ram_limit ? *options_.ram_limit : default_ram_limit();
-  pin_arena_ = std::make_shared<offload::PinnedArena>(options_.pin_memory_limit ? *options_.pin_memory_limit
-                                                                                : offload::default_pin_memory_limit());
-  set_vram_budget(options_.vram_budget);
+  state_.ram_limit = o.ram_limit ? *o.ram_limit : default_ram_limit();
+  state_.pin_arena = std::make_shared<offload::PinnedArena>(o.pin_memory_limit ? *o.pin_memory_limit
+                                                                               : offload::default_pin_memory_limit());
+  set_vram_budget(o.vram_budget);
 }
 
 ModelCache::~ModelCache() {
   // Locks keep the cache alive, so nothing is locked here; engines detach in their
   // destructors, before the models they manage go.
-  for (auto& e : entries_) {
+  for (auto& e : state_.entries) {
     if (e->engine && e->attached) e->engine->detach();
   }
 }
 
 offload::ResolvedVramBudget ModelCache::parse_budget(const std::string& text, const std::string& headroom,
                                                      const std::string& flag, const std::string& headroom_flag) const {
-  return offload::resolve_vram_budget(*device_, text, headroom, flag, headroom_flag);
+  return offload::resolve_vram_budget(*state_.device, text, headroom, flag, headroom_flag);
 }
 
 uint64_t ModelCache::vram_budget() const {
-  std::lock_guard<std::mutex> g(mutex_);
-  return budget_;
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  return state_.budget;
 }
 
 uint64_t ModelCache::working_memory() const {
-  std::lock_guard<std::mutex> g(mutex_);
-  return working_memory_;
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  return state_.working_memory;
 }
 
 offload::EngineOptions ModelCache::engine_options(const Entry& e) const {
   offload::EngineOptions o;
-  o.device = device_;
+  o.device = state_.device;
   o.budget_bytes = e.share;
   o.working_memory_bytes = 0;  // the cache keeps the working memory out of every share
   o.grow_working_memory = false;  // and grows it itself from the engines' measurements
   o.max_resident = e.max_resident;
-  o.prefetch_depth = options_.prefetch;
-  o.policy = options_.policy;
-  o.pin = options_.pin;
-  o.pin_arena = pin_arena_;
-  o.timing = options_.timing;
-  o.trace = options_.trace;
+  o.prefetch_depth = state_.options.prefetch;
+  o.policy = state_.options.policy;
+  o.pin = state_.options.pin;
+  o.pin_arena = state_.pin_arena;
+  o.timing = state_.options.timing;
+  o.trace = state_.options.trace;
   o.log_attach = false;
   return o;
 }
@@ -345,8 +320,8 @@ class EntrySidecars final : public offload::SidecarPlacer {
       return;
     }
     try {
-      ModelCache::Guard g(cache_.mutex_);
-      cache_.wait_idle(entry_, g);
+      Guard g(cache_.locking_.mutex());
+      cache_.locking_.wait_idle(entry_, g);
       cache_.release_sidecars(entry_, bytes);
     } catch (const std::exception& e) {
       log::error("releasing sidecars of model '" + entry_.name + "' failed: " + e.what());
@@ -364,8 +339,8 @@ void ModelCache::patch(const Lock& lock,
                        const std::function<void(anima::AnimaModelImpl&, offload::SidecarPlacer&)>& fn) {
   TORCH_CHECK(lock, "patch: the lock is empty");
   Entry& e = lock.entry();
-  Guard g(mutex_);
-  wait_idle(e, g);  // locked: it stays in RAM and on the device meanwhile
+  Guard g(locking_.mutex());
+  locking_.wait_idle(e, g);  // locked: it stays in RAM and on the device meanwhile
   TORCH_INTERNAL_ASSERT(e.model && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
   if (!e.placer) e.placer = std::make_unique<EntrySidecars>(*this, e);
   auto& placer = static_cast<EntrySidecars&>(*e.placer);
@@ -389,7 +364,7 @@ std::vector<at::Tensor> ModelCache::place_sidecars(Entry& e, const std::vector<a
   // model's share (make_device_room takes them, partially and then whole).
   const uint64_t free = limit() - std::min(limit(), reserved());
   uint64_t others = 0;
-  for (const auto& p : entries_) {
+  for (const auto& p : state_.entries) {
     if (p.get() != &e && p->attached && p->locks == 0) others += p->share;
   }
   const uint64_t most = e.share + free + others;
@@ -398,10 +373,10 @@ std::vector<at::Tensor> ModelCache::place_sidecars(Entry& e, const std::vector<a
     std::ostringstream msg;
     msg << what << " needs " << format_mib(bytes) << " of device memory for its sidecars (" << bytes
         << " bytes), but model '" << e.name << "' can have at most " << format_mib(most - std::min(most, minimum))
-        << " beside its minimum of " << format_mib(minimum) << " on " << device_->name() << ": its share of "
+        << " beside its minimum of " << format_mib(minimum) << " on " << state_.device->name() << ": its share of "
         << format_mib(e.share) << ", " << format_mib(free) << " free and " << format_mib(others)
         << " held by unlocked models, of the " << format_mib(limit()) << " that the vram budget ("
-        << format_mib(budget_) << ") leaves beside the working memory; " << format_mib(minimum + bytes - most)
+        << format_mib(state_.budget) << ") leaves beside the working memory; " << format_mib(minimum + bytes - most)
         << " missing (raise the vram budget or unlock other models)";
     throw ResourceError(msg.str());
   }
@@ -425,7 +400,7 @@ std::vector<at::Tensor> ModelCache::place_sidecars(Entry& e, const std::vector<a
     throw;
   }
   count_pinned_ram(e);
-  publish(e);
+  locking_.publish(e);
   log::info(what + " on '" + e.name + "': sidecars " + format_mib(bytes) + ", share " + format_mib(before) + " -> " +
             format_mib(e.share) + " of " + format_mib(limit()) + "; residency " + e.engine->plan().residency_map());
   return out;
@@ -442,7 +417,7 @@ void ModelCache::release_sidecars(Entry& e, uint64_t bytes) noexcept {
     if (!e.attached) return;
     e.share -= std::min(e.share, shrunk);
     count_pinned_ram(e);
-    publish(e);
+    locking_.publish(e);
   } catch (const std::exception& ex) {
     log::error("releasing sidecars of model '" + e.name + "' failed: " + ex.what());
   }
@@ -450,7 +425,7 @@ void ModelCache::release_sidecars(Entry& e, uint64_t bytes) noexcept {
 
 uint64_t ModelCache::reserved() const {
   uint64_t sum = 0;
-  for (const auto& e : entries_) {
+  for (const auto& e : state_.entries) {
     if (e->attached) sum += e->share;
   }
   return sum;
@@ -466,14 +441,14 @@ std::string ModelCache::budget_error(const Entry& e) const {
   // The smallest budget B with B - working_memory(B) >= minimum.
   const uint64_t m = e.needs.minimum;
   uint64_t need;
-  if (options_.working_memory) {
-    need = m + *options_.working_memory;
+  if (state_.options.working_memory) {
+    need = m + *state_.options.working_memory;
   } else {
     // B - default_working_memory(B) never decreases as B grows: bisect.
-    uint64_t lo = m, hi = m + default_working_memory(UINT64_MAX / 4, options_.resolution);
+    uint64_t lo = m, hi = m + default_working_memory(UINT64_MAX / 4, state_.options.resolution);
     while (lo < hi) {
       const uint64_t mid = lo + (hi - lo) / 2;
-      if (mid - default_working_memory(mid, options_.resolution) >= m) {
+      if (mid - default_working_memory(mid, state_.options.resolution) >= m) {
         hi = mid;
       } else {
         lo = mid + 1;
@@ -482,7 +457,7 @@ std::string ModelCache::budget_error(const Entry& e) const {
     need = lo;
   }
   std::ostringstream msg;
-  msg << "vram budget " << format_mib(budget_) << " is too small for model '" << e.name << "' on " << device_->name()
+  msg << "vram budget " << format_mib(state_.budget) << " is too small for model '" << e.name << "' on " << state_.device->name()
       << ": the minimum that would work is " << format_mib(need) << " (" << need << " bytes: " << format_mib(m)
       << " for always-resident layers, upcast scratch and the staging ring, plus working memory)";
   return msg.str();
@@ -500,7 +475,7 @@ void ModelCache::attach(Entry& e, uint64_t share) {
   e.attached = true;
   e.share = share;
   count_pinned_ram(e);
-  publish(e);
+  locking_.publish(e);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const offload::ResidencyPlan& plan = e.engine->plan();
   std::ostringstream line;
@@ -508,7 +483,7 @@ void ModelCache::attach(Entry& e, uint64_t share) {
   if (!e.announced) {
     line.precision(2);
     // InvokeAI's wording first (frontends parse it), then the split.
-    line << "Loaded model '" << e.name << "' onto " << device_->name() << " in " << e.load_seconds + secs
+    line << "Loaded model '" << e.name << "' onto " << state_.device->name() << " in " << e.load_seconds + secs
          << "s. Total model size: " << format_mib(e.needs.model_bytes) << ", VRAM: " << format_mib(plan.resident_bytes)
          << " (" << percent(plan.resident_bytes, e.needs.model_bytes) << "); host load (read or generate, cast) "
          << e.load_seconds << "s, attach " << secs << "s; compute " << dtype_name(e.dtypes.compute) << " ("
@@ -517,7 +492,7 @@ void ModelCache::attach(Entry& e, uint64_t share) {
     e.announced = true;
   } else {
     line.precision(2);
-    line << "Model '" << e.name << "' back onto " << device_->name() << " in " << secs
+    line << "Model '" << e.name << "' back onto " << state_.device->name() << " in " << secs
          << "s, VRAM: " << format_mib(plan.resident_bytes) << " (" << percent(plan.resident_bytes, e.needs.model_bytes)
          << ")";
     log::info(line.str());
@@ -526,8 +501,8 @@ void ModelCache::attach(Entry& e, uint64_t share) {
   map << "Residency of '" << e.name << "' (" << offload::residency_policy_name(plan.policy)
       << "): " << plan.residency_map() << "; ring " << format_mib(plan.ring_bytes) << " (largest slot "
       << format_mib(plan.slot_bytes) << ")"
-      << ", share " << format_mib(share) << " of " << format_mib(limit()) << " (budget " << format_mib(budget_)
-      << ", working memory " << format_mib(working_memory_) << ")";
+      << ", share " << format_mib(share) << " of " << format_mib(limit()) << " (budget " << format_mib(state_.budget)
+      << ", working memory " << format_mib(state_.working_memory) << ")";
   log::info(map.str());
 }
 
@@ -537,7 +512,7 @@ void ModelCache::detach(Entry& e) {
   e.engine->detach();
   e.attached = false;
   e.share = 0;
-  publish(e);
+  locking_.publish(e);
 }
 
 void ModelCache::resize(Entry& e, uint64_t share) {
@@ -547,7 +522,7 @@ void ModelCache::resize(Entry& e, uint64_t share) {
   e.engine->set_budget(share, /*release_freed=*/false);  // Note [releasing cached memory]: the cache decides
   e.share = share;
   count_pinned_ram(e);
-  publish(e);
+  locking_.publish(e);
   log::debug("Residency of '" + e.name + "': " + e.engine->plan().residency_map() + ", share " + format_mib(share));
 }
 
@@ -556,8 +531,8 @@ void ModelCache::resize(Entry& e, uint64_t share) {
 // nothing (the pinned copies stay with the model until it leaves RAM). Run lock held.
 void ModelCache::count_pinned_ram(Entry& e) {
   const uint64_t host = e.needs.model_bytes + e.engine->pinned_padding_bytes();
-  if (host > e.ram_bytes) ram_.increase(static_cast<int64_t>(host - e.ram_bytes));
-  if (host < e.ram_bytes) ram_.decrease(static_cast<int64_t>(e.ram_bytes - host));
+  if (host > e.ram_bytes) state_.ram.increase(static_cast<int64_t>(host - e.ram_bytes));
+  if (host < e.ram_bytes) state_.ram.decrease(static_cast<int64_t>(e.ram_bytes - host));
   e.ram_bytes = host;
 }
 
@@ -567,51 +542,9 @@ uint64_t ModelCache::device_bytes_of(Entry& e) {
   return e.engine->device_bytes();
 }
 
-void ModelCache::wait_idle(Entry& e, Guard& g) {
-  if (!e.running) return;
-  e.run_waiters += 1;
-  idle_.wait(g, [&] { return !e.running; });
-  e.run_waiters -= 1;
-  if (e.run_waiters == 0) idle_.notify_all();  // forwards held back for us may start once we unlock
-}
-
-void ModelCache::publish(Entry& e, bool settle) {
-  Entry::Published p;
-  try {
-    if (e.engine) {
-      p.stats = e.engine->stats(/*wait=*/settle);
-      if (options_.trace && settle) {
-        p.trace_json = e.engine->trace().to_json();
-      } else {
-        std::lock_guard<std::mutex> g(e.published_mutex);
-        p.trace_json = e.published.trace_json;
-      }
-    }
-  } catch (const std::exception& ex) {
-    // Resolving timings surfaced a device error; the engine raises it again at its next use.
-    log::warn("stats of model '" + e.name + "' not updated: " + ex.what());
-    std::lock_guard<std::mutex> g(e.published_mutex);
-    p.stats = e.published.stats;
-    p.trace_json = e.published.trace_json;
-  }
-  if (e.attached) {
-    p.device_bytes = e.engine->device_bytes();
-    p.device_allocated = e.engine->device_allocated_bytes();
-    const offload::ResidencyPlan& plan = e.engine->plan();
-    p.residency = plan.residency_map();
-    for (size_t i = 0; i < plan.layers.size(); ++i) {
-      if (plan.resident[i]) continue;
-      (plan.layers[i].name.rfind("llm_adapter.", 0) == 0 ? p.streamed_adapter : p.streamed_dit) +=
-          plan.layers[i].stored_bytes;
-    }
-  }
-  std::lock_guard<std::mutex> g(e.published_mutex);
-  e.published = std::move(p);
-}
-
 void ModelCache::make_device_room(uint64_t bytes, const Entry* exclude) {
   std::vector<Entry*> victims;
-  for (auto& p : entries_) {
+  for (auto& p : state_.entries) {
     if (p.get() != exclude && p->attached && p->locks == 0) victims.push_back(p.get());
   }
   std::sort(victims.begin(), victims.end(), [](Entry* a, Entry* b) { return a->last_used < b->last_used; });
@@ -624,7 +557,7 @@ void ModelCache::make_device_room(uint64_t bytes, const Entry* exclude) {
     if (take == 0) continue;
     resize(*v, v->share - take);
     left -= take;
-    ++device_unloads_;
+    ++state_.device_unloads;
   }
   // Then whole models off the device (their RAM copy stays).
   for (Entry* v : victims) {
@@ -632,8 +565,8 @@ void ModelCache::make_device_room(uint64_t bytes, const Entry* exclude) {
     const uint64_t freed = v->share;
     detach(*v);
     left -= std::min(left, freed);
-    ++device_drops_;
-    log::info("Model '" + v->name + "' taken off " + device_->name() + " to make room (" + format_mib(freed) + ")");
+    ++state_.device_drops;
+    log::info("Model '" + v->name + "' taken off " + state_.device->name() + " to make room (" + format_mib(freed) + ")");
   }
 }
 
@@ -651,10 +584,10 @@ void ModelCache::ensure_device(Entry& e, Guard& g, bool required) {
   if (!e.attached) {
     if (grant < e.needs.minimum) {
       std::ostringstream msg;
-      msg << "cannot put model '" << e.name << "' on " << device_->name() << ": it needs at least "
+      msg << "cannot put model '" << e.name << "' on " << state_.device->name() << ": it needs at least "
           << format_mib(e.needs.minimum) << " of device memory, but models in use hold "
           << format_mib(reserved()) << " of the " << format_mib(limit()) << " that the budget ("
-          << format_mib(budget_) << ") leaves beside the working memory; unlock them or raise the budget";
+          << format_mib(state_.budget) << ") leaves beside the working memory; unlock them or raise the budget";
       if (required) throw ResourceError(msg.str());
       log::info(msg.str() + " (it stays in RAM until it is locked)");
       return;
@@ -673,32 +606,32 @@ void ModelCache::evict(Entry& e) {
   if (e.model) {
     detach(e);
     e.model = anima::AnimaModel(nullptr);
-    ram_.decrease(static_cast<int64_t>(e.ram_bytes));
+    state_.ram.decrease(static_cast<int64_t>(e.ram_bytes));
     e.ram_bytes = 0;
     e.announced = false;
-    ++evictions_;
+    ++state_.evictions;
     log::info("Evicted model '" + e.name + "' from RAM" + (e.dropped ? " (dropped)" : ""));
   }
   if (e.dropped) {
-    entries_.remove_if([&](const std::shared_ptr<Entry>& p) { return p.get() == &e; });
+    state_.entries.remove_if([&](const std::shared_ptr<Entry>& p) { return p.get() == &e; });
   }
 }
 
 void ModelCache::make_ram_room(uint64_t bytes, const Entry* exclude) {
-  if (ram_limit_ == 0) return;
+  if (state_.ram_limit == 0) return;
   // Reservations of models being read count as taken (Note [cache locking]).
-  while (static_cast<uint64_t>(ram_.current) + ram_reserved_ + bytes > ram_limit_) {
+  while (static_cast<uint64_t>(state_.ram.current) + state_.ram_reserved + bytes > state_.ram_limit) {
     Entry* victim = nullptr;
-    for (auto& p : entries_) {
+    for (auto& p : state_.entries) {
       if (p.get() == exclude || !p->model || p->locks > 0 || p->loading) continue;
       if (!victim || p->last_used < victim->last_used) victim = p.get();
     }
     if (!victim) {
-      if (!ram_warned_) {
-        log::warn("RAM limit " + format_mib(ram_limit_) + " exceeded: models in use hold " +
-                  format_mib(static_cast<uint64_t>(ram_.current)) + ", models being read " +
-                  format_mib(ram_reserved_) + ", and " + format_mib(bytes) + " more are needed");
-        ram_warned_ = true;
+      if (!state_.ram_warned) {
+        log::warn("RAM limit " + format_mib(state_.ram_limit) + " exceeded: models in use hold " +
+                  format_mib(static_cast<uint64_t>(state_.ram.current)) + ", models being read " +
+                  format_mib(state_.ram_reserved) + ", and " + format_mib(bytes) + " more are needed");
+        state_.ram_warned = true;
       }
       return;
     }
@@ -708,38 +641,38 @@ void ModelCache::make_ram_room(uint64_t bytes, const Entry* exclude) {
 
 void ModelCache::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool count_hit) {
   Entry& e = *ep;
-  loaded_.wait(g, [&] { return !e.loading; });
+  locking_.wait_loaded(e, g);
   if (e.dropped) throw InvalidArgument("model '" + e.name + "' was dropped from the cache; load it again");
   if (e.model) {
-    if (count_hit) ++hits_;
+    if (count_hit) ++state_.hits;
     return;
   }
-  ++misses_;
+  ++state_.misses;
   e.loading = true;
   make_ram_room(e.estimate, &e);
-  ram_reserved_ += e.estimate;  // until the read ends: other misses make room for it too
+  state_.ram_reserved += e.estimate;  // until the read ends: other misses make room for it too
   g.unlock();
   anima::AnimaModel model(nullptr);
   double secs = 0;
   try {
     const auto t0 = std::chrono::steady_clock::now();
-    if (options_.before_read) options_.before_read(e.name);
-    model = read_model(e.spec, e.dtypes, e.name, options_.load_threads);
+    if (state_.options.before_read) state_.options.before_read(e.name);
+    model = read_model(e.spec, e.dtypes, e.name, state_.options.load_threads);
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   } catch (...) {
     g.lock();
-    ram_reserved_ -= e.estimate;
+    state_.ram_reserved -= e.estimate;
     e.loading = false;
-    loaded_.notify_all();
+    locking_.loaded();
     throw;
   }
   g.lock();
-  ram_reserved_ -= e.estimate;
+  state_.ram_reserved -= e.estimate;
   e.model = model;
   e.config = model->config();
   e.loading = false;
   e.loaded_once = true;
-  loaded_.notify_all();
+  locking_.loaded();
   try {
     refresh_needs(e);
   } catch (...) {
@@ -749,8 +682,8 @@ void ModelCache::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool 
   e.ram_bytes = e.needs.model_bytes;
   e.load_seconds = secs;
   e.announced = false;
-  ram_.increase(static_cast<int64_t>(e.ram_bytes));
-  ++loads_;
+  state_.ram.increase(static_cast<int64_t>(e.ram_bytes));
+  ++state_.loads;
   if (e.ram_bytes != e.estimate) {
     log::debug("model '" + e.name + "' takes " + std::to_string(e.ram_bytes) + " bytes in RAM, estimated " +
                std::to_string(e.estimate));
@@ -780,7 +713,7 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
   if (spec.max_resident && !(*spec.max_resident >= 0.0 && *spec.max_resident <= 1.0)) {
     throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*spec.max_resident));
   }
-  const DtypePair dtypes = resolve_dtypes(spec.storage.storage, spec.storage.compute, device_->device());
+  const DtypePair dtypes = resolve_dtypes(spec.storage.storage, spec.storage.compute, state_.device->device());
   const SkipList skips = SkipList::from_options(spec.storage, anima::declared_fp8_skips());
 
   std::string key = kind == SourceKind::preset ? "preset:" + spec.source : "file:" + canonical(spec.source);
@@ -790,9 +723,9 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
   for (const auto& p : skips.patterns()) settings << p << ";";
   settings << "] config=" << (spec.config ? anima::config_to_json(*spec.config).dump() : "");
 
-  Guard g(mutex_);
+  Guard g(locking_.mutex());
   std::shared_ptr<Entry> e;
-  for (auto& p : entries_) {
+  for (auto& p : state_.entries) {
     if (p->key == key && !p->dropped) e = p;
   }
   if (e && e->settings != settings.str()) {
@@ -818,18 +751,18 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
       if (kind == SourceKind::json_config) e->name = config_of(spec).name;
     }
     g.unlock();
-    const uint64_t estimate = estimate_model_bytes(spec, device_->device());  // reads a file header
+    const uint64_t estimate = estimate_model_bytes(spec, state_.device->device());  // reads a file header
     g.lock();
     e->estimate = estimate;
     std::shared_ptr<Entry> raced;  // another thread created it meanwhile
-    for (auto& p : entries_) {
+    for (auto& p : state_.entries) {
       if (p->key == key && !p->dropped && p->settings == e->settings) raced = p;
     }
     if (raced) {
       e = raced;
     } else {
-      e->id = ++next_id_;
-      entries_.push_back(e);
+      e->id = ++state_.next_id;
+      state_.entries.push_back(e);
     }
   }
   g.unlock();
@@ -850,12 +783,12 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
 
 int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit,
                                 const std::function<void(Entry&, Guard&)>& op) {
-  Guard g(mutex_);
+  Guard g(locking_.mutex());
   ensure_loaded(ep, g, count_hit);
   Entry& e = *ep;
   e.locks += 1;
   touch(e);
-  wait_idle(e, g);  // pinned: it stays in RAM meanwhile
+  locking_.wait_idle(e, g);  // pinned: it stays in RAM meanwhile
   const uint64_t before = device_bytes_of(e);
   try {
     op(e, g);
@@ -877,7 +810,7 @@ int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit
 }
 
 Lock ModelCache::lock(const std::shared_ptr<Entry>& ep) {
-  Guard g(mutex_);
+  Guard g(locking_.mutex());
   ensure_loaded(ep, g, /*count_hit=*/true);
   Entry& e = *ep;
   e.locks += 1;
@@ -895,7 +828,7 @@ Lock ModelCache::lock(const std::shared_ptr<Entry>& ep) {
 }
 
 void ModelCache::unlock(Entry& e) {
-  Guard g(mutex_);
+  Guard g(locking_.mutex());
   TORCH_INTERNAL_ASSERT(e.locks > 0, "unlock of '", e.name, "' without a lock");
   e.locks -= 1;
   if (e.locks > 0) return;
@@ -907,7 +840,7 @@ void ModelCache::unlock(Entry& e) {
 }
 
 void ModelCache::drop(const std::shared_ptr<Entry>& e) {
-  Guard g(mutex_);
+  Guard g(locking_.mutex());
   mark_dropped(e);
 }
 
@@ -932,14 +865,14 @@ int64_t ModelCache::full_load(const std::shared_ptr<Entry>& ep) {
   return with_pinned(ep, /*count_hit=*/false, [&](Entry& e, Guard& g) {
     if (e.needs.full > limit()) {
       throw ResourceError("full_load: model '" + e.name + "' needs " + format_mib(e.needs.full) +
-                          " of device memory to be fully resident; the budget " + format_mib(budget_) +
+                          " of device memory to be fully resident; the budget " + format_mib(state_.budget) +
                           " leaves " + format_mib(limit()) + " beside the working memory");
     }
     if (e.max_resident) {
       e.max_resident.reset();
       if (e.attached) {
         e.engine->set_max_resident(std::nullopt);
-        publish(e);
+        locking_.publish(e);
       }
       refresh_needs(e);
     }
@@ -992,7 +925,7 @@ void ModelCache::apply_max_resident(Entry& e, std::optional<double> fraction) {
     if (e.attached) {
       e.engine->set_max_resident(fraction);
       count_pinned_ram(e);
-      publish(e);
+      locking_.publish(e);
     } else if (e.engine) {
       e.engine->set_max_resident(fraction);  // kept for the next attach
     }
@@ -1015,58 +948,53 @@ void ModelCache::set_vram_budget(uint64_t budget_request) { set_vram_budget_lock
 void ModelCache::grow_working_memory(uint64_t used, const std::string& model, const std::string& kind) {
   uint64_t budget = 0, before = 0, grown_before = 0;
   {
-    Guard g(mutex_);
-    grown_before = grown_working_;
-    measured_working_ = std::max(measured_working_, used);
-    if (used <= working_memory_ || used <= working_refused_) return;
-    before = working_memory_;
-    grown_working_ = std::max(grown_working_, used + used / 8);
-    budget = budget_;
+    Guard g(locking_.mutex());
+    grown_before = state_.grown_working;
+    state_.measured_working = std::max(state_.measured_working, used);
+    if (used <= state_.working_memory || used <= state_.working_refused) return;
+    before = state_.working_memory;
+    state_.grown_working = std::max(state_.grown_working, used + used / 8);
+    budget = state_.budget;
   }
   try {
     set_vram_budget_locked(budget, true);
   } catch (const ResourceError& e) {
-    Guard g(mutex_);
-    grown_working_ = grown_before;
-    working_refused_ = used;  // not tried again for this much
-    if (!working_warned_) {
-      working_warned_ = true;
+    Guard g(locking_.mutex());
+    state_.grown_working = grown_before;
+    state_.working_refused = used;  // not tried again for this much
+    if (!state_.working_warned) {
+      state_.working_warned = true;
       log::warn("model '" + model + "': its first '" + kind + "' forward used " + format_mib(used) +
                 " of device memory beyond the weights, more than the working memory of " + format_mib(before) +
                 ", and the vram budget has no room to keep more: " + e.what());
     }
     return;
   }
-  Guard g(mutex_);
+  Guard g(locking_.mutex());
   log::info("model '" + model + "': its first '" + kind + "' forward used " + format_mib(used) +
             " of device memory beyond the weights, more than the working memory of " + format_mib(before) +
-            ": working memory now " + format_mib(working_memory_) + " (measured plus a margin), vram limit " +
+            ": working memory now " + format_mib(state_.working_memory) + " (measured plus a margin), vram limit " +
             format_mib(limit()));
 }
 
 void ModelCache::set_vram_budget_locked(uint64_t budget_request, bool measured) {
-  Guard g(mutex_);
+  Guard g(locking_.mutex());
   // Any attached model may be resized below: wait for every running forward first.
-  budget_waiters_ += 1;
-  idle_.wait(g, [&] {
-    return std::none_of(entries_.begin(), entries_.end(), [](const std::shared_ptr<Entry>& e) { return e->running; });
-  });
-  budget_waiters_ -= 1;
-  if (budget_waiters_ == 0) idle_.notify_all();
-  const uint64_t budget = budget_request ? budget_request : device_->total_memory();
+  locking_.wait_all_idle(g);
+  const uint64_t budget = budget_request ? budget_request : state_.device->total_memory();
   if (budget == 0) {
-    throw InvalidArgument("the memory of device " + device_->name() + " is unknown: give the vram budget in bytes");
+    throw InvalidArgument("the memory of device " + state_.device->name() + " is unknown: give the vram budget in bytes");
   }
-  const uint64_t wm = std::max(options_.working_memory ? *options_.working_memory
-                                                       : default_working_memory(budget, options_.resolution),
-                                grown_working_);
+  const uint64_t wm = std::max(state_.options.working_memory ? *state_.options.working_memory
+                                                       : default_working_memory(budget, state_.options.resolution),
+                                state_.grown_working);
   if (budget <= wm) {
     throw ResourceError("vram budget " + format_mib(budget) + " leaves nothing beside the working memory of " +
                         format_mib(wm));
   }
   const uint64_t new_limit = budget - wm;
   uint64_t locked_min = 0;
-  for (auto& e : entries_) {
+  for (auto& e : state_.entries) {
     if (e->attached && e->locks > 0) locked_min += e->needs.minimum;
   }
   if (locked_min > new_limit) {
@@ -1074,9 +1002,9 @@ void ModelCache::set_vram_budget_locked(uint64_t budget_request, bool measured) 
                         format_mib(locked_min + wm) + " (" + std::to_string(locked_min + wm) +
                         " bytes, working memory included)");
   }
-  const uint64_t old_budget = budget_, old_wm = working_memory_;
-  budget_ = budget;
-  working_memory_ = wm;
+  const uint64_t old_budget = state_.budget, old_wm = state_.working_memory;
+  state_.budget = budget;
+  state_.working_memory = wm;
   uint64_t res = reserved();
   if (res > new_limit) {
     try {
@@ -1084,7 +1012,7 @@ void ModelCache::set_vram_budget_locked(uint64_t budget_request, bool measured) 
       make_device_room(res - new_limit, nullptr);
       res = reserved();
       std::vector<Entry*> locked;
-      for (auto& e : entries_) {
+      for (auto& e : state_.entries) {
         if (e->attached && e->locks > 0) locked.push_back(e.get());
       }
       std::sort(locked.begin(), locked.end(), [](Entry* a, Entry* b) { return a->last_used < b->last_used; });
@@ -1096,25 +1024,25 @@ void ModelCache::set_vram_budget_locked(uint64_t budget_request, bool measured) 
         res -= take;
       }
     } catch (...) {
-      budget_ = old_budget;
-      working_memory_ = old_wm;
+      state_.budget = old_budget;
+      state_.working_memory = old_wm;
       throw;
     }
   }
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
   // A budget cut: what the shrunk models freed leaves the process (Note [releasing cached
   // memory] in offload/device.h). Room made for another model stays cached for it.
-  if (!measured && new_limit < old_budget - std::min(old_budget, old_wm)) device_->release_cached_memory();
-  device_->set_memory_limit(new_limit);
-  device_->reset_memory_peak();  // peaks count under the current budget
+  if (!measured && new_limit < old_budget - std::min(old_budget, old_wm)) state_.device->release_cached_memory();
+  state_.device->set_memory_limit(new_limit);
+  state_.device->reset_memory_peak();  // peaks count under the current budget
   if (!measured) {
-    device_->reset_allocator_peak();
-    log::info("vram budget " + format_mib(budget) + " on " + device_->name() + " (working memory " + format_mib(wm) +
+    state_.device->reset_allocator_peak();
+    log::info("vram budget " + format_mib(budget) + " on " + state_.device->name() + " (working memory " + format_mib(wm) +
               ")");
   }
   // More room: attached models grow towards what they want, most recently used first.
   std::vector<Entry*> grow;
-  for (auto& e : entries_) {
+  for (auto& e : state_.entries) {
     if (e->attached && e->model) grow.push_back(e.get());
   }
   std::sort(grow.begin(), grow.end(), [](Entry* a, Entry* b) { return a->last_used > b->last_used; });
@@ -1130,44 +1058,26 @@ void ModelCache::set_vram_budget_locked(uint64_t budget_request, bool measured) 
 void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn) {
   TORCH_CHECK(lock, "run: the lock is empty");
   Entry& e = lock.entry();
-  {
-    Guard g(mutex_);
-    idle_.wait(g, [&] { return !e.running && e.run_waiters == 0 && budget_waiters_ == 0; });
-    // Locked entries are in RAM and attached (Note [cache tiers]).
-    TORCH_INTERNAL_ASSERT(e.model && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
-    e.running = true;
-  }
+  locking_.begin_forward(e);
   // The engine is ours until `running` is cleared, however fn ends (Note [cache locking]).
   std::optional<uint64_t> measured;
   {
     struct Idle {
-      ModelCache& cache;
+      CacheLocking& locking;
       Entry& e;
-      ~Idle() {
-        {
-          Guard g(cache.mutex_);
-          e.running = false;
-        }
-        cache.idle_.notify_all();
-      }
-    } idle{*this, e};
+      ~Idle() { locking.end_forward(e); }
+    } idle{locking_, e};
     try {
       fn(*e.model, *e.engine);
     } catch (...) {
-      publish(e, /*settle=*/false);  // an aborted forward is counted too
+      locking_.publish(e, /*settle=*/false);  // an aborted forward is counted too
       throw;
     }
-    publish(e, /*settle=*/false);
+    locking_.publish(e, /*settle=*/false);
     measured = e.engine->measured_working_memory();
   }
   // Note [measured working memory]: the engines measure, the cache keeps the working memory.
   if (measured) grow_working_memory(*measured, e.name, e.engine->last_forward_kind());
-}
-
-void ModelCache::refresh_published(Entry& e) const {
-  // Not running and the cache mutex held: nobody else uses the engine now. Settling waits
-  // for the device to finish the last forward (device time, not a running forward).
-  if (!e.running && e.engine) const_cast<ModelCache*>(this)->publish(e, /*settle=*/true);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1175,31 +1085,31 @@ void ModelCache::refresh_published(Entry& e) const {
 
 CacheStats ModelCache::stats_locked() const {
   CacheStats s;
-  s.device = device_->name();
-  s.hits = hits_;
-  s.misses = misses_;
-  s.loads = loads_;
-  s.evictions = evictions_;
-  s.device_unloads = device_unloads_;
-  s.device_drops = device_drops_;
-  for (const auto& e : entries_) {
+  s.device = state_.device->name();
+  s.hits = state_.hits;
+  s.misses = state_.misses;
+  s.loads = state_.loads;
+  s.evictions = state_.evictions;
+  s.device_unloads = state_.device_unloads;
+  s.device_drops = state_.device_drops;
+  for (const auto& e : state_.entries) {
     if (!e->model) continue;
     s.models += 1;
     if (e->locks > 0) s.locked += 1;
   }
-  s.ram_limit = ram_limit_;
-  s.ram = ram_;
-  s.ram_reserved = ram_reserved_;
-  s.pin_limit = pin_arena_->limit();
-  s.pinned = pin_arena_->pinned();
-  s.pinned_used = pin_arena_->used_bytes();
-  s.vram_budget = budget_;
-  s.working_memory = working_memory_;
-  s.measured_working_memory = measured_working_;
+  s.ram_limit = state_.ram_limit;
+  s.ram = state_.ram;
+  s.ram_reserved = state_.ram_reserved;
+  s.pin_limit = state_.pin_arena->limit();
+  s.pinned = state_.pin_arena->pinned();
+  s.pinned_used = state_.pin_arena->used_bytes();
+  s.vram_budget = state_.budget;
+  s.working_memory = state_.working_memory;
+  s.measured_working_memory = state_.measured_working;
   s.vram_limit = limit();
-  s.vram = device_->memory_stats().total;
+  s.vram = state_.device->memory_stats().total;
   s.vram_reserved = reserved();
-  for (const auto& e : entries_) {
+  for (const auto& e : state_.entries) {
     if (!e->loaded_once) continue;
     CacheStats::ModelPart m;
     m.id = e->id;
@@ -1224,32 +1134,32 @@ CacheStats ModelCache::stats_locked() const {
 }
 
 std::vector<std::shared_ptr<Entry>> ModelCache::entries() const {
-  std::lock_guard<std::mutex> g(mutex_);
+  std::lock_guard<std::mutex> g(locking_.mutex());
   std::vector<std::shared_ptr<Entry>> out;
-  for (const auto& e : entries_) {
+  for (const auto& e : state_.entries) {
     if (e->loaded_once) out.push_back(e);
   }
   return out;
 }
 
 CacheStats ModelCache::stats() const {
-  std::lock_guard<std::mutex> g(mutex_);
+  std::lock_guard<std::mutex> g(locking_.mutex());
   return stats_locked();
 }
 
 std::string ModelCache::stats_json(int indent) const { return cache_json(stats()).dump(indent); }
 
 offload::EngineStats ModelCache::engine_stats(const std::shared_ptr<Entry>& e) const {
-  std::lock_guard<std::mutex> g(mutex_);
-  refresh_published(*e);
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  locking_.refresh_published(*e);
   offload::EngineStats s;
   {
     std::lock_guard<std::mutex> p(e->published_mutex);
     if (e->published.stats) s = *e->published.stats;
   }
   s.model_name = e->name;
-  s.device = device_->name();
-  offload::set_allocator_stats(s, *device_);
+  s.device = state_.device->name();
+  offload::set_allocator_stats(s, *state_.device);
   if (!e->attached) s.model_total_bytes = e->model ? e->needs.model_bytes : 0;
   return s;
 }
@@ -1257,9 +1167,9 @@ offload::EngineStats ModelCache::engine_stats(const std::shared_ptr<Entry>& e) c
 std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int indent) const {
   offload::EngineStats s = engine_stats(e);
   nlohmann::json j = nlohmann::json::parse(s.to_json(-1));
-  std::lock_guard<std::mutex> g(mutex_);
-  j["budget"]["budget_bytes"] = budget_;
-  j["budget"]["working_memory_bytes"] = working_memory_;
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  j["budget"]["budget_bytes"] = state_.budget;
+  j["budget"]["working_memory_bytes"] = state_.working_memory;
   j["budget"]["share_bytes"] = e->attached ? e->share : 0;
   {
     const EntryState st = entry_state_locked(e);
@@ -1275,7 +1185,7 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
   j["model"]["compute"] = {{"dtype", dtype_name(e->dtypes.compute)},
                            {"automatic", e->spec.compute_reason.rfind("auto:", 0) == 0},
                            {"reason", e->spec.compute_reason.empty() ? "requested" : e->spec.compute_reason}};
-  j["hardware"] = hardware_summary(device_->device());
+  j["hardware"] = hardware_summary(state_.device->device());
   const CacheStats cs = stats_locked();
   {
     // Note [stats parts]: the allocator's device-wide count, split.
@@ -1295,8 +1205,8 @@ std::string ModelCache::model_stats_json(const std::shared_ptr<Entry>& e, int in
 void ModelCache::write_trace(const std::shared_ptr<Entry>& e, const std::string& path) const {
   std::string json;
   {
-    std::lock_guard<std::mutex> g(mutex_);
-    refresh_published(*e);
+    std::lock_guard<std::mutex> g(locking_.mutex());
+    locking_.refresh_published(*e);
   }
   {
     std::lock_guard<std::mutex> p(e->published_mutex);
@@ -1310,15 +1220,15 @@ void ModelCache::write_timeline_svg(const std::shared_ptr<Entry>& e, const std::
   std::string json;
   std::optional<offload::EngineStats> stats;
   {
-    std::lock_guard<std::mutex> g(mutex_);
-    refresh_published(*e);
+    std::lock_guard<std::mutex> g(locking_.mutex());
+    locking_.refresh_published(*e);
   }
   {
     std::lock_guard<std::mutex> p(e->published_mutex);
     json = e->published.trace_json;
     stats = e->published.stats;
   }
-  if (!options_.trace) {
+  if (!state_.options.trace) {
     throw InvalidArgument("timeline of model '" + e->name + "' for '" + path +
                           "': tracing is off (RuntimeOptions::trace, or sluice run --timeline)");
   }
@@ -1343,12 +1253,12 @@ void ModelCache::write_timeline_svg(const std::shared_ptr<Entry>& e, const std::
 }
 
 anima::AnimaConfig ModelCache::entry_config(const std::shared_ptr<Entry>& e) const {
-  std::lock_guard<std::mutex> g(mutex_);
+  std::lock_guard<std::mutex> g(locking_.mutex());
   return e->config;
 }
 
 ModelCache::EntryState ModelCache::entry_state(const std::shared_ptr<Entry>& e) const {
-  std::lock_guard<std::mutex> g(mutex_);
+  std::lock_guard<std::mutex> g(locking_.mutex());
   return entry_state_locked(e);
 }
 

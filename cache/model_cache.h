@@ -23,36 +23,6 @@
 // models off the device (their RAM copy stays). Models in use are never unloaded by the
 // cache. Weights never move device->host: unloading only drops device copies.
 //
-// Note [cache locking]
-// ~~~~~~~~~~~~~~~~~~~~
-// One cache mutex guards the entries, shares, lock counts and counters. An entry's engine
-// and model are single-threaded: either a forward uses them (ModelCache::run marks the
-// entry `running` under the cache mutex, then works without it) or a holder of the cache
-// mutex does while the entry is not running. The cache mutex is never held while waiting
-// for a forward:
-//  - the cache changes unlocked models freely: nothing runs without a lock;
-//  - lock() changes only the model it locks, and only when no other lock holds it (then
-//    nothing runs it) or it is not attached (a running model is attached);
-//  - residency changes of a model (partial_load ... set_max_resident, load()'s device step)
-//    pin it, then wait for its running forward on a condition variable, which releases the
-//    cache mutex, and hold back its new forwards meanwhile (a stream of forwards cannot
-//    starve them); lock() and forwards of other models go on.
-//  - set_vram_budget waits so for every running forward, holding back new forwards of all
-//    models until it has resized them.
-// A forward takes the cache mutex only to mark its entry running and idle again: it may
-// wait briefly for another model's attach or a budget change, never for another model's
-// forward.
-// Queries (stats, model stats, entry state, trace) read the cache-side fields under the
-// cache mutex and the engine-side ones from the entry's published snapshot, under the
-// entry's own small mutex that is held only to copy it. Whoever uses the engine publishes
-// it: the forward at its end (engine stats() resolves its timings, which may wait for the
-// device, without the cache mutex), the cache after each attach, detach and residency
-// change. So queries never wait for a forward; during one they see the state from before.
-// Reading a model from disk happens outside the cache mutex, its estimated bytes reserved
-// in the RAM accounting first, so that concurrent misses evict for each other (or exceed
-// the limit with the one warning) instead of each passing it unseen. Other threads asking
-// for the same model wait for it on a condition variable.
-//
 // Note [sidecar share]
 // ~~~~~~~~~~~~~~~~~~~~
 // LoRA sidecars live on the device beside the weights, inside the model's share (Note
@@ -71,16 +41,15 @@
 // wants: the bytes it grew for them go back to the budget, the rest back to resident layers.
 #include <ATen/ATen.h>
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <list>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "cache/cache_locking.h"
+#include "cache/cache_state.h"
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
 #include "offload/device.h"
@@ -94,25 +63,6 @@ class LoraScope;
 }
 
 namespace sluice::cache {
-
-struct CacheOptions {
-  std::shared_ptr<offload::DeviceBackend> device;  // the device; null: a CPU device
-  uint64_t vram_budget = 0;                        // device bytes for all models, working memory included; 0: all device memory
-  std::optional<uint64_t> working_memory;          // kept free for activations; none: default_working_memory(budget, resolution)
-  int64_t resolution = 1024;                       // image side the default working memory is sized for
-  std::optional<uint64_t> ram_limit;               // host bytes for models; 0: unlimited; none: default_ram_limit()
-  uint32_t prefetch = offload::kPrefetchAuto;      // most streamed layers copied ahead (auto: the ring's bytes decide)
-  offload::PinMode pin = offload::PinMode::auto_;  // pinned host copies of streamed layers
-  std::optional<uint64_t> pin_memory_limit;        // page-locked host bytes of all models together;
-                                                   // none: offload::default_pin_memory_limit() (Note [pinned arena])
-  offload::ResidencyPolicy policy = offload::ResidencyPolicy::balanced;  // residency plan policy
-  bool timing = true;                              // per-forward device timings
-  bool trace = false;                              // per-layer trace spans
-  int load_threads = 0;                            // checkpoint read workers (runtime/fused_read.h); 0: every core
-  // Called outside the cache mutex as a model's read (or generation) starts, with its name;
-  // an exception from it fails the read. Tests use it to hold reads so that misses overlap.
-  std::function<void(const std::string&)> before_read;
-};
 
 // Note [working memory default]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -129,17 +79,6 @@ uint64_t default_ram_limit();
 enum class SourceKind { preset, json_config, checkpoint };
 // Preset name, "*.json" (a config to generate from), or a checkpoint path.
 SourceKind source_kind(const std::string& source);
-
-// What to load and how.
-struct LoadSpec {
-  std::string source;                       // preset name, .json config or .safetensors path
-  std::string name;                         // for logs and stats; empty: preset/config name or file stem
-  Fp8Options storage;                       // storage/compute dtypes and skip patterns
-  std::string compute_reason;               // why storage.compute (Note [compute dtype auto]); empty: "requested"
-  std::optional<anima::AnimaConfig> config; // overrides the file's inferred config / the preset's
-  uint64_t seed = 0;                        // generated weights (preset and .json sources)
-  std::optional<double> max_resident;       // cap on resident fraction; none: the budget decides
-};
 
 // Host bytes the model of `spec` will take once loaded (every parameter and buffer in its
 // stored dtype), computed on a shape-only model. `device` decides fp8 support.
@@ -181,76 +120,6 @@ struct CacheStats {
   // ledger holds now (slots of a staging ring a model dropped, which queued work may still
   // read); 0 between forwards.
   int64_t vram_unattributed = 0;
-};
-
-// One cached model. Fields are guarded by the cache mutex unless noted; see Note [cache
-// locking].
-struct Entry {
-  // Fixed at creation.
-  uint64_t id = 0;            // unique in its cache (1, 2, ... in creation order): two entries may share a key
-  std::string key;            // identity: source (+ seed for generated models)
-  std::string settings;       // the loading settings; a load with other settings reloads
-  std::string name;
-  LoadSpec spec;
-  DtypePair dtypes;           // resolved for the device
-  uint64_t estimate = 0;      // estimate_model_bytes()
-  anima::AnimaConfig config;  // set when first loaded
-
-  anima::AnimaModel model{nullptr};                  // null while not in RAM
-  std::unique_ptr<offload::StreamingEngine> engine;  // created at first attach, kept for its stats
-  offload::WeightNeeds needs;                        // valid while in RAM; sidecars included
-  uint64_t sidecar_bytes = 0;                        // LoRA sidecars its engine placed (device bytes)
-  std::unique_ptr<offload::SidecarPlacer> placer;    // ModelCache::patch's placer (Note [sidecar share]), made once
-  std::optional<double> max_resident;                // current cap
-  std::optional<uint64_t> target;                    // share the user asked for; none: needs.wanted
-  bool attached = false;
-  bool loading = false;
-  bool dropped = false;       // drop() or replaced: evicted when unlocked, never loaded again
-  bool announced = false;     // "Loaded model" logged for the current RAM copy
-  bool loaded_once = false;   // read or generated at least once (listed by ModelCache::entries)
-  double load_seconds = 0;    // reading/generating the current RAM copy
-  int locks = 0;
-  uint64_t ram_bytes = 0;     // host bytes while in RAM
-  uint64_t share = 0;         // engine budget while attached
-  uint64_t last_used = 0;     // LRU tick
-
-  bool running = false;       // a forward uses the engine and model (Note [cache locking])
-  int run_waiters = 0;        // cache operations waiting for that forward; new forwards wait for them
-
-  // Engine-side state for queries (Note [cache locking]), guarded by `published_mutex`.
-  struct Published {
-    std::optional<offload::EngineStats> stats;  // none before the engine exists
-    uint64_t device_bytes = 0, device_allocated = 0, streamed_dit = 0, streamed_adapter = 0;
-    std::string residency;
-    std::string trace_json;  // with CacheOptions::trace
-  };
-  std::mutex published_mutex;
-  Published published;
-};
-
-class ModelCache;
-
-// A lock on an entry (RAII, movable). While it lives the model is in RAM, on the device,
-// and neither evicted nor unloaded by the cache.
-class Lock {
- public:
-  Lock() = default;
-  Lock(std::shared_ptr<ModelCache> cache, std::shared_ptr<Entry> entry);
-  Lock(Lock&& other) noexcept;
-  Lock& operator=(Lock&& other) noexcept;
-  ~Lock();
-  Lock(const Lock&) = delete;
-  Lock& operator=(const Lock&) = delete;
-
-  explicit operator bool() const { return entry_ != nullptr; }
-  Entry& entry() const { return *entry_; }
-  const std::shared_ptr<Entry>& entry_ptr() const { return entry_; }
-  ModelCache& cache() const { return *cache_; }
-  void unlock();
-
- private:
-  std::shared_ptr<ModelCache> cache_;
-  std::shared_ptr<Entry> entry_;
 };
 
 class ModelCache : public std::enable_shared_from_this<ModelCache> {
@@ -335,16 +204,15 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // The config of a model that has been loaded once.
   anima::AnimaConfig entry_config(const std::shared_ptr<Entry>& entry) const;
 
-  offload::DeviceBackend& device() const { return *device_; }
+  offload::DeviceBackend& device() const { return *state_.device; }
   uint64_t vram_budget() const;
   uint64_t working_memory() const;
-  const CacheOptions& options() const { return options_; }
+  const CacheOptions& options() const { return state_.options; }
 
  private:
   explicit ModelCache(CacheOptions options);
   friend class Lock;
   friend class EntrySidecars;
-  using Guard = std::unique_lock<std::mutex>;
 
   void unlock(Entry& e);
   void set_vram_budget_locked(uint64_t budget_request, bool measured);
@@ -365,24 +233,13 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   void release_sidecars(Entry& e, uint64_t bytes) noexcept;
   void shift_sidecars(Entry& e, int64_t delta);  // sidecar bytes, needs and target follow
   uint64_t device_bytes_of(Entry& e);
-  // Waits, releasing the cache mutex, until no forward uses the engine of `e` (pinned or
-  // locked by the caller); the caller reads the cache state again afterwards.
-  void wait_idle(Entry& e, Guard& g);
-  // Copies the engine-side state of `e` into its snapshot; the caller uses the engine.
-  // `settle`: wait for the device to finish the last forward so that its timings are in,
-  // and render the trace. A forward's own publish does not settle: on a GPU that would be
-  // a host wait per forward, and the trace would be rendered again at every forward.
-  // Queries settle the snapshot themselves when no forward is running.
-  void publish(Entry& e, bool settle = true);
-  // A query's refresh (cache mutex held): settles the snapshot of an idle entry.
-  void refresh_published(Entry& e) const;
   uint64_t reserved() const;
-  uint64_t limit() const { return budget_ - working_memory_; }
+  uint64_t limit() const { return state_.budget - state_.working_memory; }
   uint64_t wanted_share(const Entry& e) const;
   offload::EngineOptions engine_options(const Entry& e) const;
   void refresh_needs(Entry& e);
   void apply_max_resident(Entry& e, std::optional<double> fraction);
-  void touch(Entry& e) { e.last_used = ++tick_; }
+  void touch(Entry& e) { e.last_used = ++state_.tick; }
   std::string budget_error(const Entry& e) const;
   CacheStats stats_locked() const;
   EntryState entry_state_locked(const std::shared_ptr<Entry>& e) const;
@@ -390,27 +247,8 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // unpins; returns the change in the entry's device bytes. `count_hit`: a hit is counted.
   int64_t with_pinned(const std::shared_ptr<Entry>& e, bool count_hit, const std::function<void(Entry&, Guard&)>& op);
 
-  CacheOptions options_;
-  std::shared_ptr<offload::DeviceBackend> device_;
-  std::shared_ptr<offload::PinnedArena> pin_arena_;  // every engine's pinned host copies, under one limit
-  mutable std::mutex mutex_;
-  std::condition_variable loaded_;
-  std::condition_variable idle_;  // a forward ended, or an operation stopped waiting for one
-  int budget_waiters_ = 0;        // set_vram_budget calls waiting for forwards; new forwards wait for them
-  std::list<std::shared_ptr<Entry>> entries_;
-  uint64_t budget_ = 0;
-  uint64_t working_memory_ = 0;
-  uint64_t measured_working_ = 0;  // the most any engine measured (Note [measured working memory])
-  uint64_t grown_working_ = 0;     // the working memory the measurements ask for (0: none)
-  bool working_warned_ = false;
-  uint64_t working_refused_ = 0;   // a measurement the budget had no room for
-  uint64_t ram_limit_ = 0;
-  uint64_t tick_ = 0;
-  bool ram_warned_ = false;
-  offload::Stat ram_;
-  uint64_t ram_reserved_ = 0;  // see CacheStats::ram_reserved
-  uint64_t hits_ = 0, misses_ = 0, loads_ = 0, evictions_ = 0, device_unloads_ = 0, device_drops_ = 0;
-  uint64_t next_id_ = 0;
+  CacheState state_;
+  CacheLocking locking_{state_};
 };
 
 }  // namespace sluice::cache
