@@ -27,6 +27,9 @@
 
 namespace sluice::cache {
 
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+
 struct CacheOptions {
   std::shared_ptr<offload::DeviceBackend> device;  // the device; null: a CPU device
   uint64_t vram_budget = 0;                        // device bytes for all models, working memory included; 0: all device memory

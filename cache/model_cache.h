@@ -22,23 +22,6 @@
 // recently used first and only as much as needed, and only then by taking whole unlocked
 // models off the device (their RAM copy stays). Models in use are never unloaded by the
 // cache. Weights never move device->host: unloading only drops device copies.
-//
-// Note [sidecar share]
-// ~~~~~~~~~~~~~~~~~~~~
-// LoRA sidecars live on the device beside the weights, inside the model's share (Note
-// [device extras] in offload/engine.h). A model's share is sized for its weights, so when
-// sidecars of B bytes are placed (ModelCache::patch), the share first grows by B, as a
-// lock's share does: from the free part of the budget, then by partially unloading other
-// unlocked models, then by taking whole ones off the device; the engine grows its budget
-// and places the sidecars in one replan, so the resident layers stay as they were. Only
-// what the budget cannot give (the share never grows past what the model wants, nor past
-// the limit) comes out of the model's own residency: more layers stream. A budget that
-// cannot hold the sidecars even with every streamable layer streamed refuses them, before
-// anything changes, with one line naming the model, the LoRA and the bytes missing. The
-// model's minimum, wanted and full shares and its residency target include the sidecars
-// while they live (so set_vram_budget, full_load, partial_load and set_max_resident size
-// the share with them), and when they go the share shrinks back to what the model then
-// wants: the bytes it grew for them go back to the budget, the rest back to resident layers.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -50,6 +33,8 @@
 
 #include "cache/cache_locking.h"
 #include "cache/cache_state.h"
+#include "cache/device_shares.h"
+#include "cache/sidecar_share.h"
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
 #include "offload/device.h"
@@ -64,14 +49,6 @@ class LoraScope;
 
 namespace sluice::cache {
 
-// Note [working memory default]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Activations of an anima-2b forward at 1024x1024 (4096 tokens, CFG batch 2, bf16) peak at
-// a few hundred MiB (the 8192-wide MLP hidden state is 128 MiB, q/k/v 96 MiB) plus the
-// allocator's slack; 1 GiB covers that. Activations grow with the token count, so the
-// default is 1 GiB x (resolution / 1024)^2, at least 256 MiB, and never more than a quarter
-// of the budget (so that small budgets for small models stay usable).
-uint64_t default_working_memory(uint64_t budget, int64_t resolution);
 // InvokeAI's rule: max(4 GiB, 50% of RAM - 2 GiB).
 uint64_t default_ram_limit();
 
@@ -157,11 +134,6 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // New budget in bytes (0: all device memory). See ModelCache::set_vram_budget in the
   // public header for the rules.
   void set_vram_budget(uint64_t budget);
-  // Note [measured working memory] (offload/engine.h), for the cache: after a forward whose
-  // engine measured more working memory than the cache keeps, the working memory grows to
-  // the measurement plus an eighth and the shares are fitted under the new limit (as for a
-  // budget change, without emptying the allocator's cache: the activations use it), with
-  // one INFO line. A budget too small for it keeps its working memory and warns once.
   // Resolves a budget string ("6GiB", "50%", "auto", "" = 0: all) on this device now, with
   // `headroom` for "auto" (offload/vram_budget.h, Note [vram budget]).
   offload::ResolvedVramBudget parse_budget(const std::string& text, const std::string& headroom,
@@ -212,35 +184,13 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
  private:
   explicit ModelCache(CacheOptions options);
   friend class Lock;
-  friend class EntrySidecars;
 
   void unlock(Entry& e);
-  void set_vram_budget_locked(uint64_t budget_request, bool measured);
-  void grow_working_memory(uint64_t used, const std::string& model, const std::string& kind);
   void ensure_loaded(const std::shared_ptr<Entry>& e, Guard& g, bool count_hit);
-  void ensure_device(Entry& e, Guard& g, bool required);
   void make_ram_room(uint64_t bytes, const Entry* exclude);
-  void make_device_room(uint64_t bytes, const Entry* exclude);
   void evict(Entry& e);
   void mark_dropped(const std::shared_ptr<Entry>& e);
-  void attach(Entry& e, uint64_t share);
-  void detach(Entry& e);
-  void resize(Entry& e, uint64_t share);
-  void count_pinned_ram(Entry& e);  // e.ram_bytes (and ram_) after pinning changed its host copies
-  // Note [sidecar share], for EntrySidecars (cache mutex held, `e` locked and idle).
-  std::vector<at::Tensor> place_sidecars(Entry& e, const std::vector<at::Tensor>& host,
-                                         const std::vector<at::ScalarType>& dtypes, const std::string& what);
-  void release_sidecars(Entry& e, uint64_t bytes) noexcept;
-  void shift_sidecars(Entry& e, int64_t delta);  // sidecar bytes, needs and target follow
-  uint64_t device_bytes_of(Entry& e);
-  uint64_t reserved() const;
-  uint64_t limit() const { return state_.budget - state_.working_memory; }
-  uint64_t wanted_share(const Entry& e) const;
-  offload::EngineOptions engine_options(const Entry& e) const;
-  void refresh_needs(Entry& e);
-  void apply_max_resident(Entry& e, std::optional<double> fraction);
   void touch(Entry& e) { e.last_used = ++state_.tick; }
-  std::string budget_error(const Entry& e) const;
   CacheStats stats_locked() const;
   EntryState entry_state_locked(const std::shared_ptr<Entry>& e) const;
   // Runs op on a pinned entry (locks + 1, loaded first) with the cache mutex held, then
@@ -249,6 +199,8 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
 
   CacheState state_;
   CacheLocking locking_{state_};
+  DeviceShares shares_{state_, locking_};
+  SidecarShare sidecars_{state_, locking_, shares_};
 };
 
 }  // namespace sluice::cache

@@ -403,7 +403,7 @@ uint64_t lora_bytes_of(const sluice::Model& m) { return parse(m.stats_json()).at
 }  // namespace
 
 TEST_CASE("api: a LoRA's sidecars grow the model's share into the free budget and the share shrinks back") {
-  // Issue 29, item 1 (Note [sidecar share] in cache/model_cache.h).
+  // Issue 29, item 1 (Note [sidecar share] in cache/sidecar_share.h).
   TempDir dir;
   sluice::ModelCache cache(cpu("4GiB", "64MiB"));
   sluice::Model model = cache.load("anima-small");
