@@ -33,68 +33,6 @@ namespace sluice::cache {
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-std::string file_stem(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
-  const size_t dot = base.find_last_of('.');
-  return dot == std::string::npos || dot == 0 ? base : base.substr(0, dot);
-}
-
-// Absolute path without symlinks, or `path` itself when it cannot be resolved (the load
-// then reports the missing file).
-std::string canonical(const std::string& path) {
-  char* r = ::realpath(path.c_str(), nullptr);
-  if (!r) return path;
-  std::string out(r);
-  std::free(r);
-  return out;
-}
-
-// The config a generated or loaded model uses.
-anima::AnimaConfig config_of(const LoadSpec& spec) {
-  if (spec.config) return *spec.config;
-  switch (source_kind(spec.source)) {
-    case SourceKind::preset:
-    case SourceKind::json_config: return anima::config_from_name_or_file(spec.source);
-    case SourceKind::checkpoint: break;
-  }
-  const auto file = safetensors::File::open(spec.source);
-  const anima::CheckpointProbe probe = anima::probe_checkpoint(*file);
-  if (!probe.has_dit) throw CheckpointError("'" + spec.source + "' is not an Anima checkpoint: " + probe.reason);
-  return probe.inferred;
-}
-
-// Reads or generates the model of `spec` on the host, in its storage dtypes.
-anima::AnimaModel read_model(const LoadSpec& spec, const DtypePair& dtypes, const std::string& name, int threads) {
-  Fp8Options storage = spec.storage;
-  storage.storage = dtypes.storage;
-  storage.compute = dtypes.compute;
-  if (source_kind(spec.source) == SourceKind::checkpoint) {
-    anima::LoadOptions o;
-    o.config = spec.config;
-    o.device = at::kCPU;
-    o.storage = storage;
-    o.threads = threads;
-    return anima::load_anima(spec.source, o);
-  }
-  anima::AnimaConfig config = config_of(spec);
-  anima::AnimaModel model(config, anima::BuildOptions{dtypes.compute, at::kCPU});
-  auto params = model->named_parameters(/*recurse=*/true);
-  auto weights = anima::random_weights(config, spec.seed, dtypes.compute);
-  for (auto& [key, t] : weights) {
-    at::Tensor* p = params.find(key);
-    TORCH_INTERNAL_ASSERT(p, "generated tensor '", key, "' is not a parameter of the model");
-    p->set_data(to_host_owned(t, dtypes.compute));
-    t = at::Tensor();  // one copy at a time
-  }
-  offload::apply_storage(*model, name, storage, anima::declared_fp8_skips());
-  return model;
-}
-
 nlohmann::json stat_json(const offload::Stat& s) {
   return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
 }
@@ -162,45 +100,6 @@ nlohmann::json cache_json(const CacheStats& s) {
 
 }  // namespace
 
-uint64_t default_ram_limit() {
-  const uint64_t ram = offload::physical_ram_bytes();
-  const uint64_t half = ram / 2 > 2 * kGiB ? ram / 2 - 2 * kGiB : 0;
-  return std::max<uint64_t>(4 * kGiB, half);
-}
-
-SourceKind source_kind(const std::string& source) {
-  for (const auto& p : anima::preset_names()) {
-    if (p == source) return SourceKind::preset;
-  }
-  return ends_with(source, ".json") ? SourceKind::json_config : SourceKind::checkpoint;
-}
-
-uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device) {
-  const DtypePair dt = resolve_dtypes(spec.storage.storage, spec.storage.compute, device);
-  const anima::AnimaConfig config = config_of(spec);
-  anima::AnimaModel meta(config, anima::BuildOptions{dt.compute, at::kMeta});
-  const SkipList skips = SkipList::from_options(spec.storage, anima::declared_fp8_skips());
-  // Note [layerwise storage] (offload/storage.h): unskipped managed layers are stored in
-  // the storage dtype, everything else stays as built.
-  uint64_t bytes = 0;
-  std::unordered_set<const c10::TensorImpl*> managed;
-  for (const auto& [name, layer] : offload::managed_layers(*meta)) {
-    const at::ScalarType t = skips.matches(name) ? dt.compute : dt.storage;
-    int64_t n = layer->stored_weight().numel();
-    managed.insert(layer->stored_weight().unsafeGetTensorImpl());
-    if (layer->has_bias()) {
-      n += layer->stored_bias().numel();
-      managed.insert(layer->stored_bias().unsafeGetTensorImpl());
-    }
-    bytes += static_cast<uint64_t>(n) * c10::elementSize(t);
-  }
-  for (const auto& p : meta->named_parameters(true)) {
-    if (!managed.count(p.value().unsafeGetTensorImpl())) bytes += p.value().nbytes();
-  }
-  for (const auto& b : meta->named_buffers(true)) bytes += b.value().nbytes();
-  return bytes;
-}
-
 // ---------------------------------------------------------------------------------------
 // construction
 
@@ -251,176 +150,11 @@ void ModelCache::patch(const Lock& lock,
 }
 
 // ---------------------------------------------------------------------------------------
-// device tier (cache mutex held, the entry not running: Note [cache locking])
-
-// ---------------------------------------------------------------------------------------
-// RAM tier (cache mutex held)
-
-void ModelCache::evict(Entry& e) {
-  TORCH_INTERNAL_ASSERT(e.locks == 0 && !e.loading, "evicting a model in use");
-  if (e.model) {
-    shares_.detach(e);
-    e.model = anima::AnimaModel(nullptr);
-    state_.ram.decrease(static_cast<int64_t>(e.ram_bytes));
-    e.ram_bytes = 0;
-    e.announced = false;
-    ++state_.evictions;
-    log::info("Evicted model '" + e.name + "' from RAM" + (e.dropped ? " (dropped)" : ""));
-  }
-  if (e.dropped) {
-    state_.entries.remove_if([&](const std::shared_ptr<Entry>& p) { return p.get() == &e; });
-  }
-}
-
-void ModelCache::make_ram_room(uint64_t bytes, const Entry* exclude) {
-  if (state_.ram_limit == 0) return;
-  // Reservations of models being read count as taken (Note [cache locking]).
-  while (static_cast<uint64_t>(state_.ram.current) + state_.ram_reserved + bytes > state_.ram_limit) {
-    Entry* victim = nullptr;
-    for (auto& p : state_.entries) {
-      if (p.get() == exclude || !p->model || p->locks > 0 || p->loading) continue;
-      if (!victim || p->last_used < victim->last_used) victim = p.get();
-    }
-    if (!victim) {
-      if (!state_.ram_warned) {
-        log::warn("RAM limit " + format_mib(state_.ram_limit) + " exceeded: models in use hold " +
-                  format_mib(static_cast<uint64_t>(state_.ram.current)) + ", models being read " +
-                  format_mib(state_.ram_reserved) + ", and " + format_mib(bytes) + " more are needed");
-        state_.ram_warned = true;
-      }
-      return;
-    }
-    evict(*victim);
-  }
-}
-
-void ModelCache::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool count_hit) {
-  Entry& e = *ep;
-  locking_.wait_loaded(e, g);
-  if (e.dropped) throw InvalidArgument("model '" + e.name + "' was dropped from the cache; load it again");
-  if (e.model) {
-    if (count_hit) ++state_.hits;
-    return;
-  }
-  ++state_.misses;
-  e.loading = true;
-  make_ram_room(e.estimate, &e);
-  state_.ram_reserved += e.estimate;  // until the read ends: other misses make room for it too
-  g.unlock();
-  anima::AnimaModel model(nullptr);
-  double secs = 0;
-  try {
-    const auto t0 = std::chrono::steady_clock::now();
-    if (state_.options.before_read) state_.options.before_read(e.name);
-    model = read_model(e.spec, e.dtypes, e.name, state_.options.load_threads);
-    secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  } catch (...) {
-    g.lock();
-    state_.ram_reserved -= e.estimate;
-    e.loading = false;
-    locking_.loaded();
-    throw;
-  }
-  g.lock();
-  state_.ram_reserved -= e.estimate;
-  e.model = model;
-  e.config = model->config();
-  e.loading = false;
-  e.loaded_once = true;
-  locking_.loaded();
-  try {
-    shares_.refresh_needs(e);
-  } catch (...) {
-    e.model = anima::AnimaModel(nullptr);
-    throw;
-  }
-  e.ram_bytes = e.needs.model_bytes;
-  e.load_seconds = secs;
-  e.announced = false;
-  state_.ram.increase(static_cast<int64_t>(e.ram_bytes));
-  ++state_.loads;
-  if (e.ram_bytes != e.estimate) {
-    log::debug("model '" + e.name + "' takes " + std::to_string(e.ram_bytes) + " bytes in RAM, estimated " +
-               std::to_string(e.estimate));
-  }
-  if (e.dropped) {  // dropped while it was being read
-    evict(e);
-    throw InvalidArgument("model '" + e.name + "' was dropped from the cache; load it again");
-  }
-  make_ram_room(0, &e);
-}
-
-void ModelCache::mark_dropped(const std::shared_ptr<Entry>& e) {
-  if (e->dropped) return;
-  e->dropped = true;
-  if (e->locks == 0 && !e->loading) {
-    evict(*e);
-  } else {
-    log::info("Model '" + e->name + "' is in use: it is dropped when its last lock ends");
-  }
-}
-
-// ---------------------------------------------------------------------------------------
 // public operations
 
 std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
-  const SourceKind kind = source_kind(spec.source);
-  if (spec.max_resident && !(*spec.max_resident >= 0.0 && *spec.max_resident <= 1.0)) {
-    throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*spec.max_resident));
-  }
-  const DtypePair dtypes = resolve_dtypes(spec.storage.storage, spec.storage.compute, state_.device->device());
-  const SkipList skips = SkipList::from_options(spec.storage, anima::declared_fp8_skips());
-
-  std::string key = kind == SourceKind::preset ? "preset:" + spec.source : "file:" + canonical(spec.source);
-  if (kind != SourceKind::checkpoint) key += "#seed=" + std::to_string(spec.seed);
-  std::ostringstream settings;
-  settings << "storage=" << dtype_name(dtypes.storage) << " compute=" << dtype_name(dtypes.compute) << " skips=[";
-  for (const auto& p : skips.patterns()) settings << p << ";";
-  settings << "] config=" << (spec.config ? anima::config_to_json(*spec.config).dump() : "");
-
-  Guard g(locking_.mutex());
-  std::shared_ptr<Entry> e;
-  for (auto& p : state_.entries) {
-    if (p->key == key && !p->dropped) e = p;
-  }
-  if (e && e->settings != settings.str()) {
-    log::info("Reloading model '" + e->name + "': loading settings changed (" + e->settings + " -> " +
-              settings.str() + ")");
-    mark_dropped(e);
-    e.reset();
-  }
-  const bool created = !e;
-  if (created) {
-    e = std::make_shared<Entry>();
-    e->key = key;
-    e->settings = settings.str();
-    e->spec = spec;
-    e->dtypes = dtypes;
-    e->max_resident = spec.max_resident;
-    if (!spec.name.empty()) {
-      e->name = spec.name;
-    } else if (spec.config) {
-      e->name = spec.config->name;
-    } else {
-      e->name = kind == SourceKind::checkpoint ? file_stem(spec.source) : spec.source;
-      if (kind == SourceKind::json_config) e->name = config_of(spec).name;
-    }
-    g.unlock();
-    const uint64_t estimate = estimate_model_bytes(spec, state_.device->device());  // reads a file header
-    g.lock();
-    e->estimate = estimate;
-    std::shared_ptr<Entry> raced;  // another thread created it meanwhile
-    for (auto& p : state_.entries) {
-      if (p->key == key && !p->dropped && p->settings == e->settings) raced = p;
-    }
-    if (raced) {
-      e = raced;
-    } else {
-      e->id = ++state_.next_id;
-      state_.entries.push_back(e);
-    }
-  }
-  g.unlock();
+  bool created = false;
+  std::shared_ptr<Entry> e = ram_.entry_for(spec, created);
   with_pinned(e, /*count_hit=*/true, [&](Entry& en, Guard& gg) {
     if (!created && spec.max_resident && spec.max_resident != en.max_resident) {
       shares_.apply_max_resident(en, spec.max_resident);
@@ -439,26 +173,26 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
 int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit,
                                 const std::function<void(Entry&, Guard&)>& op) {
   Guard g(locking_.mutex());
-  ensure_loaded(ep, g, count_hit);
+  ram_.ensure_loaded(ep, g, count_hit);
   Entry& e = *ep;
   e.locks += 1;
-  touch(e);
+  ram_.touch(e);
   locking_.wait_idle(e, g);  // pinned: it stays in RAM meanwhile
   const uint64_t before = shares_.device_bytes_of(e);
   try {
     op(e, g);
   } catch (...) {
     e.locks -= 1;
-    if (e.locks == 0 && e.dropped) evict(e);
+    if (e.locks == 0 && e.dropped) ram_.evict(e);
     throw;
   }
   const uint64_t after = shares_.device_bytes_of(e);
   e.locks -= 1;
   if (e.locks == 0) {
     if (e.dropped) {
-      evict(e);
+      ram_.evict(e);
     } else {
-      make_ram_room(0, &e);  // just used: others go first
+      ram_.make_room(0, &e);  // just used: others go first
     }
   }
   return static_cast<int64_t>(after) - static_cast<int64_t>(before);
@@ -466,16 +200,16 @@ int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit
 
 Lock ModelCache::lock(const std::shared_ptr<Entry>& ep) {
   Guard g(locking_.mutex());
-  ensure_loaded(ep, g, /*count_hit=*/true);
+  ram_.ensure_loaded(ep, g, /*count_hit=*/true);
   Entry& e = *ep;
   e.locks += 1;
-  touch(e);
+  ram_.touch(e);
   if (e.locks == 1 || !e.attached) {
     try {
       shares_.ensure_device(e, g, /*required=*/true);
     } catch (...) {
       e.locks -= 1;
-      if (e.locks == 0 && e.dropped) evict(e);
+      if (e.locks == 0 && e.dropped) ram_.evict(e);
       throw;
     }
   }
@@ -488,15 +222,15 @@ void ModelCache::unlock(Entry& e) {
   e.locks -= 1;
   if (e.locks > 0) return;
   if (e.dropped) {
-    evict(e);
+    ram_.evict(e);
   } else {
-    make_ram_room(0, nullptr);
+    ram_.make_room(0, nullptr);
   }
 }
 
 void ModelCache::drop(const std::shared_ptr<Entry>& e) {
   Guard g(locking_.mutex());
-  mark_dropped(e);
+  ram_.mark_dropped(e);
 }
 
 int64_t ModelCache::partial_load(const std::shared_ptr<Entry>& ep, uint64_t bytes) {

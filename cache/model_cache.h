@@ -34,6 +34,7 @@
 #include "cache/cache_locking.h"
 #include "cache/cache_state.h"
 #include "cache/device_shares.h"
+#include "cache/ram_tier.h"
 #include "cache/sidecar_share.h"
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
@@ -48,18 +49,6 @@ class LoraScope;
 }
 
 namespace sluice::cache {
-
-// InvokeAI's rule: max(4 GiB, 50% of RAM - 2 GiB).
-uint64_t default_ram_limit();
-
-// Where a model comes from.
-enum class SourceKind { preset, json_config, checkpoint };
-// Preset name, "*.json" (a config to generate from), or a checkpoint path.
-SourceKind source_kind(const std::string& source);
-
-// Host bytes the model of `spec` will take once loaded (every parameter and buffer in its
-// stored dtype), computed on a shape-only model. `device` decides fp8 support.
-uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device);
 
 struct CacheStats {
   // One model the cache holds, for the parts of the device totals (Note [stats parts]).
@@ -186,11 +175,6 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   friend class Lock;
 
   void unlock(Entry& e);
-  void ensure_loaded(const std::shared_ptr<Entry>& e, Guard& g, bool count_hit);
-  void make_ram_room(uint64_t bytes, const Entry* exclude);
-  void evict(Entry& e);
-  void mark_dropped(const std::shared_ptr<Entry>& e);
-  void touch(Entry& e) { e.last_used = ++state_.tick; }
   CacheStats stats_locked() const;
   EntryState entry_state_locked(const std::shared_ptr<Entry>& e) const;
   // Runs op on a pinned entry (locks + 1, loaded first) with the cache mutex held, then
@@ -200,6 +184,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   CacheState state_;
   CacheLocking locking_{state_};
   DeviceShares shares_{state_, locking_};
+  RamTier ram_{state_, locking_, shares_};
   SidecarShare sidecars_{state_, locking_, shares_};
 };
 
