@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "cache/cache_locking.h"
+#include "cache/cache_queries.h"
 #include "cache/cache_state.h"
 #include "cache/device_shares.h"
 #include "cache/ram_tier.h"
@@ -49,44 +50,6 @@ class LoraScope;
 }
 
 namespace sluice::cache {
-
-struct CacheStats {
-  // One model the cache holds, for the parts of the device totals (Note [stats parts]).
-  struct ModelPart {
-    uint64_t id = 0;
-    std::string name, source;
-    bool in_ram = false, on_device = false, dropped = false;
-    int locks = 0;
-    uint64_t share = 0;            // its share of vram_limit (0 off the device)
-    uint64_t device_bytes = 0;     // its ledger: what its stats JSON calls device.current_bytes
-    uint64_t allocated_bytes = 0;  // of which allocated now (its staging ring's reservation counts its slots made)
-  };
-  std::string device;
-  uint64_t hits = 0, misses = 0, loads = 0, evictions = 0;
-  uint64_t device_unloads = 0;  // partial unloads to make room for another model
-  uint64_t device_drops = 0;    // whole models taken off the device to make room
-  uint64_t models = 0;          // in RAM
-  uint64_t locked = 0;          // in RAM and locked
-  uint64_t ram_limit = 0;       // 0: unlimited
-  offload::Stat ram;            // host bytes of models in RAM (pinned host copies included)
-  uint64_t ram_reserved = 0;    // estimated bytes of models being read, counted against the RAM limit
-  uint64_t pin_limit = 0;       // the pinned arena's limit (all models)
-  offload::Stat pinned;         // page-locked bytes of the pinned arena (its chunks)
-  uint64_t pinned_used = 0;     // of which host weights (the rest is alignment padding)
-  uint64_t vram_budget = 0;
-  uint64_t working_memory = 0;  // grown by measurements (Note [measured working memory] in offload/engine.h)
-  uint64_t measured_working_memory = 0;  // the most a first forward of a kind of any model used beyond the ledger
-  uint64_t vram_limit = 0;      // budget - working memory
-  offload::Stat vram;           // the device backend's total (all models); peak since the last budget change
-  uint64_t vram_reserved = 0;   // sum of shares
-  std::vector<ModelPart> models_held;  // every model the cache holds, in creation order
-  uint64_t models_device_bytes = 0;    // sum of their device_bytes
-  uint64_t models_allocated_bytes = 0; // sum of their allocated_bytes
-  // vram.current - models_allocated_bytes: bytes the device handed out that no model's
-  // ledger holds now (slots of a staging ring a model dropped, which queued work may still
-  // read); 0 between forwards.
-  int64_t vram_unattributed = 0;
-};
 
 class ModelCache : public std::enable_shared_from_this<ModelCache> {
  public:
@@ -134,8 +97,8 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
 
   CacheStats stats() const;
   // The counters as JSON, with models_held (every model the cache holds) and the named
-  // remainders that make each device total the sum of its parts (Note [stats parts] in the
-  // .cpp).
+  // remainders that make each device total the sum of its parts (Note [stats parts] in
+  // cache/cache_queries.h).
   std::string stats_json(int indent = 2) const;
   // Every model the cache holds (loaded at least once, not yet dropped from it; a dropped
   // model stays until its last lock ends), in creation order.
@@ -152,15 +115,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // tracing is off or no complete DiT forward was traced, FileError naming `path`.
   void write_timeline_svg(const std::shared_ptr<Entry>& entry, const std::string& path) const;
   // Snapshot of an entry's state; the engine-side fields as last published.
-  struct EntryState {
-    bool in_ram = false, attached = false, dropped = false;
-    int locks = 0;
-    uint64_t ram_bytes = 0, share = 0, device_bytes = 0, minimum = 0, wanted = 0, full = 0;
-    uint64_t device_allocated = 0;  // of device_bytes, allocated now (the ring's slots, not its reservation)
-    uint64_t streamed_dit = 0;      // stored bytes of streamed DiT layers: what a DiT forward streams
-    uint64_t streamed_adapter = 0;  // of streamed llm_adapter layers: what encode_text streams
-    std::string residency;
-  };
+  using EntryState = cache::EntryState;
   EntryState entry_state(const std::shared_ptr<Entry>& entry) const;
   // The config of a model that has been loaded once.
   anima::AnimaConfig entry_config(const std::shared_ptr<Entry>& entry) const;
@@ -175,8 +130,6 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   friend class Lock;
 
   void unlock(Entry& e);
-  CacheStats stats_locked() const;
-  EntryState entry_state_locked(const std::shared_ptr<Entry>& e) const;
   // Runs op on a pinned entry (locks + 1, loaded first) with the cache mutex held, then
   // unpins; returns the change in the entry's device bytes. `count_hit`: a hit is counted.
   int64_t with_pinned(const std::shared_ptr<Entry>& e, bool count_hit, const std::function<void(Entry&, Guard&)>& op);
@@ -186,6 +139,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   DeviceShares shares_{state_, locking_};
   RamTier ram_{state_, locking_, shares_};
   SidecarShare sidecars_{state_, locking_, shares_};
+  CacheQueries queries_{state_, locking_, shares_};
 };
 
 }  // namespace sluice::cache

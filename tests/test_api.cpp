@@ -528,7 +528,7 @@ TEST_CASE("api: a LoRA does not outlive the lock it was applied through") {
 }
 
 TEST_CASE("api: the cache's stats list every model it holds and each device total is the sum of its parts") {
-  // Issue 29, item 6 (Note [stats parts] in cache/model_cache.cpp).
+  // Issue 29, item 6 (Note [stats parts] in cache/cache_queries.h).
   sluice::ModelCache cache(cpu("4GiB", "64MiB"));
   const auto run = [](sluice::Model& model) {
     const Inputs in = inputs(model.info());
