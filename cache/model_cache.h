@@ -1,7 +1,22 @@
 #pragma once
 // ModelCache: several models in RAM (storage dtype, fp8 by default) under a RAM limit, and
 // on one device under one budget that all of them share. The public API
-// (include/sluice/sluice.hpp, api/) is a thin layer over this class.
+// (include/sluice/sluice.hpp, api/) is a thin layer over this class, and this class ties
+// the parts that hold the cache's concepts, each over one shared CacheState and the one
+// cache mutex:
+//   cache/cache_state.h    the options, the entries and the cache-wide fields (data only)
+//   cache/cache_locking.h  the cache mutex, the waits of its protocol, the entries'
+//                          published snapshots, Lock (Note [cache locking])
+//   cache/ram_tier.h       where models come from, their estimates and reads, the entries
+//                          under the RAM limit and their eviction
+//   cache/device_shares.h  the vram budget, the working memory and each model's share of
+//                          the rest (Note [working memory default])
+//   cache/sidecar_share.h  the share LoRA sidecars take (Note [sidecar share])
+//   cache/cache_queries.h  stats, stats JSON, entry state, trace, timeline (Note [stats parts])
+// ModelCache owns them and makes its operations (load, lock, drop, the residency changes,
+// run, patch) out of their steps; the code outside cache/ includes this header. Comments
+// elsewhere that place one of those Notes "in cache/model_cache.h" mean the part named
+// above, where it moved when the cache was split.
 //
 // Note [cache tiers]
 // ~~~~~~~~~~~~~~~~~~
