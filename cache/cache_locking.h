@@ -1,12 +1,13 @@
 #pragma once
 // The locking of the model cache: the one cache mutex over CacheState and every Entry
 // (cache/cache_state.h), the waits of its protocol, the entries' published snapshots, and
-// Lock, a model's RAII lock. Several threads use one cache: forwards of different models
-// run at once, and queries, lock() and residency changes come in beside them. The protocol
-// below lets them without a second mutex: every wait of it (for a model's forward, for
-// every forward, for another thread's read of a model, a forward's wait for its turn) is a
-// member of CacheLocking, the only code that touches its condition variables, so the whole
-// protocol reads here; the other parts take the mutex through mutex() and call these waits.
+// Lock, a model's RAII lock. Several threads use one cache at once: forwards of different
+// models run side by side while queries, lock() and residency changes come in beside them;
+// a forward must not wait for another model's forward, nor a query for any. Every wait of the protocol (for a
+// model's forward, for every forward, for another thread's read of a model, and a
+// forward's wait for its turn) is a member of CacheLocking, the only code that touches the
+// condition variables, so the protocol reads in one place; the other parts take the mutex
+// through mutex() and wait only through these members.
 //
 // Note [cache locking]
 // ~~~~~~~~~~~~~~~~~~~~

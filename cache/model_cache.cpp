@@ -37,27 +37,6 @@ ModelCache::~ModelCache() {
   }
 }
 
-offload::ResolvedVramBudget ModelCache::parse_budget(const std::string& text, const std::string& headroom,
-                                                     const std::string& flag, const std::string& headroom_flag) const {
-  return offload::resolve_vram_budget(*state_.device, text, headroom, flag, headroom_flag);
-}
-
-uint64_t ModelCache::vram_budget() const {
-  std::lock_guard<std::mutex> g(locking_.mutex());
-  return state_.budget;
-}
-
-uint64_t ModelCache::working_memory() const {
-  std::lock_guard<std::mutex> g(locking_.mutex());
-  return state_.working_memory;
-}
-
-void ModelCache::patch(const Lock& lock,
-                       const std::function<void(anima::AnimaModelImpl&, offload::SidecarPlacer&)>& fn) {
-  TORCH_CHECK(lock, "patch: the lock is empty");
-  sidecars_.patch(lock.entry(), fn);
-}
-
 // ---------------------------------------------------------------------------------------
 // public operations
 
@@ -165,7 +144,34 @@ void ModelCache::set_max_resident(const std::shared_ptr<Entry>& ep, std::optiona
   with_pinned(ep, /*count_hit=*/false, [&](Entry& e, Guard&) { shares_.apply_max_resident(e, fraction); });
 }
 
+void ModelCache::patch(const Lock& lock,
+                       const std::function<void(anima::AnimaModelImpl&, offload::SidecarPlacer&)>& fn) {
+  TORCH_CHECK(lock, "patch: the lock is empty");
+  sidecars_.patch(lock.entry(), fn);
+}
+
+// ---------------------------------------------------------------------------------------
+// the budget
+
 void ModelCache::set_vram_budget(uint64_t budget_request) { shares_.set_budget(budget_request, /*measured=*/false); }
+
+offload::ResolvedVramBudget ModelCache::parse_budget(const std::string& text, const std::string& headroom,
+                                                     const std::string& flag, const std::string& headroom_flag) const {
+  return offload::resolve_vram_budget(*state_.device, text, headroom, flag, headroom_flag);
+}
+
+uint64_t ModelCache::vram_budget() const {
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  return state_.budget;
+}
+
+uint64_t ModelCache::working_memory() const {
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  return state_.working_memory;
+}
+
+// ---------------------------------------------------------------------------------------
+// forwards
 
 void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn) {
   TORCH_CHECK(lock, "run: the lock is empty");
