@@ -63,7 +63,7 @@ LoraAdapter load_lora(const std::string& path, torch::nn::Module& model);
 // (the streaming engine running the model: it charges them to its budget and streams more
 // layers to make room, Note [device extras] in offload/model_budget.h; or the model cache's
 // placer, which grows the model's share for them first, Note [sidecar share] in
-// cache/model_cache.h; the placer must outlive the scope). Without `placer` or `device`, a
+// cache/sidecar_share.h; the placer must outlive the scope). Without `placer` or `device`, a
 // model attached to a streaming engine gets its sidecars through that engine all the same
 // (a streamed layer's stored weight is on the host: sidecars there would meet device
 // activations on a GPU). Otherwise they go to `device` (default: the device of the layer's

@@ -36,7 +36,7 @@
 //    every streamable layer streamed give one ResourceError naming them and the bytes
 //    missing. When they are dropped (sidecars_released) the plan grows back. (The model
 //    cache grows a model's budget by their bytes in the same replan where it can, so that
-//    nothing more streams: Note [sidecar share] in cache/model_cache.h.) Their copies
+//    nothing more streams: Note [sidecar share] in cache/sidecar_share.h.) Their copies
 //    are done before place_sidecars() returns (FENCE(F9)); every forward declares them as
 //    compute reads (begin_access, so the strict device checks that order) and records its
 //    use of them (FENCE(F10)), as it does for the parameters, the resident weights, the

@@ -77,10 +77,10 @@ declare -A not_fence=(
   ["offload/staging_ring.cpp|device_.synchronize();"]="end_use's fallback when recording the release throws (reached only through an exception from record())"
   ["offload/residency_applier.cpp|for (const at::Tensor* t : {&w, &b, &s}) device_.record_use(*t, StreamKind::copy);  // a second guard behind F7"]="apply() synchronizes after the resident copies (F7, and its error path) before anything can free them: no free can meet a copy in flight; kept so that a free does not depend on that synchronize"
   ["offload/residency_applier.cpp|device_.synchronize();"]="apply()'s error path: waits before undoing a failed residency change (the frees that follow are stream-safe)"
-  ["cache/model_cache.cpp|idle_.wait(g, [&] { return !e.running; });"]="a host condition variable (Note [cache locking]), no device call"
-  ["cache/model_cache.cpp|loaded_.wait(g, [&] { return !e.loading; });"]="a host condition variable (Note [cache locking]), no device call"
-  ["cache/model_cache.cpp|idle_.wait(g, [&] {"]="a host condition variable (Note [cache locking]), no device call"
-  ["cache/model_cache.cpp|idle_.wait(g, [&] { return !e.running && e.run_waiters == 0 && budget_waiters_ == 0; });"]="a host condition variable (Note [cache locking]), no device call"
+  ["cache/cache_locking.cpp|idle_.wait(g, [&] { return !e.running; });"]="a host condition variable (Note [cache locking]), no device call"
+  ["cache/cache_locking.cpp|loaded_.wait(g, [&] { return !e.loading; });"]="a host condition variable (Note [cache locking]), no device call"
+  ["cache/cache_locking.cpp|idle_.wait(g, [&] {"]="a host condition variable (Note [cache locking]), no device call"
+  ["cache/cache_locking.cpp|idle_.wait(g, [&] { return !e.running && e.run_waiters == 0 && budget_waiters_ == 0; });"]="a host condition variable (Note [cache locking]), no device call"
 )
 
 # Files that implement the device API (their calls are the device's own machinery, the

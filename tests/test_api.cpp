@@ -403,7 +403,7 @@ uint64_t lora_bytes_of(const sluice::Model& m) { return parse(m.stats_json()).at
 }  // namespace
 
 TEST_CASE("api: a LoRA's sidecars grow the model's share into the free budget and the share shrinks back") {
-  // Issue 29, item 1 (Note [sidecar share] in cache/model_cache.h).
+  // Issue 29, item 1 (Note [sidecar share] in cache/sidecar_share.h).
   TempDir dir;
   sluice::ModelCache cache(cpu("4GiB", "64MiB"));
   sluice::Model model = cache.load("anima-small");
@@ -528,7 +528,7 @@ TEST_CASE("api: a LoRA does not outlive the lock it was applied through") {
 }
 
 TEST_CASE("api: the cache's stats list every model it holds and each device total is the sum of its parts") {
-  // Issue 29, item 6 (Note [stats parts] in cache/model_cache.cpp).
+  // Issue 29, item 6 (Note [stats parts] in cache/cache_queries.h).
   sluice::ModelCache cache(cpu("4GiB", "64MiB"));
   const auto run = [](sluice::Model& model) {
     const Inputs in = inputs(model.info());

@@ -1,0 +1,268 @@
+#include "cache/cache_queries.h"
+
+#include <nlohmann/json.hpp>
+
+#include <optional>
+
+#include "offload/timeline_step.h"
+#include "offload/timeline_svg.h"
+#include "runtime/error.h"
+#include "runtime/hardware.h"
+
+namespace sluice::cache {
+
+namespace {
+
+nlohmann::json stat_json(const offload::Stat& s) {
+  return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
+}
+
+// The cache object of the stats JSON: CacheStats with the named parts of Note [stats parts].
+nlohmann::json cache_json(const CacheStats& s) {
+  nlohmann::json models = nlohmann::json::array();
+  for (const auto& m : s.models_held) {
+    models.push_back({{"id", m.id},
+                      {"name", m.name},
+                      {"source", m.source},
+                      {"in_ram", m.in_ram},
+                      {"on_device", m.on_device},
+                      {"dropped", m.dropped},
+                      {"locks", m.locks},
+                      {"share_bytes", m.share},
+                      {"device_bytes", m.device_bytes},
+                      {"allocated_bytes", m.allocated_bytes}});
+  }
+  return {{"device", s.device},
+          {"hits", s.hits},
+          {"misses", s.misses},
+          {"loads", s.loads},
+          {"evictions", s.evictions},
+          {"device_unloads", s.device_unloads},
+          {"device_drops", s.device_drops},
+          {"models", s.models},
+          {"locked", s.locked},
+          {"ram_limit_bytes", s.ram_limit},
+          {"ram", stat_json(s.ram)},
+          {"ram_reserved_bytes", s.ram_reserved},
+          {"pin_limit_bytes", s.pin_limit},
+          {"pinned", stat_json(s.pinned)},
+          {"pinned_bytes", s.pinned.current},
+          {"pinned_used_bytes", s.pinned_used},
+          {"vram_budget_bytes", s.vram_budget},
+          {"working_memory_bytes", s.working_memory},
+          {"measured_working_memory_bytes", s.measured_working_memory},
+          {"vram_limit_bytes", s.vram_limit},
+          {"vram", stat_json(s.vram)},
+          {"vram_reserved_bytes", s.vram_reserved},
+          {"models_device_bytes", s.models_device_bytes},
+          {"models_allocated_bytes", s.models_allocated_bytes},
+          {"vram_unattributed_bytes", s.vram_unattributed},
+          {"models_held", models}};
+}
+
+}  // namespace
+
+CacheStats CacheQueries::stats_locked() const {
+  CacheStats s;
+  s.device = s_.device->name();
+  s.hits = s_.hits;
+  s.misses = s_.misses;
+  s.loads = s_.loads;
+  s.evictions = s_.evictions;
+  s.device_unloads = s_.device_unloads;
+  s.device_drops = s_.device_drops;
+  for (const auto& e : s_.entries) {
+    if (!e->model) continue;
+    s.models += 1;
+    if (e->locks > 0) s.locked += 1;
+  }
+  s.ram_limit = s_.ram_limit;
+  s.ram = s_.ram;
+  s.ram_reserved = s_.ram_reserved;
+  s.pin_limit = s_.pin_arena->limit();
+  s.pinned = s_.pin_arena->pinned();
+  s.pinned_used = s_.pin_arena->used_bytes();
+  s.vram_budget = s_.budget;
+  s.working_memory = s_.working_memory;
+  s.measured_working_memory = s_.measured_working;
+  s.vram_limit = shares_.limit();
+  s.vram = s_.device->memory_stats().total;
+  s.vram_reserved = shares_.reserved();
+  for (const auto& e : s_.entries) {
+    if (!e->loaded_once) continue;
+    CacheStats::ModelPart m;
+    m.id = e->id;
+    m.name = e->name;
+    m.source = e->spec.source;
+    m.in_ram = static_cast<bool>(e->model);
+    m.on_device = e->attached;
+    m.dropped = e->dropped;
+    m.locks = e->locks;
+    m.share = e->attached ? e->share : 0;
+    if (e->attached) {
+      std::lock_guard<std::mutex> p(e->published_mutex);
+      m.device_bytes = e->published.device_bytes;
+      m.allocated_bytes = e->published.device_allocated;
+    }
+    s.models_device_bytes += m.device_bytes;
+    s.models_allocated_bytes += m.allocated_bytes;
+    s.models_held.push_back(std::move(m));
+  }
+  s.vram_unattributed = s.vram.current - static_cast<int64_t>(s.models_allocated_bytes);
+  return s;
+}
+
+std::vector<std::shared_ptr<Entry>> CacheQueries::entries() const {
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  std::vector<std::shared_ptr<Entry>> out;
+  for (const auto& e : s_.entries) {
+    if (e->loaded_once) out.push_back(e);
+  }
+  return out;
+}
+
+CacheStats CacheQueries::stats() const {
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  return stats_locked();
+}
+
+std::string CacheQueries::stats_json(int indent) const { return cache_json(stats()).dump(indent); }
+
+offload::EngineStats CacheQueries::engine_stats(const std::shared_ptr<Entry>& e) const {
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  locking_.refresh_published(*e);
+  offload::EngineStats s;
+  {
+    std::lock_guard<std::mutex> p(e->published_mutex);
+    if (e->published.stats) s = *e->published.stats;
+  }
+  s.model_name = e->name;
+  s.device = s_.device->name();
+  offload::set_allocator_stats(s, *s_.device);
+  if (!e->attached) s.model_total_bytes = e->model ? e->needs.model_bytes : 0;
+  return s;
+}
+
+std::string CacheQueries::model_stats_json(const std::shared_ptr<Entry>& e, int indent) const {
+  offload::EngineStats s = engine_stats(e);
+  nlohmann::json j = nlohmann::json::parse(s.to_json(-1));
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  j["budget"]["budget_bytes"] = s_.budget;
+  j["budget"]["working_memory_bytes"] = s_.working_memory;
+  j["budget"]["share_bytes"] = e->attached ? e->share : 0;
+  {
+    const EntryState st = entry_state_locked(e);
+    j["model"]["streamed_bytes_by_forward"] = {{"dit", st.streamed_dit}, {"adapter", st.streamed_adapter}};
+  }
+  j["model"]["id"] = e->id;  // two models may share a name (Note [stats parts])
+  j["model"]["source"] = e->spec.source;
+  j["model"]["dropped"] = e->dropped;
+  j["model"]["in_ram"] = static_cast<bool>(e->model);
+  j["model"]["on_device"] = e->attached;
+  j["model"]["storage_dtype"] = dtype_name(e->dtypes.storage);
+  j["model"]["compute_dtype"] = dtype_name(e->dtypes.compute);
+  j["model"]["compute"] = {{"dtype", dtype_name(e->dtypes.compute)},
+                           {"automatic", e->spec.compute_reason.rfind("auto:", 0) == 0},
+                           {"reason", e->spec.compute_reason.empty() ? "requested" : e->spec.compute_reason}};
+  j["hardware"] = hardware_summary(s_.device->device());
+  const CacheStats cs = stats_locked();
+  {
+    // Note [stats parts]: the allocator's device-wide count, split.
+    uint64_t own = 0, others = 0;
+    for (const auto& m : cs.models_held) (m.id == e->id ? own : others) += m.allocated_bytes;
+    nlohmann::json& d = j["device"];
+    d["allocated_bytes"] = own;
+    d["other_models_bytes"] = others;
+    d["unattributed_bytes"] = s.allocator_stats_available
+                                  ? nlohmann::json(s.allocator_current_bytes - static_cast<int64_t>(own + others))
+                                  : nlohmann::json();
+  }
+  j["cache"] = cache_json(cs);
+  return j.dump(indent);
+}
+
+void CacheQueries::write_trace(const std::shared_ptr<Entry>& e, const std::string& path) const {
+  std::string json;
+  {
+    std::lock_guard<std::mutex> g(locking_.mutex());
+    locking_.refresh_published(*e);
+  }
+  {
+    std::lock_guard<std::mutex> p(e->published_mutex);
+    json = e->published.trace_json;
+  }
+  // No engine yet, or tracing is off: an empty trace.
+  offload::TraceWriter::write_json(json.empty() ? offload::TraceWriter().to_json() : json, path);
+}
+
+void CacheQueries::write_timeline_svg(const std::shared_ptr<Entry>& e, const std::string& path) const {
+  std::string json;
+  std::optional<offload::EngineStats> stats;
+  {
+    std::lock_guard<std::mutex> g(locking_.mutex());
+    locking_.refresh_published(*e);
+  }
+  {
+    std::lock_guard<std::mutex> p(e->published_mutex);
+    json = e->published.trace_json;
+    stats = e->published.stats;
+  }
+  if (!s_.options.trace) {
+    throw InvalidArgument("timeline of model '" + e->name + "' for '" + path +
+                          "': tracing is off (RuntimeOptions::trace, or sluice run --timeline)");
+  }
+  if (json.empty()) {
+    throw InvalidArgument("timeline of model '" + e->name + "' for '" + path + "': no forward has been traced");
+  }
+  offload::TimelineStep step;
+  try {
+    step = offload::timeline_step_from_trace(json, "dit");
+  } catch (const InvalidArgument& ex) {
+    throw InvalidArgument("model '" + e->name + "', '" + path + "': " + ex.what());
+  }
+  step.model = e->name;
+  if (stats) {
+    for (const auto& k : stats->plan.kinds) {
+      if (k.kind != step.kind) continue;
+      if (k.floor_ms > 0) step.floor_ms = k.floor_ms;
+      if (k.predicted_step_ms > 0) step.predicted_step_ms = k.predicted_step_ms;
+    }
+  }
+  offload::write_timeline_svg_file(offload::render_timeline_svg(step), path);
+}
+
+anima::AnimaConfig CacheQueries::entry_config(const std::shared_ptr<Entry>& e) const {
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  return e->config;
+}
+
+EntryState CacheQueries::entry_state(const std::shared_ptr<Entry>& e) const {
+  std::lock_guard<std::mutex> g(locking_.mutex());
+  return entry_state_locked(e);
+}
+
+EntryState CacheQueries::entry_state_locked(const std::shared_ptr<Entry>& e) const {
+  EntryState s;
+  s.in_ram = static_cast<bool>(e->model);
+  s.attached = e->attached;
+  s.dropped = e->dropped;
+  s.locks = e->locks;
+  s.ram_bytes = e->ram_bytes;
+  s.share = e->attached ? e->share : 0;
+  if (e->model) {
+    s.minimum = e->needs.minimum;
+    s.wanted = e->needs.wanted;
+    s.full = e->needs.full;
+  }
+  if (e->attached) {
+    std::lock_guard<std::mutex> p(e->published_mutex);
+    s.device_bytes = e->published.device_bytes;
+    s.device_allocated = e->published.device_allocated;
+    s.residency = e->published.residency;
+    s.streamed_dit = e->published.streamed_dit;
+    s.streamed_adapter = e->published.streamed_adapter;
+  }
+  return s;
+}
+
+}  // namespace sluice::cache

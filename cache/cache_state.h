@@ -1,0 +1,138 @@
+#pragma once
+// The state the parts of the model cache share: the options it was made with, one Entry
+// per model it holds, and the cache-wide fields (the RAM accounting, the device budget and
+// working memory, the counters). It is data only. The parts are classes over it, each
+// changing the fields of its concept: the RAM tier (cache/ram_tier.h), the device budget
+// and shares (cache/device_shares.h), the sidecars' share (cache/sidecar_share.h), the
+// queries (cache/cache_queries.h); cache/model_cache.h ties them. Everything below that is
+// not fixed at creation is guarded by the one cache mutex, which cache/cache_locking.h
+// holds together with the waits of its protocol (Note [cache locking]).
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "models/anima/anima.h"
+#include "models/anima/config.h"
+#include "offload/device.h"
+#include "offload/engine.h"
+#include "offload/pinned_arena.h"
+#include "offload/stats.h"
+#include "runtime/dtype_policy.h"
+
+namespace sluice::cache {
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+
+struct CacheOptions {
+  std::shared_ptr<offload::DeviceBackend> device;  // the device; null: a CPU device
+  uint64_t vram_budget = 0;                        // device bytes for all models, working memory included; 0: all device memory
+  std::optional<uint64_t> working_memory;          // kept free for activations; none: default_working_memory(budget, resolution)
+  int64_t resolution = 1024;                       // image side the default working memory is sized for
+  std::optional<uint64_t> ram_limit;               // host bytes for models; 0: unlimited; none: default_ram_limit()
+  uint32_t prefetch = offload::kPrefetchAuto;      // most streamed layers copied ahead (auto: the ring's bytes decide)
+  offload::PinMode pin = offload::PinMode::auto_;  // pinned host copies of streamed layers
+  std::optional<uint64_t> pin_memory_limit;        // page-locked host bytes of all models together;
+                                                   // none: offload::default_pin_memory_limit() (Note [pinned arena])
+  offload::ResidencyPolicy policy = offload::ResidencyPolicy::balanced;  // residency plan policy
+  bool timing = true;                              // per-forward device timings
+  bool trace = false;                              // per-layer trace spans
+  int load_threads = 0;                            // checkpoint read workers (runtime/fused_read.h); 0: every core
+  // Called outside the cache mutex as a model's read (or generation) starts, with its name;
+  // an exception from it fails the read. Tests use it to hold reads so that misses overlap.
+  std::function<void(const std::string&)> before_read;
+};
+
+// What to load and how.
+struct LoadSpec {
+  std::string source;                       // preset name, .json config or .safetensors path
+  std::string name;                         // for logs and stats; empty: preset/config name or file stem
+  Fp8Options storage;                       // storage/compute dtypes and skip patterns
+  std::string compute_reason;               // why storage.compute (Note [compute dtype auto]); empty: "requested"
+  std::optional<anima::AnimaConfig> config; // overrides the file's inferred config / the preset's
+  uint64_t seed = 0;                        // generated weights (preset and .json sources)
+  std::optional<double> max_resident;       // cap on resident fraction; none: the budget decides
+};
+
+// One cached model. Fields are guarded by the cache mutex unless noted; see Note [cache
+// locking].
+struct Entry {
+  // Fixed at creation.
+  uint64_t id = 0;            // unique in its cache (1, 2, ... in creation order): two entries may share a key
+  std::string key;            // identity: source (+ seed for generated models)
+  std::string settings;       // the loading settings; a load with other settings reloads
+  std::string name;
+  LoadSpec spec;
+  DtypePair dtypes;           // resolved for the device
+  uint64_t estimate = 0;      // estimate_model_bytes()
+  anima::AnimaConfig config;  // set when first loaded
+
+  anima::AnimaModel model{nullptr};                  // null while not in RAM
+  std::unique_ptr<offload::StreamingEngine> engine;  // created at first attach, kept for its stats
+  offload::WeightNeeds needs;                        // valid while in RAM; sidecars included
+  uint64_t sidecar_bytes = 0;                        // LoRA sidecars its engine placed (device bytes)
+  std::unique_ptr<offload::SidecarPlacer> placer;    // ModelCache::patch's placer (Note [sidecar share]), made once
+  std::optional<double> max_resident;                // current cap
+  std::optional<uint64_t> target;                    // share the user asked for; none: needs.wanted
+  bool attached = false;
+  bool loading = false;
+  bool dropped = false;       // drop() or replaced: evicted when unlocked, never loaded again
+  bool announced = false;     // "Loaded model" logged for the current RAM copy
+  bool loaded_once = false;   // read or generated at least once (listed by ModelCache::entries)
+  double load_seconds = 0;    // reading/generating the current RAM copy
+  int locks = 0;
+  uint64_t ram_bytes = 0;     // host bytes while in RAM
+  uint64_t share = 0;         // engine budget while attached
+  uint64_t last_used = 0;     // LRU tick
+
+  bool running = false;       // a forward uses the engine and model (Note [cache locking])
+  int run_waiters = 0;        // cache operations waiting for that forward; new forwards wait for them
+
+  // Engine-side state for queries (Note [cache locking]), guarded by `published_mutex`.
+  struct Published {
+    std::optional<offload::EngineStats> stats;  // none before the engine exists
+    uint64_t device_bytes = 0, device_allocated = 0, streamed_dit = 0, streamed_adapter = 0;
+    std::string residency;
+    std::string trace_json;  // with CacheOptions::trace
+  };
+  std::mutex published_mutex;
+  Published published;
+};
+
+// The cache-wide fields. `options`, `device` and `pin_arena` are set as the cache is made;
+// the rest is guarded by the cache mutex.
+struct CacheState {
+  explicit CacheState(CacheOptions o) : options(std::move(o)) {}
+
+  CacheOptions options;
+  std::shared_ptr<offload::DeviceBackend> device;
+  std::shared_ptr<offload::PinnedArena> pin_arena;  // every engine's pinned host copies, under one limit
+
+  std::list<std::shared_ptr<Entry>> entries;  // every model the cache holds, in creation order
+  uint64_t next_id = 0;                       // the last Entry::id given
+  uint64_t tick = 0;                          // the LRU clock (Entry::last_used)
+
+  // The RAM tier (cache/ram_tier.h).
+  uint64_t ram_limit = 0;
+  bool ram_warned = false;
+  offload::Stat ram;
+  uint64_t ram_reserved = 0;  // see CacheStats::ram_reserved
+  uint64_t hits = 0, misses = 0, loads = 0, evictions = 0;
+
+  // The device budget and its shares (cache/device_shares.h).
+  uint64_t budget = 0;
+  uint64_t working_memory = 0;
+  uint64_t measured_working = 0;  // the most any engine measured (Note [measured working memory])
+  uint64_t grown_working = 0;     // the working memory the measurements ask for (0: none)
+  bool working_warned = false;
+  uint64_t working_refused = 0;   // a measurement the budget had no room for
+  uint64_t device_unloads = 0, device_drops = 0;
+};
+
+}  // namespace sluice::cache
