@@ -52,7 +52,8 @@ namespace sluice::offload {
 
 // What the forward side keeps about a plan (the scheduler's streamed layers and prefetch
 // frontier, the next forward's prefetches), told as the plan changes; the streaming
-// engine implements it.
+// engine implements it. A replan tells before_change, then ring_dropped (when there was a
+// ring), plan_changing and streamed_changed; an attach the last three.
 class PlanObserver {
  public:
   virtual ~PlanObserver() = default;
