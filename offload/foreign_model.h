@@ -1,0 +1,79 @@
+#pragma once
+// ForeignModel: the Linear layers of a torch model someone else wrote (a diffusers
+// transformer, a frontend's text encoder), held as sluice managed layers so that a
+// StreamingEngine can stream them, with the model's other parameters and buffers beside
+// them. It is the engine-side half of offloading a model in place (`sluice.offload` in
+// Python, issue 31): the host's model keeps its own modules and forward, and each of its
+// Linear layers calls linear() here instead of using its own weight.
+//
+// Note [foreign layers]
+// ~~~~~~~~~~~~~~~~~~~~~
+// What a foreign model hands over, and what happens to it:
+//  - Each Linear layer's weight [out, in] and bias are cast to the storage dtype
+//    (runtime/fp8.h cast_to_storage: NaN/Inf refused, out-of-range values saturated) into a
+//    new host tensor that the managed layer owns; a layer whose dotted name matches the skip
+//    list keeps its weight's own dtype (stored unconverted, leased without an upcast), as
+//    diffusers' layerwise casting keeps the modules its skip patterns name. The caller's
+//    own weight tensors are not touched: what becomes of them is the caller's choice.
+//  - The other parameters and buffers (norms, embeddings' tables, RoPE tables) are the
+//    caller's tensors themselves, registered under the model's dotted names without
+//    copying: attaching the model re-points them at device copies in place (offload/
+//    repoint.h), and detaching points them back at the very same host memory, so the
+//    caller's module sees its norms move and come back bit for bit.
+//  - Names keep the caller's dotted paths (the plan, the stats and the trace name the
+//    layers as the caller's model does); layers are registered in the order given, which
+//    the engine takes as the order to plan by until the first forward records the real one.
+// Every layer's compute dtype is `compute`: linear() takes inputs in it.
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "offload/layer.h"
+#include "runtime/dtype_policy.h"
+
+namespace sluice::offload {
+
+struct ForeignLayer {
+  std::string name;                // dotted name in the caller's model ("blocks.0.attn.to_q")
+  at::Tensor weight;               // [out, in], on the host, any floating dtype
+  std::optional<at::Tensor> bias;  // [out]
+};
+
+struct ForeignOptions {
+  at::ScalarType storage = at::kFloat8_e4m3fn;  // bf16/fp16/fp32: no fp8
+  at::ScalarType compute = at::kBFloat16;
+  std::vector<std::string> skip;  // patterns (runtime/skip_patterns.h): these layers keep their dtype
+};
+
+class ForeignModel {
+ public:
+  // InvalidArgument naming the layer or tensor at fault: a weight that is not 2-D or not on
+  // the host, a bias of the wrong shape, a name used twice or empty, a compute dtype that
+  // is not floating. NaN/Inf in a weight: the storage cast's error, naming the layer.
+  ForeignModel(std::vector<ForeignLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
+               ForeignOptions options);
+
+  // What StreamingEngine::attach takes.
+  torch::nn::Module& module() { return *root_; }
+  size_t size() const { return layers_.size(); }
+  const std::string& name(size_t i) const { return layers_.at(i)->qualified_name(); }
+  // The dtype layer i is stored in (the storage dtype, or its own when skipped).
+  at::ScalarType stored_dtype(size_t i) const { return layers_.at(i)->stored_weight().scalar_type(); }
+  // Stored bytes of every layer and extra: the model's host copy.
+  int64_t stored_bytes() const;
+  // y = x W^T + b for layer i, its weights leased from its provider (the engine, when
+  // attached) for the duration of the call. IndexError-like InvalidArgument for a bad i.
+  at::Tensor linear(size_t i, const at::Tensor& x);
+
+ private:
+  std::shared_ptr<torch::nn::Module> root_;
+  std::vector<std::shared_ptr<LinearImpl>> layers_;
+  int64_t extra_bytes_ = 0;
+};
+
+}  // namespace sluice::offload
