@@ -21,9 +21,10 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from ._C import CheckpointError, Error, FileError, InvalidArgument, ResourceError
+from .offload import Offloaded, offload
 
 __all__ = [
-    "ModelCache", "Runtime", "Model", "LockedModel", "Lora", "inspect", "version",
+    "ModelCache", "Runtime", "Model", "LockedModel", "Lora", "inspect", "version", "offload", "Offloaded",
     "Error", "FileError", "CheckpointError", "InvalidArgument", "ResourceError",
 ]
 __version__ = _C.version()

@@ -11,10 +11,12 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "runtime/error.h"
 #include "sluice/inspect.hpp"
+#include "sluice/offload.hpp"
 #include "sluice/sluice.hpp"
 
 namespace py = pybind11;
@@ -243,4 +245,39 @@ PYBIND11_MODULE(_C, m) {
       .def("set_vram_budget", &sluice::ModelCache::set_vram_budget, py::arg("budget"), release_gil())
       .def("stats_json", &sluice::ModelCache::stats_json, py::arg("indent") = -1, release_gil())
       .def("models", &sluice::ModelCache::models, release_gil());
+
+  // sluice.offload(module) (python/sluice/__init__.py) over sluice::OffloadedModel.
+  py::class_<sluice::OffloadedModel>(m, "OffloadedModel")
+      .def(py::init([](const std::vector<std::tuple<std::string, at::Tensor, std::optional<at::Tensor>>>& layers,
+                       std::vector<std::pair<std::string, at::Tensor>> extras, const std::string& device,
+                       const std::string& vram_budget, const std::string& working_memory, const std::string& storage,
+                       const std::string& compute, std::vector<std::string> skip, std::optional<double> max_resident,
+                       const std::string& pin_memory) {
+             std::vector<sluice::OffloadLayer> ls;
+             ls.reserve(layers.size());
+             for (const auto& [name, w, b] : layers) ls.push_back({name, w, b});
+             sluice::OffloadOptions o;
+             o.device = device;
+             o.vram_budget = vram_budget;
+             o.working_memory = working_memory;
+             o.storage = storage;
+             o.compute = compute;
+             o.skip = std::move(skip);
+             o.max_resident = max_resident;
+             o.pin_memory = pin_memory;
+             py::gil_scoped_release nogil;
+             return std::make_unique<sluice::OffloadedModel>(std::move(ls), std::move(extras), o);
+           }),
+           py::arg("layers"), py::arg("extras"), py::arg("device") = "cpu", py::arg("vram_budget") = "",
+           py::arg("working_memory") = "256MiB", py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "bfloat16",
+           py::arg("skip") = std::vector<std::string>{}, py::arg("max_resident") = std::nullopt,
+           py::arg("pin_memory") = "auto")
+      .def("layers", &sluice::OffloadedModel::layers)
+      .def("linear", &sluice::OffloadedModel::linear, py::arg("index"), py::arg("x"), release_gil())
+      .def("begin_forward", &sluice::OffloadedModel::begin_forward, py::arg("kind") = "", release_gil())
+      .def("end_forward", &sluice::OffloadedModel::end_forward, py::arg("aborted") = false, release_gil())
+      .def("stats_json", &sluice::OffloadedModel::stats_json, py::arg("indent") = -1, release_gil())
+      .def("set_vram_budget", &sluice::OffloadedModel::set_vram_budget, py::arg("budget"), release_gil())
+      .def("remove", &sluice::OffloadedModel::remove, release_gil())
+      .def("removed", &sluice::OffloadedModel::removed);
 }

@@ -1,0 +1,105 @@
+// sluice::OffloadedModel (include/sluice/offload.hpp) over ForeignModel
+// (offload/foreign_model.h, Note [foreign layers]) and a StreamingEngine of its own.
+#include "sluice/offload.hpp"
+
+#include "offload/device.h"
+#include "offload/engine.h"
+#include "offload/foreign_model.h"
+#include "offload/vram_budget.h"
+#include "runtime/dtype_policy.h"
+#include "runtime/error.h"
+#include "runtime/hardware.h"
+#include "runtime/size_parse.h"
+
+namespace sluice {
+
+namespace detail {
+struct OffloadState {
+  std::unique_ptr<offload::ForeignModel> model;
+  std::unique_ptr<offload::StreamingEngine> engine;
+  std::shared_ptr<offload::DeviceBackend> device;
+  uint64_t working_memory = 0;
+};
+}  // namespace detail
+
+namespace {
+
+offload::ForeignOptions foreign_options(const OffloadOptions& o) {
+  offload::ForeignOptions f;
+  f.storage = parse_storage_dtype(o.storage);
+  f.compute = parse_compute_dtype(o.compute);
+  f.skip = o.skip;
+  return f;
+}
+
+}  // namespace
+
+OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
+                               const OffloadOptions& o)
+    : state_(std::make_unique<detail::OffloadState>()) {
+  apply_cpu_onednn_env();  // Note [native bf16]: SLUICE_CPU_ONEDNN=off
+  offload::check_max_resident(o.max_resident);
+  const offload::ForeignOptions fo = foreign_options(o);
+  state_->device = offload::make_device(o.device, 0, "device");
+  if (is_fp8(fo.storage) && !device_supports_fp8_storage(state_->device->device(), fo.storage)) {
+    throw InvalidArgument("storage: " + dtype_name(fo.storage) + " is not supported on " + state_->device->name());
+  }
+  std::vector<offload::ForeignLayer> fl;
+  fl.reserve(layers.size());
+  for (auto& l : layers) fl.push_back({std::move(l.name), std::move(l.weight), std::move(l.bias)});
+  state_->model = std::make_unique<offload::ForeignModel>(std::move(fl), std::move(extras), fo);
+  const offload::ResolvedVramBudget budget =
+      offload::resolve_vram_budget(*state_->device, o.vram_budget, "", "vram_budget", "vram_headroom");
+  const uint64_t total = budget.bytes ? budget.bytes : state_->device->total_memory();
+  offload::EngineOptions eo;
+  eo.device = state_->device;
+  eo.budget_bytes = budget.bytes;
+  eo.working_memory_bytes = parse_size(o.working_memory, total ? std::optional<uint64_t>(total) : std::nullopt,
+                                       "working_memory");
+  eo.max_resident = o.max_resident;
+  eo.pin = offload::parse_pin_mode(o.pin_memory, "pin_memory");
+  eo.required_patterns = {};
+  state_->working_memory = eo.working_memory_bytes;
+  state_->engine = std::make_unique<offload::StreamingEngine>(eo);
+  state_->engine->attach(state_->model->module(), "offloaded model");
+}
+
+OffloadedModel::~OffloadedModel() {
+  if (state_ && state_->engine) state_->engine->detach();
+}
+
+size_t OffloadedModel::layers() const { return state_->model->size(); }
+
+bool OffloadedModel::removed() const { return !state_->engine->attached(); }
+
+at::Tensor OffloadedModel::linear(int64_t i, const at::Tensor& x) {
+  if (removed()) throw InvalidArgument("offload: the model was removed; offload it again to run it through sluice");
+  if (i < 0) throw InvalidArgument("offload: no layer " + std::to_string(i));
+  // Inference only: a weight leased for one layer must not live on in an autograd graph
+  // (it is a staging slot or scratch that the next layer reuses).
+  at::NoGradGuard no_grad;
+  return state_->model->linear(static_cast<size_t>(i), x);
+}
+
+void OffloadedModel::begin_forward(const std::string& kind) {
+  if (removed()) throw InvalidArgument("offload: the model was removed; offload it again to run it through sluice");
+  state_->engine->begin_forward(kind);
+}
+
+void OffloadedModel::end_forward(bool aborted) { state_->engine->end_forward(aborted); }
+
+std::string OffloadedModel::stats_json(int indent) const { return state_->engine->stats().to_json(indent); }
+
+void OffloadedModel::set_vram_budget(const std::string& text) {
+  if (removed()) throw InvalidArgument("offload: the model was removed");
+  const offload::ResolvedVramBudget budget =
+      offload::resolve_vram_budget(*state_->device, text, "", "vram_budget", "vram_headroom");
+  state_->engine->set_budget(budget.bytes ? budget.bytes : state_->device->total_memory());
+}
+
+void OffloadedModel::remove() {
+  if (removed()) throw InvalidArgument("offload: the model was already removed");
+  state_->engine->detach();
+}
+
+}  // namespace sluice

@@ -1,0 +1,209 @@
+"""sluice.offload(module) (python/sluice/offload.py) on torch modules someone else wrote:
+toy modules, and diffusers' CosmosTransformer3DModel (the transformer of diffusers'
+AnimaModularPipeline) at a tiny random configuration taken from diffusers' own Anima
+pipeline tests. On the CPU device (plain, and strict with SLUICE_STRICT_DEVICE=1).
+
+Checks: bf16 storage gives the module's outputs bit for bit; fp8 storage gives what the
+weights' fp8 round trip gives, and for the Cosmos transformer exactly what diffusers'
+enable_layerwise_casting(float8_e4m3fn, bfloat16) gives with the same skip list; remove()
+gives every tensor back bit for bit, where it was; misuse gets one clear error."""
+import copy
+import types
+
+import pytest
+import torch
+
+import sluice
+
+torch.set_num_threads(1)
+
+
+class Toy(torch.nn.Module):
+    """Linear layers with and without bias, a LayerNorm and a buffer between them, and a
+    layer that runs only when asked (a conditional branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj_in = torch.nn.Linear(32, 64)
+        self.norm = torch.nn.LayerNorm(64)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64, bias=False) for _ in range(3)])
+        self.extra = torch.nn.Linear(64, 64)
+        self.proj_out = torch.nn.Linear(64, 16)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 64))
+
+    def forward(self, x, *, use_extra=False, fail_at=None):
+        x = self.norm(self.proj_in(x)) * self.scale.to(x.dtype)
+        for i, b in enumerate(self.blocks):
+            if fail_at == i:
+                raise RuntimeError("failing on purpose")
+            x = torch.nn.functional.gelu(b(x))
+        if use_extra:
+            x = self.extra(x)
+        return self.proj_out(x)
+
+
+def toy(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return Toy().to(dtype)
+
+
+def snapshot(module):
+    return {k: (v.clone(), v.data_ptr()) for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def assert_restored(module, snap):
+    now = module.state_dict(keep_vars=True)
+    assert set(now) == set(snap)
+    for k, (values, ptr) in snap.items():
+        assert now[k].data_ptr() == ptr, k
+        assert torch.equal(now[k], values), k
+    assert "forward" not in module.__dict__
+    assert all("forward" not in m.__dict__ for m in module.modules())
+
+
+def test_bf16_storage_is_bit_identical_and_remove_restores_everything():
+    m = toy()
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    want = [m(x), m(x, use_extra=True)]
+    snap = snapshot(m)
+    handle = sluice.offload(m, storage="bfloat16", max_resident=0.0)
+    assert m.norm.weight.data_ptr() != snap["norm.weight"][1]  # the module's own norm moved to the device
+    with torch.no_grad():
+        for _ in range(2):  # the second forward runs on the recorded order
+            assert torch.equal(m(x), want[0])
+            assert torch.equal(m(x, use_extra=True), want[1])  # a layer the first forward never called
+    stats = handle.stats()
+    assert stats["forward_count"] == 4
+    assert stats["model"]["streamed_layers"] > 0
+    handle.remove()
+    assert_restored(m, snap)
+    assert torch.equal(m(x), want[0])
+
+
+def test_fp8_storage_computes_the_fp8_round_trip():
+    m = toy()
+    ref = copy.deepcopy(m)
+    for name, mod in ref.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name != "proj_out":
+            mod.weight.data = mod.weight.data.to(torch.float8_e4m3fn).to(torch.bfloat16)
+            if mod.bias is not None:
+                mod.bias.data = mod.bias.data.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    snap = snapshot(m)
+    handle = sluice.offload(m, storage="float8_e4m3fn", skip=["^proj_out$"])
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    handle.remove()
+    assert_restored(m, snap)
+
+
+def test_a_forward_that_raises_leaves_the_module_usable():
+    m = toy()
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    want = m(x)
+    handle = sluice.offload(m, storage="bfloat16", max_resident=0.0)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="failing on purpose"):
+            m(x, fail_at=1)
+        assert torch.equal(m(x), want)
+    handle.remove()
+
+
+def test_misuse_gets_one_clear_error():
+    m = toy()
+    handle = sluice.offload(m)
+    with pytest.raises(sluice.InvalidArgument, match="already offloaded"):
+        sluice.offload(m)
+    handle.remove()
+    with pytest.raises(sluice.InvalidArgument, match="already removed"):
+        handle.remove()
+    with pytest.raises(sluice.InvalidArgument, match="no torch.nn.Linear"):
+        sluice.offload(torch.nn.LayerNorm(8))
+    meta = toy().to("meta")
+    with pytest.raises(sluice.InvalidArgument, match="'proj_in.weight' is on meta"):
+        sluice.offload(meta)
+    mixed = toy()
+    mixed.proj_out.float()
+    with pytest.raises(sluice.InvalidArgument, match="several dtypes"):
+        sluice.offload(mixed)
+    with pytest.raises(sluice.InvalidArgument, match="storage"):
+        sluice.offload(toy(), storage="int4")
+
+
+# --- diffusers' Cosmos transformer (AnimaModularPipeline's), tiny --------------------------
+
+# diffusers tests/modular_pipelines/anima/test_modular_pipeline_anima.py's transformer.
+COSMOS_CONFIG = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+                     mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
+                     rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True, extra_pos_embed_type=None)
+# What enable_layerwise_casting adds to the model's own patterns (diffusers
+# hooks/layerwise_casting.py DEFAULT_SKIP_MODULES_PATTERN), written for sluice's skip list
+# (a plain word matches a whole dotted component: `\w*norm\w*` is diffusers' search for "norm").
+DIFFUSERS_DEFAULT_SKIPS = [r"\w*pos_embed\w*", r"\w*patch_embed\w*", r"\w*norm\w*", "^proj_in$", "^proj_out$"]
+
+
+def cosmos():
+    diffusers = pytest.importorskip("diffusers")
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        # The transformer resizes its padding mask with torchvision's nearest resize, imported
+        # only when torchvision is installed (transformer_cosmos.py); F.interpolate(nearest)
+        # is the same operation.
+        import diffusers.models.transformers.transformer_cosmos as tc
+
+        def resize(img, size, interpolation=None, **_):
+            x = img if img.ndim == 4 else img[None]
+            out = torch.nn.functional.interpolate(x, size=list(size), mode="nearest")
+            return out if img.ndim == 4 else out[0]
+
+        tc.transforms = types.SimpleNamespace(functional=types.SimpleNamespace(resize=resize),
+                                              InterpolationMode=types.SimpleNamespace(NEAREST="nearest"))
+    torch.manual_seed(0)
+    return diffusers.CosmosTransformer3DModel(**COSMOS_CONFIG).eval().to(torch.bfloat16)
+
+
+def denoise(transformer, steps=2):
+    """Two Euler steps of flow matching with classifier-free guidance, as the pipeline's
+    denoise loop calls the transformer (a cond and an uncond call per step)."""
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, 4, 1, 8, 8, generator=g)
+    cond = torch.randn(1, 12, 16, generator=g).to(torch.bfloat16)
+    uncond = torch.randn(1, 11, 16, generator=g).to(torch.bfloat16)
+    mask = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
+    sigmas = [1.0, 0.5, 0.0]
+    with torch.no_grad():
+        for i in range(steps):
+            t = torch.tensor([sigmas[i]], dtype=torch.bfloat16)
+            preds = [transformer(hidden_states=latents.to(torch.bfloat16), timestep=t, encoder_hidden_states=e,
+                                 padding_mask=mask, return_dict=False)[0] for e in (cond, uncond)]
+            v = preds[1] + 4.0 * (preds[0] - preds[1])
+            latents = latents + (sigmas[i + 1] - sigmas[i]) * v.float()
+    return latents
+
+
+def test_cosmos_transformer_bf16_storage_is_bit_identical():
+    tr = cosmos()
+    want = denoise(tr)
+    snap = snapshot(tr)
+    handle = sluice.offload(tr, storage="bfloat16", max_resident=0.0)
+    assert torch.equal(denoise(tr), want)
+    stats = handle.stats()
+    assert stats["forward_count"] == 4
+    handle.remove()
+    assert_restored(tr, snap)
+
+
+def test_cosmos_transformer_fp8_storage_matches_diffusers_layerwise_casting():
+    tr = cosmos()
+    ref = copy.deepcopy(tr)
+    ref.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    want = denoise(ref)
+    handle = sluice.offload(tr, storage="float8_e4m3fn", skip=DIFFUSERS_DEFAULT_SKIPS)
+    got = denoise(tr)
+    stats = handle.stats()
+    handle.remove()
+    # The same layers stored in fp8 (the model declares patch_embed, final_layer, norm and
+    # learnable_pos_embed; the defaults add proj_out), the same upcast, the same math.
+    assert torch.equal(got, want)
+    assert stats["model"]["layers"] == 38
