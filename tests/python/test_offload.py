@@ -1,11 +1,11 @@
 """sluice.offload(module) (python/sluice/offload.py) on torch modules someone else wrote:
-toy modules, and diffusers' CosmosTransformer3DModel (the transformer of diffusers'
+toy modules, diffusers' CosmosTransformer3DModel (the transformer of diffusers'
 AnimaModularPipeline) at a tiny random configuration taken from diffusers' own Anima
-pipeline tests. On the CPU device (plain, and strict with SLUICE_STRICT_DEVICE=1).
+pipeline tests, and a second family, diffusers' WanTransformer3DModel, likewise. On the CPU device (plain, and strict with SLUICE_STRICT_DEVICE=1).
 
 Checks: bf16 storage gives the module's outputs bit for bit; fp8 storage gives what the
 weights' fp8 round trip gives, and for the Cosmos transformer exactly what diffusers'
-enable_layerwise_casting(float8_e4m3fn, bfloat16) gives with the same skip list; remove()
+enable_layerwise_casting(float8_e4m3fn, bfloat16) gives with the same skip list (Cosmos and Wan); remove()
 gives every tensor back bit for bit, where it was; misuse gets one clear error."""
 import copy
 import types
@@ -207,3 +207,51 @@ def test_cosmos_transformer_fp8_storage_matches_diffusers_layerwise_casting():
     # learnable_pos_embed; the defaults add proj_out), the same upcast, the same math.
     assert torch.equal(got, want)
     assert stats["model"]["layers"] == 38
+
+
+# --- a second family: diffusers' Wan transformer, tiny -------------------------------------
+
+# diffusers tests/models/transformers/test_models_transformer_wan.py's configuration.
+WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+                  text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+
+
+def wan():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.WanTransformer3DModel(**WAN_CONFIG).eval().to(torch.bfloat16)
+
+
+def wan_denoise(transformer, steps=2):
+    """Euler steps with classifier-free guidance, the transformer called as Wan's pipeline calls it."""
+    g = torch.Generator().manual_seed(2)
+    latents = torch.randn(1, 4, 2, 16, 16, generator=g)
+    pos = torch.randn(1, 12, 16, generator=g).to(torch.bfloat16)
+    neg = torch.randn(1, 12, 16, generator=g).to(torch.bfloat16)
+    sigmas = [1.0, 0.5, 0.0]
+    with torch.no_grad():
+        for i in range(steps):
+            t = torch.tensor([sigmas[i] * 1000.0])
+            x = latents.to(torch.bfloat16)
+            cond = transformer(hidden_states=x, timestep=t, encoder_hidden_states=pos, return_dict=False)[0]
+            unc = transformer(hidden_states=x, timestep=t, encoder_hidden_states=neg, return_dict=False)[0]
+            latents = latents + (sigmas[i + 1] - sigmas[i]) * (unc + 5.0 * (cond - unc)).float()
+    return latents
+
+
+def test_wan_transformer_bf16_bit_identical_and_fp8_matches_layerwise_casting():
+    tr = wan()
+    want = wan_denoise(tr)
+    ref = copy.deepcopy(tr)
+    ref.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    want8 = wan_denoise(ref)
+    snap = snapshot(tr)
+    handle = sluice.offload(tr, storage="bfloat16", max_resident=0.0)
+    assert torch.equal(wan_denoise(tr), want)
+    handle.remove()
+    assert_restored(tr, snap)
+    handle = sluice.offload(tr, storage="float8_e4m3fn", skip=DIFFUSERS_DEFAULT_SKIPS)
+    assert torch.equal(wan_denoise(tr), want8)
+    handle.remove()
+    assert_restored(tr, snap)
