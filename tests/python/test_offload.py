@@ -1,7 +1,9 @@
 """sluice.offload(module) (python/sluice/offload.py) on torch modules someone else wrote:
 toy modules, diffusers' CosmosTransformer3DModel (the transformer of diffusers'
 AnimaModularPipeline) at a tiny random configuration taken from diffusers' own Anima
-pipeline tests, and a second family, diffusers' WanTransformer3DModel, likewise. On the CPU device (plain, and strict with SLUICE_STRICT_DEVICE=1).
+pipeline tests, and a second family, diffusers' WanTransformer3DModel, likewise; and
+diffusers' AnimaModularPipeline itself (its blocks after the text encoder) with its
+transformer and text conditioner offloaded. On the CPU device (plain, and strict with SLUICE_STRICT_DEVICE=1).
 
 Checks: bf16 storage gives the module's outputs bit for bit; fp8 storage gives what the
 weights' fp8 round trip gives, and for the Cosmos transformer exactly what diffusers'
@@ -255,3 +257,104 @@ def test_wan_transformer_bf16_bit_identical_and_fp8_matches_layerwise_casting():
     assert torch.equal(wan_denoise(tr), want8)
     handle.remove()
     assert_restored(tr, snap)
+
+
+# --- diffusers' AnimaModularPipeline itself, tiny ------------------------------------------
+# The real pipeline blocks after the text encoder (text conditioning, inputs, latents,
+# timesteps, the denoise loop with its guider, VAE decode), over precomputed Qwen3 hidden
+# states and T5 ids: the text encoder step needs `transformers`, which is not installed here.
+# Configurations from diffusers' tests/modular_pipelines/anima/test_modular_pipeline_anima.py.
+
+def anima_pipeline(transformer_dtype):
+    pytest.importorskip("diffusers")
+    cosmos()  # the padding-mask shim, where torchvision is missing
+    import diffusers
+    import diffusers.loaders
+    from diffusers.loaders.lora_pipeline import AnimaLoraLoaderMixin
+
+    if not hasattr(diffusers.loaders, "AnimaLoraLoaderMixin"):
+        # exported by diffusers.loaders only when transformers is installed; the class needs none of it
+        diffusers.loaders.AnimaLoraLoaderMixin = AnimaLoraLoaderMixin
+    from diffusers.models import AnimaTextConditioner
+    from diffusers.modular_pipelines.anima import before_denoise as bd
+    from diffusers.modular_pipelines.anima import decoders, denoise
+    from diffusers.modular_pipelines.anima.modular_pipeline import AnimaModularPipeline
+    from diffusers.modular_pipelines.modular_pipeline import SequentialPipelineBlocks
+
+    class Blocks(SequentialPipelineBlocks):
+        model_name = "anima"
+        block_classes = [bd.AnimaTextConditioningStep, bd.AnimaTextInputStep, bd.AnimaPrepareLatentsStep,
+                         bd.AnimaSetTimestepsStep, denoise.AnimaDenoiseStep, decoders.AnimaVaeDecoderStep,
+                         decoders.AnimaProcessImagesOutputStep]
+        block_names = ["text_conditioning", "input", "prepare_latents", "set_timesteps", "denoise", "decode",
+                       "postprocess"]
+
+        @property
+        def description(self):
+            return "Anima text-to-image after the text encoder step"
+
+    torch.manual_seed(0)
+    transformer = diffusers.CosmosTransformer3DModel(**COSMOS_CONFIG).eval().to(transformer_dtype)
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                           temperal_downsample=[False, True], latents_mean=[0.0] * 4,
+                                           latents_std=[1.0] * 4).eval()
+    torch.manual_seed(0)
+    conditioner = AnimaTextConditioner(source_dim=16, target_dim=16, model_dim=16, num_layers=2,
+                                       num_attention_heads=4, target_vocab_size=32128,
+                                       min_sequence_length=16).eval()
+    pipe = AnimaModularPipeline(blocks=Blocks())
+    pipe.update_components(transformer=transformer, vae=vae, text_conditioner=conditioner,
+                           scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, transformer, conditioner
+
+
+def anima_inputs():
+    g = torch.Generator().manual_seed(1234)
+    out = {}
+    for prefix, qwen, t5 in (("", 12, 3), ("negative_", 11, 3)):
+        out[prefix + "qwen_prompt_embeds"] = torch.randn(1, qwen, 16, generator=g)
+        out[prefix + "qwen_attention_mask"] = torch.ones(1, qwen, dtype=torch.long)
+        out[prefix + "t5_input_ids"] = torch.randint(0, 32128, (1, t5), generator=g)
+        out[prefix + "t5_attention_mask"] = torch.ones(1, t5, dtype=torch.long)
+    return out
+
+
+def run_anima(pipe):
+    with torch.no_grad():
+        out = pipe(**anima_inputs(), generator=torch.Generator().manual_seed(0), num_inference_steps=2, height=32,
+                   width=32, output_type="pt", output=["latents", "images"])
+    return out["latents"], out["images"]
+
+
+def test_anima_pipeline_with_transformer_and_conditioner_offloaded_is_bit_identical():
+    pipe, transformer, conditioner = anima_pipeline(torch.float32)
+    want_latents, want_images = run_anima(pipe)
+    snaps = snapshot(transformer), snapshot(conditioner)
+    # Two modules of one frontend, each streamed (fp32 storage: the weights as they are).
+    handles = [sluice.offload(transformer, storage="float32", max_resident=0.0),
+               sluice.offload(conditioner, storage="float32", max_resident=0.0)]
+    latents, images = run_anima(pipe)
+    stats = [h.stats() for h in handles]
+    for h in handles:
+        h.remove()
+    assert torch.equal(latents, want_latents)
+    assert torch.equal(images, want_images)
+    assert stats[0]["forward_count"] == 4  # 2 steps x (cond, uncond)
+    assert stats[1]["forward_count"] >= 1
+    assert_restored(transformer, snaps[0])
+    assert_restored(conditioner, snaps[1])
+
+
+def test_anima_pipeline_fp8_matches_diffusers_layerwise_casting():
+    pipe, transformer, _ = anima_pipeline(torch.bfloat16)
+    reference = copy.deepcopy(transformer)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    pipe.update_components(transformer=reference)
+    want, _ = run_anima(pipe)
+    pipe.update_components(transformer=transformer)
+    handle = sluice.offload(transformer, storage="float8_e4m3fn", skip=DIFFUSERS_DEFAULT_SKIPS)
+    got, _ = run_anima(pipe)
+    handle.remove()
+    assert torch.equal(got, want)
