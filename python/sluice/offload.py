@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Iterable, List, Optional
 
 import torch
@@ -116,16 +117,20 @@ def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = 
     for i, m in enumerate(lin_modules):
         m.forward = (lambda i: lambda x: model.linear(i, x))(i)
     inner = module.forward
+    # The engine runs one forward at a time: calls from several threads take turns (a
+    # re-entrant lock, so a forward that calls the module again nests).
+    turn = threading.RLock()
 
     def forward(*args, **kwargs):
-        model.begin_forward(type(module).__name__)
-        try:
-            out = inner(*args, **kwargs)
-        except BaseException:
-            model.end_forward(True)
-            raise
-        model.end_forward(False)
-        return out
+        with turn:
+            model.begin_forward(type(module).__name__)
+            try:
+                out = inner(*args, **kwargs)
+            except BaseException:
+                model.end_forward(True)
+                raise
+            model.end_forward(False)
+            return out
 
     module.forward = forward
     handle = Offloaded(module, model, lin_modules)

@@ -358,3 +358,30 @@ def test_anima_pipeline_fp8_matches_diffusers_layerwise_casting():
     got, _ = run_anima(pipe)
     handle.remove()
     assert torch.equal(got, want)
+
+
+def test_forwards_from_several_threads_take_turns():
+    import threading
+
+    m = toy()
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    want = m(x)
+    handle = sluice.offload(m, storage="bfloat16", max_resident=0.0)
+    results, errors = [], []
+
+    def work():
+        try:
+            with torch.no_grad():
+                for _ in range(5):
+                    results.append(torch.equal(m(x), want))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    handle.remove()
+    assert not errors
+    assert results == [True] * 15
