@@ -83,6 +83,9 @@ def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = 
             max_resident: Optional[float] = None, pin_memory: str = "auto") -> Offloaded:
     """Streams `module`'s Linear layers through sluice, in place; returns the handle.
 
+    vram_budget: what sluice may hold on the device for this module, working_memory (kept
+    free for activations, 256MiB by default) included: for a budget smaller than that, lower
+    working_memory too. "" = all device memory.
     compute: the dtype the Linear layers compute in; default: their weights' dtype."""
     if _ATTR in module.__dict__:
         raise InvalidArgument("offload: the module is already offloaded; remove() it first")
