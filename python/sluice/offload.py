@@ -15,8 +15,9 @@ module's own forward runs unchanged, delimited as one sluice forward per call. F
 inference: the offloaded layers' outputs carry no autograd history (as under torch.no_grad).
 
 Not supported yet (each raises sluice.InvalidArgument naming it): a module whose tensors
-are not on the host, a module offloaded twice, and removing twice. Linear layers are the
-only ones streamed: embeddings and convolutions stay with the other parameters. Offloaded
+are not on the host, a module offloaded twice, and removing twice. Only torch.nn.Linear
+layers (that exact class) are streamed: subclasses, embeddings and convolutions move with
+the other parameters. Offloaded
 modules do not share a ModelCache's budget yet: each has its own.
 """
 from __future__ import annotations
@@ -89,7 +90,9 @@ def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = 
     compute: the dtype the Linear layers compute in; default: their weights' dtype."""
     if _ATTR in module.__dict__:
         raise InvalidArgument("offload: the module is already offloaded; remove() it first")
-    linears = [(name, m) for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+    # Exactly torch.nn.Linear: a subclass may compute more than x W^T + b in its forward
+    # (quantized or patched layers); its tensors move with the other parameters instead.
+    linears = [(name, m) for name, m in module.named_modules() if type(m) is torch.nn.Linear]
     if not linears:
         raise InvalidArgument("offload: the module has no torch.nn.Linear layer to stream")
     dtypes = {m.weight.dtype for _, m in linears}

@@ -385,3 +385,20 @@ def test_forwards_from_several_threads_take_turns():
     handle.remove()
     assert not errors
     assert results == [True] * 15
+
+
+def test_a_linear_subclass_keeps_its_own_forward():
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    m = toy()
+    m.proj_out = Scaled(64, 16).to(torch.bfloat16)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    want = m(x)
+    handle = sluice.offload(m, storage="bfloat16", max_resident=0.0)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    assert "forward" not in m.proj_out.__dict__
+    assert handle.stats()["model"]["layers"] == 5  # proj_in, three blocks, extra: not the subclass
+    handle.remove()
