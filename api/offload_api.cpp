@@ -9,6 +9,7 @@
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/hardware.h"
+#include "runtime/logging.h"
 #include "runtime/size_parse.h"
 
 namespace sluice {
@@ -65,7 +66,14 @@ OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std
 }
 
 OffloadedModel::~OffloadedModel() {
-  if (state_ && state_->engine) state_->engine->detach();
+  if (!state_ || !state_->engine) return;
+  try {
+    state_->engine->detach();
+  } catch (const std::exception& e) {
+    // A forward still holds a lease (a host destroying the model mid-forward): the
+    // engine's own destructor gives the model back regardless.
+    log::warn(std::string("offload: removing the model at its destruction: ") + e.what());
+  }
 }
 
 size_t OffloadedModel::layers() const { return state_->model->size(); }
