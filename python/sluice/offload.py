@@ -50,10 +50,11 @@ class Offloaded:
     """The handle sluice.offload() returns: stats(), set_vram_budget(), remove()."""
 
     def __init__(self, module: torch.nn.Module, model: "_C.OffloadedModel",
-                 linears: List[torch.nn.Linear]):
+                 linears: List[torch.nn.Linear], grads: List[torch.Tensor]):
         self._module = module
         self._model = model
         self._linears = linears
+        self._grads = grads  # parameters that required grad before offload()
 
     def stats(self) -> dict:
         """The engine's stats: the fields of `sluice run --stats-json`'s model section."""
@@ -72,6 +73,8 @@ class Offloaded:
         if self._model.removed():
             raise InvalidArgument("offload: the module was already removed")
         self._model.remove()
+        for t in self._grads:
+            t.requires_grad_(True)
         for lin in self._linears:
             lin.__dict__.pop("forward", None)
         self._module.__dict__.pop("forward", None)
@@ -115,10 +118,21 @@ def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = 
     for name, t in [(n + ".weight", w) for n, w, _ in layers] + extras:
         if t.device.type != "cpu":
             raise InvalidArgument(f"offload: '{name}' is on {t.device}; offload a module whose tensors are on the host")
-    model = _C.OffloadedModel(layers, extras, device=device, vram_budget=vram_budget,
-                              working_memory=working_memory, storage=storage, compute=compute,
-                              skip=_skip_patterns(module, skip), max_resident=max_resident,
-                              pin_memory=pin_memory)
+    # Inference only: the parameters stop requiring grad while offloaded (re-pointing one
+    # that requires grad at an out-of-tree backend's memory is refused, Note [re-pointing
+    # across devices]); remove() gives each its flag back.
+    grads = [t for _, t in extras if t.requires_grad]
+    for t in grads:
+        t.requires_grad_(False)
+    try:
+        model = _C.OffloadedModel(layers, extras, device=device, vram_budget=vram_budget,
+                                  working_memory=working_memory, storage=storage, compute=compute,
+                                  skip=_skip_patterns(module, skip), max_resident=max_resident,
+                                  pin_memory=pin_memory)
+    except BaseException:
+        for t in grads:
+            t.requires_grad_(True)
+        raise
     lin_modules = [m for _, m in linears]
     for i, m in enumerate(lin_modules):
         m.forward = (lambda i: lambda x: model.linear(i, x))(i)
@@ -139,6 +153,6 @@ def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = 
             return out
 
     module.forward = forward
-    handle = Offloaded(module, model, lin_modules)
+    handle = Offloaded(module, model, lin_modules, grads)
     module.__dict__[_ATTR] = handle
     return handle
