@@ -137,7 +137,8 @@ def cpu_name() -> str:
 def torchvision_shim():
     # diffusers' Cosmos transformer resizes its padding mask with torchvision's nearest resize,
     # imported only when torchvision is installed (transformer_cosmos.py); F.interpolate(nearest)
-    # is the same operation (as in tests/python/test_offload.py).
+    # is the same operation. scripts/setup.sh installs torchvision; this is for a GPU machine's
+    # own Python, which may have diffusers without it.
     import importlib.util
 
     import torch

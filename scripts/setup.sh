@@ -67,6 +67,9 @@ if [ "$FOR" = test ]; then
   # bench/gpu/compare.py. Pinned: bench/gpu/anima_diffusers.py maps keys onto this version's
   # CosmosTransformer3DModel.
   "$VENV/bin/python" -c "import diffusers, accelerate" 2>/dev/null || "$VENV/bin/pip" install -q "diffusers==0.42.1" "accelerate==1.15.0"
+  # torchvision, the build matching torch 2.11: diffusers' Cosmos transformer (Anima's) resizes
+  # its padding mask with it (tests/python/test_offload.py, examples/python/diffusers_anima.py).
+  "$VENV/bin/python" -c "import torchvision" 2>/dev/null || "$VENV/bin/pip" install -q "torchvision==0.26.0"
   # The independent reference Anima for the parity tests (tests/python/).
   VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
 fi

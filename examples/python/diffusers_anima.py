@@ -15,7 +15,6 @@ before `pipe(...)`, and `handle.remove()` after.
 import argparse
 import json
 import time
-import types
 
 import torch
 
@@ -24,20 +23,8 @@ import sluice
 
 def transformer(args):
     import diffusers
-    import importlib.util
+    import torchvision  # noqa: F401  (the Cosmos transformer resizes its padding mask with it)
 
-    if importlib.util.find_spec("torchvision") is None:
-        # The transformer resizes its padding mask with torchvision when it is installed;
-        # F.interpolate(nearest) is the same operation.
-        import diffusers.models.transformers.transformer_cosmos as tc
-
-        def resize(img, size, interpolation=None, **_):
-            x = img if img.ndim == 4 else img[None]
-            out = torch.nn.functional.interpolate(x, size=list(size), mode="nearest")
-            return out if img.ndim == 4 else out[0]
-
-        tc.transforms = types.SimpleNamespace(functional=types.SimpleNamespace(resize=resize),
-                                              InterpolationMode=types.SimpleNamespace(NEAREST="nearest"))
     torch.manual_seed(0)
     return diffusers.CosmosTransformer3DModel(
         in_channels=16, out_channels=16, num_attention_heads=args.heads, attention_head_dim=args.head_dim,

@@ -174,21 +174,6 @@ DIFFUSERS_DEFAULT_SKIPS = [r"\w*pos_embed\w*", r"\w*patch_embed\w*", r"\w*norm\w
 
 def cosmos():
     diffusers = pytest.importorskip("diffusers")
-    import importlib.util
-
-    if importlib.util.find_spec("torchvision") is None:
-        # The transformer resizes its padding mask with torchvision's nearest resize, imported
-        # only when torchvision is installed (transformer_cosmos.py); F.interpolate(nearest)
-        # is the same operation.
-        import diffusers.models.transformers.transformer_cosmos as tc
-
-        def resize(img, size, interpolation=None, **_):
-            x = img if img.ndim == 4 else img[None]
-            out = torch.nn.functional.interpolate(x, size=list(size), mode="nearest")
-            return out if img.ndim == 4 else out[0]
-
-        tc.transforms = types.SimpleNamespace(functional=types.SimpleNamespace(resize=resize),
-                                              InterpolationMode=types.SimpleNamespace(NEAREST="nearest"))
     torch.manual_seed(0)
     return diffusers.CosmosTransformer3DModel(**COSMOS_CONFIG).eval().to(torch.bfloat16)
 
@@ -303,7 +288,6 @@ def anima_pipeline(transformer_dtype):
         # torch.Generator there: the test accelerator has none.
         pytest.skip("the pipeline's own tensors need a device with generators: CPU device only")
     pytest.importorskip("diffusers")
-    cosmos()  # the padding-mask shim, where torchvision is missing
     import diffusers
     import diffusers.loaders
     from diffusers.loaders.lora_pipeline import AnimaLoraLoaderMixin
