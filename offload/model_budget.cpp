@@ -11,18 +11,10 @@
 
 namespace sluice::offload {
 
-namespace {
-
-uint64_t weight_budget_of(const ResidencyLimits& limits) {
-  return limits.budget_bytes > limits.working_memory ? limits.budget_bytes - limits.working_memory : 0;
-}
-
-}  // namespace
-
 int64_t ModelBudget::partial_load(uint64_t bytes) {
   TORCH_CHECK(residency_.attached(), "partial_load: no model attached");
   const ResidencyLimits& l = residency_.limits();
-  const uint64_t full = weight_budget_of(l);
+  const uint64_t full = l.full_weight_budget();
   const uint64_t now = residency_.device_bytes();
   const uint64_t target = bytes >= full - std::min(full, now) ? full : now + bytes;
   return residency_.replan(std::max(l.weight_budget, target), l.max_resident);
@@ -39,7 +31,7 @@ int64_t ModelBudget::full_load() {
   TORCH_CHECK(residency_.attached(), "full_load: no model attached");
   const ResidencyLimits& l = residency_.limits();
   const ModelRecords& records = residency_.records();
-  const uint64_t full = weight_budget_of(l);
+  const uint64_t full = l.full_weight_budget();
   const uint64_t all = records.stored_bytes() + records.scratch_bytes() + l.nested_reserve + l.sidecar_bytes;
   if (all > full) {
     throw ResourceError("full_load: model '" + residency_.model_name() + "' needs " +

@@ -310,8 +310,7 @@ bool ModelResidency::is_resident(const std::string& layer_name) const {
 }
 
 void ModelResidency::check_invariants(const char* where) const {
-  const uint64_t wm = limits_.working_memory;
-  const uint64_t full = limits_.budget_bytes > wm ? limits_.budget_bytes - wm : 0;
+  const uint64_t full = limits_.full_weight_budget();
   const DeviceMemoryStats mem = budget_->stats();
   TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(mem.total.peak) <= full, where, ": device peak ", mem.total.peak,
                         " bytes over the budget minus working memory ", full);

@@ -76,6 +76,9 @@ struct ResidencyLimits {
   std::optional<double> max_resident;   // cap on resident streamable bytes
   uint64_t nested_reserve = 0;          // room every plan leaves for nested leases (Note [device extras])
   uint64_t sidecar_bytes = 0;           // LoRA sidecars placed (Note [device extras])
+
+  // The most the weights may take: the budget less the working memory (0 when it leaves none).
+  uint64_t full_weight_budget() const { return budget_bytes > working_memory ? budget_bytes - working_memory : 0; }
 };
 
 class ModelResidency {
