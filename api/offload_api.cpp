@@ -25,6 +25,12 @@ struct OffloadState {
 
 namespace {
 
+// A budget string ("6GiB", "50%", "" = all device memory) in bytes on `device`.
+uint64_t budget_bytes(offload::DeviceBackend& device, const std::string& text) {
+  const offload::ResolvedVramBudget budget = offload::resolve_vram_budget(device, text, "", "vram_budget", "vram_headroom");
+  return budget.bytes ? budget.bytes : device.total_memory();
+}
+
 offload::ForeignOptions foreign_options(const OffloadOptions& o) {
   offload::ForeignOptions f;
   f.storage = parse_storage_dtype(o.storage);
@@ -49,12 +55,10 @@ OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std
   fl.reserve(layers.size());
   for (auto& l : layers) fl.push_back({std::move(l.name), std::move(l.weight), std::move(l.bias)});
   state_->model = std::make_unique<offload::ForeignModel>(std::move(fl), std::move(extras), fo);
-  const offload::ResolvedVramBudget budget =
-      offload::resolve_vram_budget(*state_->device, o.vram_budget, "", "vram_budget", "vram_headroom");
-  const uint64_t total = budget.bytes ? budget.bytes : state_->device->total_memory();
+  const uint64_t total = budget_bytes(*state_->device, o.vram_budget);
   offload::EngineOptions eo;
   eo.device = state_->device;
-  eo.budget_bytes = budget.bytes;
+  eo.budget_bytes = total;
   eo.working_memory_bytes = parse_size(o.working_memory, total ? std::optional<uint64_t>(total) : std::nullopt,
                                        "working_memory");
   eo.max_resident = o.max_resident;
@@ -80,8 +84,12 @@ size_t OffloadedModel::layers() const { return state_->model->size(); }
 
 bool OffloadedModel::removed() const { return !state_->engine->attached(); }
 
-at::Tensor OffloadedModel::linear(int64_t i, const at::Tensor& x) {
+void OffloadedModel::require_attached() const {
   if (removed()) throw InvalidArgument("offload: the model was removed; offload it again to run it through sluice");
+}
+
+at::Tensor OffloadedModel::linear(int64_t i, const at::Tensor& x) {
+  require_attached();
   if (i < 0) throw InvalidArgument("offload: no layer " + std::to_string(i));
   // Inference only: a weight leased for one layer must not live on in an autograd graph
   // (it is a staging slot or scratch that the next layer reuses).
@@ -90,7 +98,7 @@ at::Tensor OffloadedModel::linear(int64_t i, const at::Tensor& x) {
 }
 
 void OffloadedModel::begin_forward(const std::string& kind) {
-  if (removed()) throw InvalidArgument("offload: the model was removed; offload it again to run it through sluice");
+  require_attached();
   state_->engine->begin_forward(kind);
 }
 
@@ -99,10 +107,8 @@ void OffloadedModel::end_forward(bool aborted) { state_->engine->end_forward(abo
 std::string OffloadedModel::stats_json(int indent) const { return state_->engine->stats().to_json(indent); }
 
 void OffloadedModel::set_vram_budget(const std::string& text) {
-  if (removed()) throw InvalidArgument("offload: the model was removed");
-  const offload::ResolvedVramBudget budget =
-      offload::resolve_vram_budget(*state_->device, text, "", "vram_budget", "vram_headroom");
-  state_->engine->set_budget(budget.bytes ? budget.bytes : state_->device->total_memory());
+  require_attached();
+  state_->engine->set_budget(budget_bytes(*state_->device, text));
 }
 
 void OffloadedModel::remove() {

@@ -69,6 +69,7 @@ class OffloadedModel {
   bool removed() const;
 
  private:
+  void require_attached() const;  // InvalidArgument after remove()
   std::unique_ptr<detail::OffloadState> state_;
 };
 
