@@ -5,7 +5,9 @@
 // the part it is about directly, holding the cache mutex where the part expects it held.
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -55,6 +57,15 @@ struct CacheParts {
     return e;
   }
 };
+
+// A budget roomy for a few tiny models: 512 MiB, 1 MiB of it working memory.
+inline cache::CacheOptions roomy_cache_options(std::optional<uint64_t> ram_limit = std::nullopt) {
+  cache::CacheOptions o;
+  o.vram_budget = uint64_t{512} << 20;
+  o.working_memory = uint64_t{1} << 20;
+  o.ram_limit = ram_limit;
+  return o;
+}
 
 inline cache::LoadSpec cache_spec(const std::string& preset = "anima-tiny", uint64_t seed = 1) {
   cache::LoadSpec s;

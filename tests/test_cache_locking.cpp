@@ -24,22 +24,14 @@ using namespace sluice;
 using namespace sluice::cache;
 using sluice::testing::cache_spec;
 using sluice::testing::CacheParts;
+using sluice::testing::roomy_cache_options;
 
 namespace {
-
-constexpr uint64_t MiB = 1ull << 20;
 
 const bool kSingleThread = [] {
   at::set_num_threads(1);
   return true;
 }();
-
-CacheOptions options() {
-  CacheOptions o;
-  o.vram_budget = 512 * MiB;
-  o.working_memory = 1 * MiB;
-  return o;
-}
 
 // Events in the order threads record them.
 struct Order {
@@ -71,7 +63,7 @@ bool eventually(CacheLocking& locking, Pred pred) {
 }  // namespace
 
 TEST_CASE("cache_locking: an operation waiting for a model's forward goes before that model's next forward") {
-  CacheParts p(options());
+  CacheParts p(roomy_cache_options());
   auto e = p.attached(cache_spec());
   // When the running forward ends, the operation and the next forward wake together; the
   // next forward must let the operation go first however the mutex falls. Several rounds,
@@ -107,7 +99,7 @@ TEST_CASE("cache_locking: an operation waiting for a model's forward goes before
 }
 
 TEST_CASE("cache_locking: waiting for every forward holds back new forwards of all models") {
-  CacheParts p(options());
+  CacheParts p(roomy_cache_options());
   auto a = p.attached(cache_spec("anima-tiny", 1));
   auto b = p.attached(cache_spec("anima-tiny", 2));
   p.locking.begin_forward(*a);
@@ -139,7 +131,7 @@ TEST_CASE("cache_locking: waiting for every forward holds back new forwards of a
 }
 
 TEST_CASE("cache_locking: the published snapshot follows residency changes and a refresh leaves it alone during a forward") {
-  CacheParts p(options());
+  CacheParts p(roomy_cache_options());
   auto e = p.attached(cache_spec());
   const auto published = [&] {
     std::lock_guard<std::mutex> g(e->published_mutex);

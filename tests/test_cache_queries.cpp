@@ -19,27 +19,19 @@ using namespace sluice;
 using namespace sluice::cache;
 using sluice::testing::cache_spec;
 using sluice::testing::CacheParts;
+using sluice::testing::roomy_cache_options;
 
 namespace {
-
-constexpr uint64_t MiB = 1ull << 20;
 
 const bool kSingleThread = [] {
   at::set_num_threads(1);
   return true;
 }();
 
-CacheOptions options() {
-  CacheOptions o;
-  o.vram_budget = 512 * MiB;
-  o.working_memory = 1 * MiB;
-  return o;
-}
-
 }  // namespace
 
 TEST_CASE("cache_queries: every device total is the sum of its parts over the models held") {
-  CacheParts p(options());
+  CacheParts p(roomy_cache_options());
   CacheQueries q(p.state, p.locking, p.shares);
   auto a = p.attached(cache_spec("anima-tiny", 1));
   auto b = p.attached(cache_spec("anima-tiny", 2));
@@ -87,7 +79,7 @@ TEST_CASE("cache_queries: every device total is the sum of its parts over the mo
 }
 
 TEST_CASE("cache_queries: an entry's engine-side state is its published snapshot") {
-  CacheParts p(options());
+  CacheParts p(roomy_cache_options());
   CacheQueries q(p.state, p.locking, p.shares);
   auto e = p.attached(cache_spec());
   EntryState st = q.entry_state(e);

@@ -26,23 +26,14 @@ using namespace sluice;
 using namespace sluice::cache;
 using sluice::testing::cache_spec;
 using sluice::testing::CacheParts;
+using sluice::testing::roomy_cache_options;
 
 namespace {
-
-constexpr uint64_t MiB = 1ull << 20;
 
 const bool kSingleThread = [] {
   at::set_num_threads(1);
   return true;
 }();
-
-CacheOptions options(std::optional<uint64_t> ram_limit = std::nullopt) {
-  CacheOptions o;
-  o.vram_budget = 512 * MiB;
-  o.working_memory = 1 * MiB;
-  o.ram_limit = ram_limit;
-  return o;
-}
 
 uint64_t tiny_bytes() { return estimate_model_bytes(cache_spec(), at::kCPU); }
 
@@ -56,7 +47,7 @@ TEST_CASE("ram_tier: a source is a preset or a json config or a checkpoint") {
 }
 
 TEST_CASE("ram_tier: the same source and settings find one entry and other settings replace it") {
-  CacheParts p(options());
+  CacheParts p(roomy_cache_options());
   bool created = false;
   auto a = p.ram.entry_for(cache_spec("anima-tiny", 1), created);
   CHECK(created);
@@ -96,7 +87,7 @@ TEST_CASE("ram_tier: the same source and settings find one entry and other setti
 
 TEST_CASE("ram_tier: the RAM limit evicts the least recently used unlocked model and never a locked or excluded one") {
   const uint64_t size = tiny_bytes();
-  CacheParts p(options(size * 5 / 2));  // two models fit, three do not
+  CacheParts p(roomy_cache_options(size * 5 / 2));  // two models fit, three do not
   auto a = p.loaded(cache_spec("anima-tiny", 1));
   auto b = p.loaded(cache_spec("anima-tiny", 2));
   Guard g(p.locking.mutex());
@@ -148,7 +139,7 @@ TEST_CASE("ram_tier: a read runs outside the cache mutex with its bytes reserved
   std::mutex m;
   std::condition_variable cv;
   bool reading = false, go = false;
-  CacheOptions o = options();
+  CacheOptions o = roomy_cache_options();
   o.before_read = [&](const std::string&) {
     std::unique_lock<std::mutex> g(m);
     reading = true;
