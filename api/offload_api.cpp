@@ -82,6 +82,18 @@ OffloadedModel::~OffloadedModel() {
 
 size_t OffloadedModel::layers() const { return state_->model->size(); }
 
+at::ScalarType OffloadedModel::stored_dtype(int64_t i) const {
+  if (i < 0 || static_cast<size_t>(i) >= state_->model->size()) throw InvalidArgument("offload: no layer " + std::to_string(i));
+  return state_->model->stored_dtype(static_cast<size_t>(i));
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> OffloadedModel::stored_layer(int64_t i) const {
+  if (!removed()) throw InvalidArgument("offload: a layer's stored tensors are read after remove()");
+  if (i < 0) throw InvalidArgument("offload: no layer " + std::to_string(i));
+  offload::StoredLayer s = state_->model->host_copy(static_cast<size_t>(i));
+  return {std::move(s.weight), std::move(s.bias)};
+}
+
 bool OffloadedModel::removed() const { return !state_->engine->attached(); }
 
 void OffloadedModel::require_attached() const {

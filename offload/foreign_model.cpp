@@ -70,12 +70,10 @@ ForeignModel::ForeignModel(std::vector<ForeignLayer> layers, std::vector<std::pa
     const bool skipped = skip.matches(l.name).has_value() || at::isFloat8Type(w.scalar_type());
     const at::ScalarType storage = skipped ? w.scalar_type() : options.storage;
     StorageCast cast = cast_to_storage(w.detach(), storage, l.name);
-    at::Tensor stored = cast.stored.is_same(w) ? w.detach().clone() : cast.stored.contiguous();
+    // Already in the storage dtype: the caller's memory itself, not a copy (Note [foreign layers]).
+    at::Tensor stored = cast.stored.contiguous();
     std::optional<at::Tensor> bias;  // stored as the weight is, as diffusers' layerwise casting does
-    if (l.bias) {
-      StorageCast b = cast_to_storage(l.bias->detach(), storage, l.name + ".bias");
-      bias = b.stored.is_same(*l.bias) ? l.bias->detach().clone() : b.stored.contiguous();
-    }
+    if (l.bias) bias = cast_to_storage(l.bias->detach(), storage, l.name + ".bias").stored.contiguous();
     auto layer = std::make_shared<LinearImpl>(w.size(1), w.size(0), bias.has_value(),
                                               at::TensorOptions().dtype(options.compute).device(at::kCPU));
     layer->set_stored(stored, bias);
@@ -103,11 +101,24 @@ int64_t ForeignModel::stored_bytes() const {
   return total;
 }
 
-at::Tensor ForeignModel::linear(size_t i, const at::Tensor& x) {
+LinearImpl& ForeignModel::layer(size_t i) const {
   if (i >= layers_.size()) {
     throw InvalidArgument("offload: no layer " + std::to_string(i) + " (the model has " + std::to_string(layers_.size()) + ")");
   }
-  return layers_[i]->forward(x);
+  return *layers_[i];
+}
+
+at::Tensor ForeignModel::linear(size_t i, const at::Tensor& x) { return layer(i).forward(x); }
+
+StoredLayer ForeignModel::host_copy(size_t i) const {
+  const LinearImpl& l = layer(i);
+  if (!l.stored_weight().device().is_cpu() || (l.has_bias() && !l.stored_bias().device().is_cpu())) {
+    throw InvalidArgument("offload: layer '" + l.qualified_name() + "' is on the device; detach the model first");
+  }
+  StoredLayer s;
+  s.weight = l.stored_weight().clone();
+  if (l.has_bias()) s.bias = l.stored_bias().clone();
+  return s;
 }
 
 }  // namespace sluice::offload

@@ -13,8 +13,11 @@
 //    (runtime/fp8.h cast_to_storage: NaN/Inf refused, out-of-range values saturated) into a
 //    new host tensor that the managed layer owns; a layer whose dotted name matches the skip
 //    list keeps its weight's own dtype (stored unconverted, leased without an upcast), as
-//    diffusers' layerwise casting keeps the modules its skip patterns name. The caller's
-//    own weight tensors are not touched: what becomes of them is the caller's choice.
+//    diffusers' layerwise casting keeps the modules its skip patterns name. A tensor that
+//    is already in the dtype it is stored in is not copied: the layer holds the caller's
+//    memory (read only; pinning copies it into the arena). The caller's tensor objects are
+//    not touched: what becomes of them is the caller's choice (Python's sluice.offload
+//    frees them, and gives them back from host_copy() at remove()).
 //  - The other parameters and buffers (norms, embeddings' tables, RoPE tables) are the
 //    caller's tensors themselves, registered under the model's dotted names without
 //    copying: attaching the model re-points them at device copies in place (offload/
@@ -44,6 +47,12 @@ struct ForeignLayer {
   std::optional<at::Tensor> bias;  // [out]
 };
 
+// A layer's stored tensors, copied to new host memory.
+struct StoredLayer {
+  at::Tensor weight;
+  std::optional<at::Tensor> bias;
+};
+
 struct ForeignOptions {
   at::ScalarType storage = at::kFloat8_e4m3fn;  // bf16/fp16/fp32: no fp8
   at::ScalarType compute = at::kBFloat16;
@@ -69,8 +78,13 @@ class ForeignModel {
   // y = x W^T + b for layer i, its weights leased from its provider (the engine, when
   // attached) for the duration of the call. IndexError-like InvalidArgument for a bad i.
   at::Tensor linear(size_t i, const at::Tensor& x);
+  // Copies of layer i's stored weight and bias (in the dtype stored_dtype(i) names), while
+  // the model is not attached (its layers are on the host); InvalidArgument otherwise.
+  StoredLayer host_copy(size_t i) const;
 
  private:
+  LinearImpl& layer(size_t i) const;  // InvalidArgument for a bad i
+
   std::shared_ptr<torch::nn::Module> root_;
   std::vector<std::shared_ptr<LinearImpl>> layers_;
   int64_t extra_bytes_ = 0;

@@ -52,6 +52,13 @@ class OffloadedModel {
   OffloadedModel& operator=(const OffloadedModel&) = delete;
 
   size_t layers() const;
+  // The dtype layer i is stored in: the storage dtype, or the weight's own for a layer the
+  // skip list names (or already fp8).
+  at::ScalarType stored_dtype(int64_t i) const;
+  // Copies of layer i's stored weight and bias, on the host, after remove() (a host that
+  // freed its own tensors gives them back from these where stored_dtype is theirs);
+  // InvalidArgument before.
+  std::pair<at::Tensor, std::optional<at::Tensor>> stored_layer(int64_t i) const;
   // y = x W^T + b for layer i (x in the compute dtype, on the device), computed without
   // autograd (inference only). InvalidArgument after remove().
   at::Tensor linear(int64_t i, const at::Tensor& x);

@@ -273,6 +273,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("skip") = std::vector<std::string>{}, py::arg("max_resident") = std::nullopt,
            py::arg("pin_memory") = "auto")
       .def("layers", &sluice::OffloadedModel::layers)
+      .def("stored_dtype", &sluice::OffloadedModel::stored_dtype, py::arg("index"))
+      .def("stored_layer", &sluice::OffloadedModel::stored_layer, py::arg("index"), release_gil())
       .def("linear", &sluice::OffloadedModel::linear, py::arg("index"), py::arg("x"), release_gil())
       .def("begin_forward", &sluice::OffloadedModel::begin_forward, py::arg("kind") = "", release_gil())
       .def("end_forward", &sluice::OffloadedModel::end_forward, py::arg("aborted") = false, release_gil())
