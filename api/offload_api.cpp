@@ -1,42 +1,60 @@
-// sluice::OffloadedModel (include/sluice/offload.hpp) over ForeignModel
-// (offload/foreign_model.h, Note [foreign layers]) and a StreamingEngine of its own.
+// sluice::OffloadedModel (include/sluice/offload.hpp): a ForeignModel (offload/
+// foreign_model.h, Note [foreign layers]) adopted into a model cache (Note [adopted models]
+// in cache/model_cache.h), the host's or one of its own.
 #include "sluice/offload.hpp"
 
-#include "offload/device.h"
+#include <atomic>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "api/cache_impl.h"
+#include "cache/model_cache.h"
 #include "offload/engine.h"
 #include "offload/foreign_model.h"
-#include "offload/vram_budget.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
-#include "runtime/hardware.h"
 #include "runtime/logging.h"
-#include "runtime/size_parse.h"
+#include "sluice/sluice.hpp"
 
 namespace sluice {
 
 namespace detail {
 struct OffloadState {
   std::unique_ptr<offload::ForeignModel> model;
-  std::unique_ptr<offload::StreamingEngine> engine;
-  std::shared_ptr<offload::DeviceBackend> device;
-  uint64_t working_memory = 0;
+  std::shared_ptr<CacheImpl> cache;
+  bool own_cache = false;  // made for this model alone (no ModelCache given)
+  std::shared_ptr<cache::Entry> entry;
+  std::atomic<bool> removed{false};
+  // One thread's forward at a time: held from the outermost begin_forward to its
+  // end_forward, and once more by each nested pair (a recursive mutex, locked and unlocked
+  // on the forward's thread).
+  std::recursive_mutex forward_mutex;
+  std::atomic<std::thread::id> owner{};  // the thread whose forward runs; none between forwards
+  // The outermost forward's: its lock on the entry and the engine begin_run gave it.
+  int depth = 0;
+  std::optional<cache::Lock> lock;
+  offload::StreamingEngine* engine = nullptr;
 };
 }  // namespace detail
 
 namespace {
 
-// A budget string ("6GiB", "50%", "" = all device memory) in bytes on `device`.
-uint64_t budget_bytes(offload::DeviceBackend& device, const std::string& text) {
-  const offload::ResolvedVramBudget budget = offload::resolve_vram_budget(device, text, "", "vram_budget", "vram_headroom");
-  return budget.bytes ? budget.bytes : device.total_memory();
-}
-
-offload::ForeignOptions foreign_options(const OffloadOptions& o) {
-  offload::ForeignOptions f;
-  f.storage = parse_storage_dtype(o.storage);
-  f.compute = parse_compute_dtype(o.compute);
-  f.skip = o.skip;
-  return f;
+// The options that are the cache's: with a ModelCache given, each must keep its default.
+void require_cache_defaults(const OffloadOptions& o) {
+  const OffloadOptions d;
+  const auto check = [](bool same, const char* field) {
+    if (!same) {
+      throw InvalidArgument(std::string("offload: '") + field +
+                            "' is the ModelCache's when the model goes into one; set it on the cache");
+    }
+  };
+  check(o.device == d.device, "device");
+  check(o.vram_budget == d.vram_budget, "vram_budget");
+  check(o.working_memory == d.working_memory, "working_memory");
+  check(o.pin_memory == d.pin_memory, "pin_memory");
+  check(o.prefetch == d.prefetch, "prefetch");
+  check(o.trace == d.trace, "trace");
 }
 
 }  // namespace
@@ -44,38 +62,57 @@ offload::ForeignOptions foreign_options(const OffloadOptions& o) {
 OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
                                const OffloadOptions& o)
     : state_(std::make_unique<detail::OffloadState>()) {
-  apply_cpu_onednn_env();  // Note [native bf16]: SLUICE_CPU_ONEDNN=off
+  RuntimeOptions r;
+  r.device = o.device;
+  r.vram_budget = o.vram_budget;
+  r.working_memory = o.working_memory;
+  r.pin_memory = o.pin_memory;
+  r.prefetch = o.prefetch;
+  r.trace = o.trace;
+  r.ram_limit = "0";  // the host's model, in RAM already: nothing to evict for it
+  ModelCache own(r);
+  state_->cache = own.impl_;
+  state_->own_cache = true;
+  adopt(std::move(layers), std::move(extras), o);
+}
+
+OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
+                               ModelCache& cache, const OffloadOptions& o)
+    : state_(std::make_unique<detail::OffloadState>()) {
+  require_cache_defaults(o);
+  state_->cache = cache.impl_;
+  adopt(std::move(layers), std::move(extras), o);
+}
+
+void OffloadedModel::adopt(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
+                           const OffloadOptions& o) {
   offload::check_max_resident(o.max_resident);
-  const offload::ForeignOptions fo = foreign_options(o);
-  state_->device = offload::make_device(o.device, 0, "device");
-  if (is_fp8(fo.storage) && !device_supports_fp8_storage(state_->device->device(), fo.storage)) {
-    throw InvalidArgument("storage: " + dtype_name(fo.storage) + " is not supported on " + state_->device->name());
+  cache::ModelCache& c = *state_->cache->cache;
+  offload::ForeignOptions fo;
+  fo.storage = parse_storage_dtype(o.storage);
+  fo.compute = parse_compute_dtype(o.compute);
+  fo.skip = o.skip;
+  if (is_fp8(fo.storage) && !device_supports_fp8_storage(c.device().device(), fo.storage)) {
+    throw InvalidArgument("storage: " + dtype_name(fo.storage) + " is not supported on " + c.device().name());
   }
   std::vector<offload::ForeignLayer> fl;
   fl.reserve(layers.size());
   for (auto& l : layers) fl.push_back({std::move(l.name), std::move(l.weight), std::move(l.bias)});
   state_->model = std::make_unique<offload::ForeignModel>(std::move(fl), std::move(extras), fo);
-  const uint64_t total = budget_bytes(*state_->device, o.vram_budget);
-  offload::EngineOptions eo;
-  eo.device = state_->device;
-  eo.budget_bytes = total;
-  eo.working_memory_bytes = parse_size(o.working_memory, total ? std::optional<uint64_t>(total) : std::nullopt,
-                                       "working_memory");
-  eo.max_resident = o.max_resident;
-  eo.pin = offload::parse_pin_mode(o.pin_memory, "pin_memory");
-  eo.required_patterns = {};
-  state_->working_memory = eo.working_memory_bytes;
-  state_->engine = std::make_unique<offload::StreamingEngine>(eo);
-  state_->engine->attach(state_->model->module(), "offloaded model");
+  state_->entry = c.adopt(state_->model->module_ptr(), o.name.empty() ? "offloaded model" : o.name,
+                          DtypePair{fo.storage, fo.compute}, o.max_resident);
 }
 
 OffloadedModel::~OffloadedModel() {
-  if (!state_ || !state_->engine) return;
+  if (!state_ || !state_->entry || state_->removed) return;
   try {
-    state_->engine->detach();
+    if (state_->lock) {  // a host destroying the model mid-forward: that forward ends aborted
+      state_->engine->end_forward_noexcept(true);
+      state_->cache->cache->end_run(*state_->lock, /*aborted=*/true);
+      state_->lock.reset();
+    }
+    state_->cache->cache->drop(state_->entry);
   } catch (const std::exception& e) {
-    // A forward still holds a lease (a host destroying the model mid-forward): the
-    // engine's own destructor gives the model back regardless.
     log::warn(std::string("offload: removing the model at its destruction: ") + e.what());
   }
 }
@@ -94,7 +131,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> OffloadedModel::stored_layer(in
   return {std::move(s.weight), std::move(s.bias)};
 }
 
-bool OffloadedModel::removed() const { return !state_->engine->attached(); }
+bool OffloadedModel::removed() const { return state_->removed; }
 
 void OffloadedModel::require_attached() const {
   if (removed()) throw InvalidArgument("offload: the model was removed; offload it again to run it through sluice");
@@ -106,26 +143,103 @@ at::Tensor OffloadedModel::linear(int64_t i, const at::Tensor& x) {
   // Inference only: a weight leased for one layer must not live on in an autograd graph
   // (it is a staging slot or scratch that the next layer reuses).
   at::NoGradGuard no_grad;
-  return state_->model->linear(static_cast<size_t>(i), x);
+  if (state_->owner.load() == std::this_thread::get_id()) return state_->model->linear(static_cast<size_t>(i), x);
+  // Called outside the model's forward (a host calling one of its layers directly): a
+  // forward of its own, so that the layer's weights come from the engine, on the device.
+  begin_forward("layer");
+  at::Tensor y;
+  try {
+    y = state_->model->linear(static_cast<size_t>(i), x);
+  } catch (...) {
+    end_forward(true);
+    throw;
+  }
+  end_forward(false);
+  return y;
 }
 
 void OffloadedModel::begin_forward(const std::string& kind) {
   require_attached();
-  state_->engine->begin_forward(kind);
+  detail::OffloadState& s = *state_;
+  std::unique_lock<std::recursive_mutex> turn(s.forward_mutex);  // another thread's forward ends first
+  require_attached();  // removed while this one waited
+  if (s.depth > 0) {
+    s.engine->begin_forward(kind);
+    s.depth += 1;
+    turn.release();  // held until the matching end_forward
+    return;
+  }
+  cache::ModelCache& c = *s.cache->cache;
+  cache::Lock lock = c.lock(s.entry);  // its share first (Note [cache tiers])
+  offload::StreamingEngine& engine = c.begin_run(lock);
+  try {
+    engine.begin_forward(kind);
+  } catch (...) {
+    c.end_run(lock, /*aborted=*/true);
+    throw;
+  }
+  s.lock.emplace(std::move(lock));
+  s.engine = &engine;
+  s.depth = 1;
+  s.owner.store(std::this_thread::get_id());
+  turn.release();
 }
 
-void OffloadedModel::end_forward(bool aborted) { state_->engine->end_forward(aborted); }
+void OffloadedModel::end_forward(bool aborted) {
+  detail::OffloadState& s = *state_;
+  if (s.depth == 0 || s.owner.load() != std::this_thread::get_id()) {
+    throw InvalidArgument("offload: end_forward without a begin_forward on this thread");
+  }
+  std::unique_lock<std::recursive_mutex> turn(s.forward_mutex, std::adopt_lock);  // begin_forward's
+  s.depth -= 1;
+  if (s.depth > 0) {
+    s.engine->end_forward(aborted);
+    return;
+  }
+  s.owner.store(std::thread::id());
+  // The outermost forward: the engine, the run and the lock end together, whatever throws.
+  std::optional<cache::Lock> lock = std::move(s.lock);
+  s.lock.reset();
+  offload::StreamingEngine* engine = s.engine;
+  s.engine = nullptr;
+  try {
+    engine->end_forward(aborted);
+  } catch (...) {
+    s.cache->cache->end_run(*lock, /*aborted=*/true);
+    throw;
+  }
+  s.cache->cache->end_run(*lock, aborted);
+}
 
-std::string OffloadedModel::stats_json(int indent) const { return state_->engine->stats().to_json(indent); }
+std::string OffloadedModel::stats_json(int indent) const {
+  return state_->cache->cache->model_stats_json(state_->entry, indent);
+}
+
+void OffloadedModel::write_trace(const std::string& path) const {
+  state_->cache->cache->write_trace(state_->entry, path);
+}
+
+void OffloadedModel::write_timeline_svg(const std::string& path) const {
+  state_->cache->cache->write_timeline_svg(state_->entry, path);
+}
 
 void OffloadedModel::set_vram_budget(const std::string& text) {
   require_attached();
-  state_->engine->set_budget(budget_bytes(*state_->device, text));
+  if (!state_->own_cache) {
+    throw InvalidArgument("offload: the model is in a ModelCache; set the budget with the cache's set_vram_budget");
+  }
+  cache::ModelCache& c = *state_->cache->cache;
+  const offload::ResolvedVramBudget b = c.parse_budget(text, "", "vram_budget", "vram_headroom");
+  c.set_vram_budget(b.bytes);
+  state_->cache->set_budget_source(b);
 }
 
 void OffloadedModel::remove() {
   if (removed()) throw InvalidArgument("offload: the model was already removed");
-  state_->engine->detach();
+  std::lock_guard<std::recursive_mutex> turn(state_->forward_mutex);
+  if (state_->depth > 0) throw InvalidArgument("offload: remove() during the model's forward; remove it after");
+  state_->cache->cache->drop(state_->entry);
+  state_->removed = true;
 }
 
 }  // namespace sluice

@@ -12,6 +12,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "api/cache_impl.h"
 #include "cache/model_cache.h"
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
@@ -35,26 +36,6 @@
 namespace sluice {
 
 namespace detail {
-
-class CacheImpl {
- public:
-  RuntimeOptions options;
-  std::shared_ptr<cache::ModelCache> cache;
-  // How the budget in force was resolved (CacheStats::vram_budget_source).
-  void set_budget_source(const offload::ResolvedVramBudget& r) {
-    if (!r.how.empty()) log::info("vram budget " + format_bytes(r.bytes) + " (" + r.how + ")");
-    std::lock_guard<std::mutex> g(mutex);
-    budget_source = r.how;
-  }
-  std::string budget_source_now() const {
-    std::lock_guard<std::mutex> g(mutex);
-    return budget_source;
-  }
-
- private:
-  mutable std::mutex mutex;
-  std::string budget_source;
-};
 
 struct ModelEntry {
   std::shared_ptr<cache::ModelCache> cache;

@@ -39,7 +39,7 @@ void CacheLocking::begin_forward(Entry& e) {
   Guard g(mutex_);
   idle_.wait(g, [&] { return !e.running && e.run_waiters == 0 && budget_waiters_ == 0; });
   // Locked entries are in RAM and attached (Note [cache tiers]).
-  TORCH_INTERNAL_ASSERT(e.model && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
+  TORCH_INTERNAL_ASSERT(e.in_ram() && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
   e.running = true;
 }
 

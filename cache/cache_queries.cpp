@@ -72,7 +72,7 @@ CacheStats CacheQueries::stats_locked() const {
   s.device_unloads = s_.device_unloads;
   s.device_drops = s_.device_drops;
   for (const auto& e : s_.entries) {
-    if (!e->model) continue;
+    if (!e->in_ram()) continue;
     s.models += 1;
     if (e->locks > 0) s.locked += 1;
   }
@@ -94,7 +94,7 @@ CacheStats CacheQueries::stats_locked() const {
     m.id = e->id;
     m.name = e->name;
     m.source = e->spec.source;
-    m.in_ram = static_cast<bool>(e->model);
+    m.in_ram = e->in_ram();
     m.on_device = e->attached;
     m.dropped = e->dropped;
     m.locks = e->locks;
@@ -139,7 +139,7 @@ offload::EngineStats CacheQueries::engine_stats(const std::shared_ptr<Entry>& e)
   s.model_name = e->name;
   s.device = s_.device->name();
   offload::set_allocator_stats(s, *s_.device);
-  if (!e->attached) s.model_total_bytes = e->model ? e->needs.model_bytes : 0;
+  if (!e->attached) s.model_total_bytes = e->in_ram() ? e->needs.model_bytes : 0;
   return s;
 }
 
@@ -157,7 +157,7 @@ std::string CacheQueries::model_stats_json(const std::shared_ptr<Entry>& e, int 
   j["model"]["id"] = e->id;  // two models may share a name (Note [stats parts])
   j["model"]["source"] = e->spec.source;
   j["model"]["dropped"] = e->dropped;
-  j["model"]["in_ram"] = static_cast<bool>(e->model);
+  j["model"]["in_ram"] = e->in_ram();
   j["model"]["on_device"] = e->attached;
   j["model"]["storage_dtype"] = dtype_name(e->dtypes.storage);
   j["model"]["compute_dtype"] = dtype_name(e->dtypes.compute);
@@ -243,13 +243,13 @@ EntryState CacheQueries::entry_state(const std::shared_ptr<Entry>& e) const {
 
 EntryState CacheQueries::entry_state_locked(const std::shared_ptr<Entry>& e) const {
   EntryState s;
-  s.in_ram = static_cast<bool>(e->model);
+  s.in_ram = e->in_ram();
   s.attached = e->attached;
   s.dropped = e->dropped;
   s.locks = e->locks;
   s.ram_bytes = e->ram_bytes;
   s.share = e->attached ? e->share : 0;
-  if (e->model) {
+  if (e->in_ram()) {
     s.minimum = e->needs.minimum;
     s.wanted = e->needs.wanted;
     s.full = e->needs.full;

@@ -17,6 +17,8 @@
 #include <optional>
 #include <string>
 
+#include <torch/nn/module.h>
+
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
 #include "offload/device.h"
@@ -73,7 +75,11 @@ struct Entry {
   uint64_t estimate = 0;      // estimate_model_bytes()
   anima::AnimaConfig config;  // set when first loaded
 
-  anima::AnimaModel model{nullptr};                  // null while not in RAM
+  anima::AnimaModel model{nullptr};                  // null while not in RAM (and for an adopted model)
+  // A model the host made and handed to the cache (ModelCache::adopt: a torch module
+  // offloaded in place, Note [adopted models] in cache/model_cache.h). Set from creation
+  // until the entry leaves the cache; the cache never reads, evicts or runs it itself.
+  std::shared_ptr<torch::nn::Module> adopted;
   std::unique_ptr<offload::StreamingEngine> engine;  // created at first attach, kept for its stats
   offload::WeightNeeds needs;                        // valid while in RAM; sidecars included
   uint64_t sidecar_bytes = 0;                        // LoRA sidecars its engine placed (device bytes)
@@ -103,6 +109,11 @@ struct Entry {
   };
   std::mutex published_mutex;
   Published published;
+
+  // In RAM: an Anima model read or generated, or an adopted model.
+  bool in_ram() const { return static_cast<bool>(model) || static_cast<bool>(adopted); }
+  // The module the engine manages: the Anima model or the adopted one (null when neither).
+  torch::nn::Module* module() const { return model ? model.ptr().get() : adopted.get(); }
 };
 
 // The cache-wide fields. `options`, `device` and `pin_arena` are set as the cache is made;

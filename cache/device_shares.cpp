@@ -94,7 +94,7 @@ offload::EngineOptions DeviceShares::engine_options(const Entry& e) const {
 }
 
 void DeviceShares::refresh_needs(Entry& e) {
-  e.needs = offload::StreamingEngine::needs(*e.model, engine_options(e));
+  e.needs = offload::StreamingEngine::needs(*e.module(), engine_options(e));
   e.needs.minimum += e.sidecar_bytes;
   e.needs.full += e.sidecar_bytes;
   e.needs.wanted += e.sidecar_bytes;
@@ -114,7 +114,7 @@ void DeviceShares::attach(Entry& e, uint64_t share) {
   const auto t0 = std::chrono::steady_clock::now();
   if (!e.engine) e.engine = std::make_unique<offload::StreamingEngine>(engine_options(e));
   e.engine->set_max_resident(e.max_resident);
-  e.engine->attach(*e.model, e.name, share);
+  e.engine->attach(*e.module(), e.name, share);
   e.attached = true;
   e.share = share;
   count_pinned_ram(e);
@@ -208,7 +208,7 @@ void DeviceShares::make_room(uint64_t bytes, const Entry* exclude) {
 }
 
 void DeviceShares::ensure_device(Entry& e, Guard& g, bool required) {
-  TORCH_INTERNAL_ASSERT(e.model, "ensure_device: model not in RAM");
+  TORCH_INTERNAL_ASSERT(e.in_ram(), "ensure_device: model not in RAM");
   if (e.needs.minimum > limit()) throw ResourceError(budget_error(e));
   const uint64_t desired = wanted_share(e);
   const uint64_t have = e.attached ? e.share : 0;
@@ -239,7 +239,7 @@ void DeviceShares::apply_max_resident(Entry& e, std::optional<double> fraction) 
   {
     offload::EngineOptions o = engine_options(e);
     o.max_resident = fraction;
-    offload::WeightNeeds n = offload::StreamingEngine::needs(*e.model, o);
+    offload::WeightNeeds n = offload::StreamingEngine::needs(*e.module(), o);
     n.minimum += e.sidecar_bytes;  // as refresh_needs: the sidecars placed (Note [sidecar share])
     n.full += e.sidecar_bytes;
     n.wanted += e.sidecar_bytes;
@@ -391,7 +391,7 @@ void DeviceShares::set_budget(uint64_t budget_request, bool measured) {
   // More room: attached models grow towards what they want, most recently used first.
   std::vector<Entry*> grow;
   for (auto& e : s_.entries) {
-    if (e->attached && e->model) grow.push_back(e.get());
+    if (e->attached && e->in_ram()) grow.push_back(e.get());
   }
   std::sort(grow.begin(), grow.end(), [](Entry* a, Entry* b) { return a->last_used > b->last_used; });
   for (Entry* e : grow) {

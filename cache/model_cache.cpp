@@ -86,6 +86,20 @@ int64_t ModelCache::with_pinned(const std::shared_ptr<Entry>& ep, bool count_hit
   return static_cast<int64_t>(after) - static_cast<int64_t>(before);
 }
 
+std::shared_ptr<Entry> ModelCache::adopt(std::shared_ptr<torch::nn::Module> module, const std::string& name,
+                                         const DtypePair& dtypes, std::optional<double> max_resident) {
+  std::shared_ptr<Entry> e = ram_.adopt(std::move(module), name, dtypes, max_resident);
+  with_pinned(e, /*count_hit=*/false, [&](Entry& en, Guard& gg) {
+    try {
+      shares_.ensure_device(en, gg, /*required=*/false);
+    } catch (const ResourceError&) {
+      en.dropped = true;  // evicted as it is unpinned
+      throw;
+    }
+  });
+  return e;
+}
+
 Lock ModelCache::lock(const std::shared_ptr<Entry>& ep) {
   Guard g(locking_.mutex());
   ram_.ensure_loaded(ep, g, /*count_hit=*/true);
@@ -176,8 +190,28 @@ uint64_t ModelCache::working_memory() const {
 void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn) {
   TORCH_CHECK(lock, "run: the lock is empty");
   Entry& e = lock.entry();
+  if (!e.model) throw InvalidArgument("model '" + e.name + "' is an offloaded torch module: its host runs its forwards");
+  offload::StreamingEngine& engine = begin_run(lock);
+  // The engine is ours until end_run, however fn ends (Note [cache locking]).
+  try {
+    fn(*e.model, engine);
+  } catch (...) {
+    end_run(lock, /*aborted=*/true);  // an aborted forward is counted too
+    throw;
+  }
+  end_run(lock, /*aborted=*/false);
+}
+
+offload::StreamingEngine& ModelCache::begin_run(const Lock& lock) {
+  TORCH_CHECK(lock, "begin_run: the lock is empty");
+  Entry& e = lock.entry();
   locking_.begin_forward(e);
-  // The engine is ours until `running` is cleared, however fn ends (Note [cache locking]).
+  return *e.engine;
+}
+
+void ModelCache::end_run(const Lock& lock, bool aborted) {
+  TORCH_CHECK(lock, "end_run: the lock is empty");
+  Entry& e = lock.entry();
   std::optional<uint64_t> measured;
   {
     struct Idle {
@@ -185,14 +219,8 @@ void ModelCache::run(const Lock& lock, const std::function<void(anima::AnimaMode
       Entry& e;
       ~Idle() { locking.end_forward(e); }
     } idle{locking_, e};
-    try {
-      fn(*e.model, *e.engine);
-    } catch (...) {
-      locking_.publish(e, /*settle=*/false);  // an aborted forward is counted too
-      throw;
-    }
     locking_.publish(e, /*settle=*/false);
-    measured = e.engine->budget().measured_working_memory();
+    if (!aborted) measured = e.engine->budget().measured_working_memory();
   }
   // Note [measured working memory]: the engines measure, the cache keeps the working memory.
   if (measured) shares_.grow_working_memory(*measured, e.name, e.engine->last_forward_kind());

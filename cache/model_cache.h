@@ -37,6 +37,20 @@
 // recently used first and only as much as needed, and only then by taking whole unlocked
 // models off the device (their RAM copy stays). Models in use are never unloaded by the
 // cache. Weights never move device->host: unloading only drops device copies.
+//
+// Note [adopted models]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Besides the Anima models it reads, the cache holds models a host made and hands to it
+// with adopt(): a torch module offloaded in place (Python's sluice.offload, whose layers
+// are an offload::ForeignModel, Note [foreign layers]). Such an entry shares the device
+// budget with every other model as any entry does (its share, its residency changes, its
+// stats, trace and timeline), and it counts under the RAM limit, but the cache cannot read
+// it again: it is in RAM from adopt() until it is dropped, never evicted (other models
+// are evicted to make room for it), and reading it is never a hit or a miss. Its forwards
+// are the host's own code, which calls the model's layers one by one: the host locks the
+// entry, brackets the forward with begin_run() and end_run() (the engine is the forward's
+// alone in between, as inside run()), and calls the engine's begin_forward/end_forward
+// itself. run() and patch(), which hand over an Anima model, refuse an adopted entry.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -79,6 +93,11 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // model is put on the device as for a lock when the budget allows; ResourceError names
   // the minimum budget when the model cannot run under it at all.
   std::shared_ptr<Entry> load(const LoadSpec& spec);
+  // A new entry for `module`, a model the host made (Note [adopted models]); put on the
+  // device as load() does. ResourceError names the minimum budget when it cannot run under
+  // the budget at all (nothing is kept then).
+  std::shared_ptr<Entry> adopt(std::shared_ptr<torch::nn::Module> module, const std::string& name,
+                               const DtypePair& dtypes, std::optional<double> max_resident);
   // Locks `entry` (see Lock). Reloads it when evicted. Throws InvalidArgument after drop(),
   // ResourceError when locked models hold the budget it needs.
   Lock lock(const std::shared_ptr<Entry>& entry);
@@ -109,6 +128,13 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // Runs fn(model, engine) as the only user of the entry's engine (waiting for another
   // forward of the same model), then publishes the entry's stats; `lock` must lock the entry.
   void run(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn);
+  // run() in two halves, for a forward that the host drives call by call (Note [adopted
+  // models]): begin_run() waits until the engine is the caller's alone and returns it;
+  // end_run() publishes the entry's stats, frees the engine for others and, unless
+  // `aborted`, grows the working memory to what the forward measured. Every begin_run()
+  // needs its end_run(), on the same lock.
+  offload::StreamingEngine& begin_run(const Lock& lock);
+  void end_run(const Lock& lock, bool aborted);
 
   CacheStats stats() const;
   // The counters as JSON, with models_held (every model the cache holds) and the named

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <unordered_set>
 
@@ -193,7 +194,7 @@ void RamTier::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool cou
   Entry& e = *ep;
   locking_.wait_loaded(e, g);
   if (e.dropped) throw InvalidArgument("model '" + e.name + "' was dropped from the cache; load it again");
-  if (e.model) {
+  if (e.in_ram()) {
     if (count_hit) ++s_.hits;
     return;
   }
@@ -245,12 +246,41 @@ void RamTier::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool cou
   make_room(0, &e);
 }
 
+std::shared_ptr<Entry> RamTier::adopt(std::shared_ptr<torch::nn::Module> module, const std::string& name,
+                                     const DtypePair& dtypes, std::optional<double> max_resident) {
+  if (!module) throw InvalidArgument("adopt: no module");
+  if (max_resident && !(*max_resident >= 0.0 && *max_resident <= 1.0)) {
+    throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*max_resident));
+  }
+  auto e = std::make_shared<Entry>();
+  e->name = name;
+  e->spec.name = name;
+  e->spec.source = "offload:" + name;
+  e->spec.max_resident = max_resident;
+  e->dtypes = dtypes;
+  e->max_resident = max_resident;
+  e->adopted = std::move(module);
+  e->loaded_once = true;
+  Guard g(locking_.mutex());
+  e->id = ++s_.next_id;
+  e->key = "adopted:" + std::to_string(e->id);  // never found by a load
+  shares_.refresh_needs(*e);
+  e->ram_bytes = e->needs.model_bytes;
+  e->estimate = e->ram_bytes;
+  make_room(e->ram_bytes, nullptr);
+  s_.ram.increase(static_cast<int64_t>(e->ram_bytes));
+  s_.entries.push_back(e);
+  touch(*e);
+  return e;
+}
+
 void RamTier::make_room(uint64_t bytes, const Entry* exclude) {
   if (s_.ram_limit == 0) return;
   // Reservations of models being read count as taken (Note [cache locking]).
   while (static_cast<uint64_t>(s_.ram.current) + s_.ram_reserved + bytes > s_.ram_limit) {
     Entry* victim = nullptr;
     for (auto& p : s_.entries) {
+      // An adopted model cannot be read again: it stays until it is dropped.
       if (p.get() == exclude || !p->model || p->locks > 0 || p->loading) continue;
       if (!victim || p->last_used < victim->last_used) victim = p.get();
     }
@@ -269,9 +299,10 @@ void RamTier::make_room(uint64_t bytes, const Entry* exclude) {
 
 void RamTier::evict(Entry& e) {
   TORCH_INTERNAL_ASSERT(e.locks == 0 && !e.loading, "evicting a model in use");
-  if (e.model) {
+  if (e.in_ram()) {
     shares_.detach(e);
     e.model = anima::AnimaModel(nullptr);
+    e.adopted.reset();
     s_.ram.decrease(static_cast<int64_t>(e.ram_bytes));
     e.ram_bytes = 0;
     e.announced = false;

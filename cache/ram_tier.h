@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "cache/cache_locking.h"
@@ -58,6 +59,11 @@ class RamTier {
   void evict(Entry& e);
   // Drops `e` now, or at its last unlock.
   void mark_dropped(const std::shared_ptr<Entry>& e);
+  // A new entry for a model the host made (Note [adopted models] in cache/model_cache.h),
+  // in RAM from now on, under the RAM limit (other models are evicted to make room for it;
+  // it never is). InvalidArgument for a null module.
+  std::shared_ptr<Entry> adopt(std::shared_ptr<torch::nn::Module> module, const std::string& name,
+                               const DtypePair& dtypes, std::optional<double> max_resident);
   // `e` is the most recently used.
   void touch(Entry& e) { e.last_used = ++s_.tick; }
 

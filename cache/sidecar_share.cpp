@@ -55,7 +55,8 @@ class EntrySidecars final : public offload::SidecarPlacer {
 void SidecarShare::patch(Entry& e, const std::function<void(anima::AnimaModelImpl&, offload::SidecarPlacer&)>& fn) {
   Guard g(locking_.mutex());
   locking_.wait_idle(e, g);  // locked: it stays in RAM and on the device meanwhile
-  TORCH_INTERNAL_ASSERT(e.model && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
+  TORCH_INTERNAL_ASSERT(e.in_ram() && e.attached && e.engine, "locked model '", e.name, "' is not on the device");
+  if (!e.model) throw InvalidArgument("model '" + e.name + "' is an offloaded torch module, not an Anima model: it cannot be patched");
   if (!e.placer) e.placer = std::make_unique<EntrySidecars>(*this, e);
   auto& placer = static_cast<EntrySidecars&>(*e.placer);
   struct Patching {
@@ -143,7 +144,7 @@ void SidecarShare::shift(Entry& e, int64_t delta) {
   e.sidecar_bytes = static_cast<uint64_t>(now);
   const auto moved = [delta](uint64_t v) { return static_cast<uint64_t>(std::max<int64_t>(static_cast<int64_t>(v) + delta, 0)); };
   if (e.target) e.target = moved(*e.target);  // the residency asked for, beside the sidecars
-  if (!e.model) return;
+  if (!e.in_ram()) return;
   e.needs.minimum = moved(e.needs.minimum);
   e.needs.full = moved(e.needs.full);
   e.needs.wanted = moved(e.needs.wanted);

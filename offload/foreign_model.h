@@ -69,6 +69,8 @@ class ForeignModel {
 
   // What StreamingEngine::attach takes.
   torch::nn::Module& module() { return *root_; }
+  // The same, for a holder that may outlive this object (the model cache's entry).
+  std::shared_ptr<torch::nn::Module> module_ptr() const { return root_; }
   size_t size() const { return layers_.size(); }
   const std::string& name(size_t i) const { return layers_.at(i)->qualified_name(); }
   // The dtype layer i is stored in (the storage dtype, or its own when skipped).

@@ -4,9 +4,12 @@
 // stored in sluice's host storage, in the storage dtype) and its other parameters and
 // buffers (moved to the device and back in place); its own forward then calls linear()
 // for each of those layers, between begin_forward() and end_forward(). Python's
-// `sluice.offload(module)` is built on it (python/sluice/__init__.py).
+// `sluice.offload(module)` is built on it (python/sluice/offload.py).
 //
-// Today: one model per OffloadedModel, on its own budget (not yet inside a ModelCache).
+// The model lives in a ModelCache: one the host gives, beside the cache's other models
+// (several offloaded modules of one frontend, its text encoder and its transformer, share
+// the cache's device budget: a module's forward gets its share first, taken from unlocked
+// models as for any lock), or one of its own made from the options' device and budget.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -30,15 +33,23 @@ struct OffloadLayer {
 };
 
 struct OffloadOptions {
-  std::string device = "cpu";              // "cpu", "cuda", "cuda:1", ... (as RuntimeOptions::device)
-  std::string vram_budget;                 // "6GiB", "50%", "" = all device memory
-  std::string working_memory = "256MiB";   // part of the budget kept for activations
+  // The model.
+  std::string name;                        // in logs and stats; empty: "offloaded model"
   std::string storage = "float8_e4m3fn";   // the layers' storage dtype (bfloat16/float16/float32: no fp8)
   std::string compute = "bfloat16";        // the dtype linear() takes and returns
   std::vector<std::string> skip;           // layer patterns kept in their own dtype
   std::optional<double> max_resident;      // cap on resident streamable bytes, 0..1
+  // Its own cache's (the constructor without a ModelCache). With a ModelCache these are the
+  // cache's: giving one of them other than its default is an InvalidArgument naming it.
+  std::string device = "cpu";              // "cpu", "cuda", "cuda:1", ... (as RuntimeOptions::device)
+  std::string vram_budget;                 // "6GiB", "50%", "" = all device memory
+  std::string working_memory = "256MiB";   // part of the budget kept for activations
   std::string pin_memory = "auto";         // auto | on | off
+  std::string prefetch = "auto";           // most streamed layers copied ahead: "auto" or "0".."65536"
+  bool trace = false;                      // record per-layer spans for write_trace / write_timeline_svg
 };
+
+class ModelCache;
 
 class OffloadedModel {
  public:
@@ -47,6 +58,10 @@ class OffloadedModel {
   // budget when it is too small.
   OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
                  const OffloadOptions& options);
+  // The same inside `cache`, under its budget beside its other models; the cache lives
+  // as long as this model does.
+  OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
+                 ModelCache& cache, const OffloadOptions& options);
   ~OffloadedModel();
   OffloadedModel(const OffloadedModel&) = delete;
   OffloadedModel& operator=(const OffloadedModel&) = delete;
@@ -60,23 +75,35 @@ class OffloadedModel {
   // InvalidArgument before.
   std::pair<at::Tensor, std::optional<at::Tensor>> stored_layer(int64_t i) const;
   // y = x W^T + b for layer i (x in the compute dtype, on the device), computed without
-  // autograd (inference only). InvalidArgument after remove().
+  // autograd (inference only). Outside begin_forward/end_forward it is a forward of its
+  // own. InvalidArgument after remove().
   at::Tensor linear(int64_t i, const at::Tensor& x);
   // One forward of the model, for the stats and the recorded layer order; end_forward
-  // with `aborted` when it left by an exception.
+  // with `aborted` when it left by an exception. The outermost pair locks the model in its
+  // cache (its device share first: ResourceError when models in use hold the budget) and
+  // holds the engine; pairs inside it nest. One thread at a time: a forward of the same
+  // model from another thread waits in begin_forward for the first to end.
   void begin_forward(const std::string& kind = "");
   void end_forward(bool aborted = false);
-  // The engine's stats as JSON (the fields of `sluice run --stats-json`'s model section).
+  // The stats as JSON: `sluice run --stats-json`'s document of one model (its forwards,
+  // residency, transfers, budget share, and the cache's counters).
   std::string stats_json(int indent = 2) const;
-  // A new budget ("6GiB", "50%"); ResourceError when too small.
+  // The per-layer trace (Chrome trace JSON) and the SVG timeline of one forward, as
+  // Model::write_trace and write_timeline_svg: InvalidArgument when tracing is off.
+  void write_trace(const std::string& path) const;
+  void write_timeline_svg(const std::string& path) const;
+  // A new budget ("6GiB", "50%") for its own cache; ResourceError when too small.
+  // InvalidArgument for a model in a ModelCache the host gave (set the cache's budget).
   void set_vram_budget(const std::string& budget);
-  // Gives the extras back on the host, where they were, and frees the device memory.
-  // InvalidArgument when already removed.
+  // Takes the model out of its cache: the extras back on the host, where they were, and
+  // the device memory freed. InvalidArgument when already removed or during a forward.
   void remove();
   bool removed() const;
 
  private:
   void require_attached() const;  // InvalidArgument after remove()
+  void adopt(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
+             const OffloadOptions& options);
   std::unique_ptr<detail::OffloadState> state_;
 };
 

@@ -432,6 +432,7 @@ class ModelCache {
   const RuntimeOptions& options() const;
 
  private:
+  friend class OffloadedModel;  // adopts its model into the cache (include/sluice/offload.hpp)
   std::shared_ptr<detail::CacheImpl> impl_;
 };
 

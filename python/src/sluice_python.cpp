@@ -246,32 +246,46 @@ PYBIND11_MODULE(_C, m) {
       .def("stats_json", &sluice::ModelCache::stats_json, py::arg("indent") = -1, release_gil())
       .def("models", &sluice::ModelCache::models, release_gil());
 
-  // sluice.offload(module) (python/sluice/__init__.py) over sluice::OffloadedModel.
+  // sluice.offload(module) (python/sluice/offload.py) over sluice::OffloadedModel.
   py::class_<sluice::OffloadedModel>(m, "OffloadedModel")
+      // `cache`: a ModelCache to go into (then the cache-wide options, None here, are the
+      // cache's); None: a cache of its own, from those options (None: their defaults).
       .def(py::init([](const std::vector<std::tuple<std::string, at::Tensor, std::optional<at::Tensor>>>& layers,
-                       std::vector<std::pair<std::string, at::Tensor>> extras, const std::string& device,
-                       const std::string& vram_budget, const std::string& working_memory, const std::string& storage,
-                       const std::string& compute, std::vector<std::string> skip, std::optional<double> max_resident,
-                       const std::string& pin_memory) {
+                       std::vector<std::pair<std::string, at::Tensor>> extras, sluice::ModelCache* cache,
+                       const std::string& name, const std::string& storage, const std::string& compute,
+                       std::vector<std::string> skip, std::optional<double> max_resident,
+                       std::optional<std::string> device, std::optional<std::string> vram_budget,
+                       std::optional<std::string> working_memory, std::optional<std::string> pin_memory,
+                       const py::object& prefetch, std::optional<bool> trace) {
              std::vector<sluice::OffloadLayer> ls;
              ls.reserve(layers.size());
-             for (const auto& [name, w, b] : layers) ls.push_back({name, w, b});
+             for (const auto& [lname, w, b] : layers) ls.push_back({lname, w, b});
              sluice::OffloadOptions o;
-             o.device = device;
-             o.vram_budget = vram_budget;
-             o.working_memory = working_memory;
+             o.name = name;
              o.storage = storage;
              o.compute = compute;
              o.skip = std::move(skip);
              o.max_resident = max_resident;
-             o.pin_memory = pin_memory;
+             if (device) o.device = *device;
+             if (vram_budget) o.vram_budget = *vram_budget;
+             if (working_memory) o.working_memory = *working_memory;
+             if (pin_memory) o.pin_memory = *pin_memory;
+             if (!prefetch.is_none()) {  // "auto" or a number of layers (an int or its string)
+               o.prefetch = py::isinstance<py::int_>(prefetch) ? std::to_string(prefetch.cast<int64_t>())
+                                                               : prefetch.cast<std::string>();
+             }
+             if (trace) o.trace = *trace;
              py::gil_scoped_release nogil;
-             return std::make_unique<sluice::OffloadedModel>(std::move(ls), std::move(extras), o);
+             return cache ? std::make_unique<sluice::OffloadedModel>(std::move(ls), std::move(extras), *cache, o)
+                          : std::make_unique<sluice::OffloadedModel>(std::move(ls), std::move(extras), o);
            }),
-           py::arg("layers"), py::arg("extras"), py::arg("device") = "cpu", py::arg("vram_budget") = "",
-           py::arg("working_memory") = "256MiB", py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "bfloat16",
+           py::arg("layers"), py::arg("extras"), py::kw_only(), py::arg("cache") = nullptr, py::arg("name") = "",
+           py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "bfloat16",
            py::arg("skip") = std::vector<std::string>{}, py::arg("max_resident") = std::nullopt,
-           py::arg("pin_memory") = "auto")
+           py::arg("device") = std::nullopt, py::arg("vram_budget") = std::nullopt,
+           py::arg("working_memory") = std::nullopt, py::arg("pin_memory") = std::nullopt,
+           py::arg("prefetch") = py::none(), py::arg("trace") = std::nullopt,
+           py::keep_alive<1, 4>())  // the cache outlives the model (it holds the cache's state too)
       .def("layers", &sluice::OffloadedModel::layers)
       .def("stored_dtype", &sluice::OffloadedModel::stored_dtype, py::arg("index"))
       .def("stored_layer", &sluice::OffloadedModel::stored_layer, py::arg("index"), release_gil())
@@ -280,6 +294,8 @@ PYBIND11_MODULE(_C, m) {
       .def("end_forward", &sluice::OffloadedModel::end_forward, py::arg("aborted") = false, release_gil())
       .def("stats_json", &sluice::OffloadedModel::stats_json, py::arg("indent") = -1, release_gil())
       .def("set_vram_budget", &sluice::OffloadedModel::set_vram_budget, py::arg("budget"), release_gil())
+      .def("write_trace", &sluice::OffloadedModel::write_trace, py::arg("path"), release_gil())
+      .def("write_timeline_svg", &sluice::OffloadedModel::write_timeline_svg, py::arg("path"), release_gil())
       .def("remove", &sluice::OffloadedModel::remove, release_gil())
       .def("removed", &sluice::OffloadedModel::removed);
 }
