@@ -324,6 +324,7 @@ CacheStats ModelCache::stats() const {
 std::vector<Model> ModelCache::models() const {
   std::vector<Model> out;
   for (const auto& e : impl_->cache->entries()) {
+    if (e->is_adopted) continue;  // an offloaded torch module: its OffloadedModel is its handle
     auto m = std::make_shared<detail::ModelEntry>();
     m->cache = impl_->cache;
     m->entry = e;

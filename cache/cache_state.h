@@ -66,6 +66,7 @@ struct LoadSpec {
 // locking].
 struct Entry {
   // Fixed at creation.
+  bool is_adopted = false;    // made by ModelCache::adopt (Note [adopted models]), not read from a source
   uint64_t id = 0;            // unique in its cache (1, 2, ... in creation order): two entries may share a key
   std::string key;            // identity: source (+ seed for generated models)
   std::string settings;       // the loading settings; a load with other settings reloads

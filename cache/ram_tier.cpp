@@ -260,6 +260,7 @@ std::shared_ptr<Entry> RamTier::adopt(std::shared_ptr<torch::nn::Module> module,
   e->dtypes = dtypes;
   e->max_resident = max_resident;
   e->adopted = std::move(module);
+  e->is_adopted = true;
   e->loaded_once = true;
   Guard g(locking_.mutex());
   e->id = ++s_.next_id;

@@ -427,7 +427,9 @@ class ModelCache {
   std::string stats_json(int indent = 2) const;
   // Handles on every model the cache holds (also those whose handles were all released,
   // and dropped ones still locked), in load order. Two may share a name: ModelStats::id
-  // and the stats JSON's model.id tell them apart.
+  // and the stats JSON's model.id tell them apart. Torch modules offloaded into the cache
+  // (OffloadedModel, include/sluice/offload.hpp) are not among them: their OffloadedModel
+  // is their handle; stats_json's models_held lists them too.
   std::vector<Model> models() const;
   const RuntimeOptions& options() const;
 
