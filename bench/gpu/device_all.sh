@@ -20,6 +20,13 @@
 #   compare      bench/gpu/compare.py side by side against diffusers'    ~3 min    420 s
 #                group offloading and an InvokeAI-style partial load
 #                                                -> compare.md, compare.json
+#   offload      (optional) bench/offload_vs_diffusers.py --device      ~2 min    300 s
+#                cuda: sluice.offload(module) against diffusers' group
+#                offloading (with and without use_stream) on one
+#                random-weight CosmosTransformer3DModel (8 blocks,
+#                hidden 2048, ~1 GB of bf16), with each mode's host
+#                RAM over the model it stores (issue 31)
+#                                                -> offload.md
 # The expected times are estimates (no GPU machine has run this yet); each phase stops
 # itself at its cap, which leaves a margin under 9 minutes. Every call also writes env.txt
 # (nvidia-smi, torch, nvcc, cmake, cores, python modules) and summary.txt.
@@ -28,7 +35,8 @@
 #   bash bench/gpu/device_all.sh --phase build-tests    # there, one call each, .gpu carried,
 #   bash bench/gpu/device_all.sh --phase pipeline       #   on the same (warm) machine
 #   bash bench/gpu/device_all.sh --phase compare
-#   bash bench/gpu/device_all.sh --phase all            # the three in order (~13 min: not one call)
+#   bash bench/gpu/device_all.sh --phase offload        #   (optional, any time after build-tests)
+#   bash bench/gpu/device_all.sh --phase all            # the four in order (~15 min: not one call)
 #   bash bench/gpu/device_all.sh --dry-run-cpu          # here: the same phases on the CPU device
 #
 # Status of a phase: pass, fail, or "not run": cut by its time cap, skipped for lack of
@@ -39,6 +47,7 @@
 # summary.txt lists every phase, this call's and earlier calls' (a copy is kept in the
 # state folder, by default in the build folder); its last line counts them:
 #   phases: 2 passed, 0 failed, 1 not run
+# The optional phase (offload) is counted there once it has run; until then its line says so.
 # Running build-tests again forgets the later phases' results (they ran on the older build).
 # Exit code: 0 when every phase this call was asked for passed, 1 otherwise, 2 on a usage
 # error.
@@ -50,7 +59,7 @@
 # "not run" (bench/gpu/check_device_all_cut.sh).
 #
 # Options and environment:
-#   --phase P            build-tests, pipeline, compare or all (required on a GPU)
+#   --phase P            build-tests, pipeline, compare, offload or all (required on a GPU)
 #   --dry-run-cpu        see above
 #   --build-dir DIR      build folder (env SLUICE_BUILD_DIR; default: build-device-all on a
 #                        GPU, build with --dry-run-cpu)
@@ -75,11 +84,15 @@ START=$SECONDS
 SELF="$ROOT/bench/gpu/device_all.sh"
 
 PHASE_ORDER=(build-tests pipeline compare)
-declare -A CAP_GPU=([build-tests]=480 [pipeline]=420 [compare]=420)
+# Optional phases: run by name and by --phase all, counted in the summary once they ran.
+OPTIONAL_PHASES=(offload)
+declare -A CAP_GPU=([build-tests]=480 [pipeline]=420 [compare]=420 [offload]=300)
 # GPU: estimates (never run on one yet). CPU: measured here, 2 cores (see README).
-declare -A EXPECT_GPU=([build-tests]="~6 min on 16 cores (estimate)" [pipeline]="~4 min (estimate)" [compare]="~3 min (estimate)")
-declare -A CAP_CPU=([build-tests]=240 [pipeline]=150 [compare]=240)
-declare -A EXPECT_CPU=([build-tests]="~5 s on 2 cores" [pipeline]="~5 s on 2 cores" [compare]="~15 s on 2 cores")
+declare -A EXPECT_GPU=([build-tests]="~6 min on 16 cores (estimate)" [pipeline]="~4 min (estimate)" [compare]="~3 min (estimate)"
+                       [offload]="~2 min (estimate)")
+declare -A CAP_CPU=([build-tests]=240 [pipeline]=150 [compare]=240 [offload]=150)
+declare -A EXPECT_CPU=([build-tests]="~5 s on 2 cores" [pipeline]="~5 s on 2 cores" [compare]="~15 s on 2 cores"
+                       [offload]="~40 s on 2 cores")
 
 MODE=gpu
 PHASE=""
@@ -101,10 +114,10 @@ while (($#)); do
   esac
 done
 if [ -z "$PHASE" ]; then
-  [ "$MODE" = cpu ] || usage_error "name a phase: --phase build-tests, then pipeline, then compare (one call each), or all"
+  [ "$MODE" = cpu ] || usage_error "name a phase: --phase build-tests, then pipeline, then compare, then offload (one call each), or all"
   PHASE=all
 fi
-case " ${PHASE_ORDER[*]} all " in *" $PHASE "*) ;; *) usage_error "unknown phase '$PHASE'" ;; esac
+case " ${PHASE_ORDER[*]} ${OPTIONAL_PHASES[*]} all " in *" $PHASE "*) ;; *) usage_error "unknown phase '$PHASE'" ;; esac
 if [ "$MODE" = gpu ]; then
   : "${BUILD:=$ROOT/build-device-all}"
   DEVICE=cuda
@@ -158,6 +171,16 @@ write_summary() {  # THIS_CALL_LINE
       fi
       case "$st" in pass) np=$((np + 1)) ;; fail) nf=$((nf + 1)) ;; *) nn=$((nn + 1)) ;; esac
     done
+    for p in "${OPTIONAL_PHASES[@]}"; do
+      f="$STATE/$p.txt"
+      if [ -f "$f" ]; then
+        cat "$f"
+        st=$(status_of_block "$f")
+        case "$st" in pass) np=$((np + 1)) ;; fail) nf=$((nf + 1)) ;; *) nn=$((nn + 1)) ;; esac
+      else
+        printf '%-12s %-8s %s\n' "$p" "-" "(optional, not counted until it runs: bash bench/gpu/device_all.sh $([ "$MODE" = cpu ] && echo '--dry-run-cpu ')--phase $p; expected $(expect_of "$p"), cap $(cap_of "$p") s)"
+      fi
+    done
     echo "$1"
     echo "phases: $np passed, $nf failed, $nn not run"
   } >"$OUT/summary.txt.tmp"
@@ -168,7 +191,7 @@ write_summary() {  # THIS_CALL_LINE
 # --- --phase all: each phase as its own run of this script, as separate calls would ------
 if [ "$PHASE" = all ]; then
   rc_all=0
-  for p in "${PHASE_ORDER[@]}"; do
+  for p in "${PHASE_ORDER[@]}" "${OPTIONAL_PHASES[@]}"; do
     bash "$SELF" "${PASS_ARGS[@]}" --phase "$p"
     rc=$?
     ((rc == 0)) || rc_all=1
@@ -256,7 +279,7 @@ save_block() {
 
 # A new build-tests makes the later phases' results stale: they ran on the previous build.
 if [ "$PHASE" = build-tests ]; then
-  rm -f "$STATE/pipeline.txt" "$STATE/compare.txt"
+  rm -f "$STATE/pipeline.txt" "$STATE/compare.txt" "$STATE/offload.txt"
 fi
 
 # --- Python, the carried packages ----------------------------------------------------------
@@ -663,25 +686,30 @@ PY
   step_rc "sluice-run" "$rc2" "(under $run_budget, its stats at the end of pipeline.txt)"
 }
 
-# --- phase compare -----------------------------------------------------------------------
-phase_compare() {
-  if ! build_ready; then
-    step compare "not run" "(not run: $WHY)"
-    return
-  fi
+# --- the Python side of compare and offload: diffusers and the bindings -------------------
+python_side() {  # LOG: where a failed bindings build's tail goes
   # diffusers, carried as a wheel, when the python lacks it.
   if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("diffusers") is None)' 2>/dev/null &&
     compgen -G ".gpu/whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .gpu/whl/*.whl &&
       export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  : >"$OUT/compare.md"
   if bindings_ready; then
     step bindings pass "(already in $PYINSTALL)"
   elif start_bindings 300 60; then
     wait_bindings "$WORK/bindings_all.log"
-    bindings_ready || tail -30 "$WORK/bindings_all.log" | tee -a "$OUT/compare.md"
+    bindings_ready || tail -30 "$WORK/bindings_all.log" | tee -a "$1"
   fi
+}
+
+# --- phase compare -----------------------------------------------------------------------
+phase_compare() {
+  if ! build_ready; then
+    step compare "not run" "(not run: $WHY)"
+    return
+  fi
+  : >"$OUT/compare.md"
+  python_side "$OUT/compare.md"
   if ! bindings_ready; then
     step compare "not run" "(the Python bindings are not in $PYINSTALL)"
     return
@@ -706,10 +734,57 @@ phase_compare() {
   step_rc compare "$rc" "($((SECONDS - c0)) s; every contender within 5e-2 rel-L2 of sluice fully resident; compare.md, compare.json)"
 }
 
+# --- phase offload (optional) ------------------------------------------------------------
+# bench/offload_vs_diffusers.py: sluice.offload(module) against diffusers' group offloading,
+# each mode in a fresh process, on the diffusers the python has or the carried wheel (as
+# compare does; the bench has its own stand-in for torchvision). Pass: the table printed
+# with sluice's bf16 and fp8 rows timed (what the ctest entry checks on the CPU device).
+phase_offload() {
+  if ! build_ready; then
+    step offload "not run" "(not run: $WHY)"
+    return
+  fi
+  : >"$OUT/offload.md"
+  python_side "$OUT/offload.md"
+  if ! bindings_ready; then
+    step offload "not run" "(the Python bindings are not in $PYINSTALL)"
+    return
+  fi
+  if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("diffusers") is None)' 2>/dev/null; then
+    step offload fail "(diffusers is not importable and no wheel was carried: bash bench/gpu/prepare_carry.sh, carry .gpu)"
+    return
+  fi
+  local args
+  if [ "$MODE" = gpu ]; then
+    # ~1 GB of bf16 (hidden 2048, 8 blocks), 1024 tokens: sluice's auto budget (its working
+    # memory + half the model) streams about half of it. Each of the five modes builds the
+    # model in its own process.
+    args=(--device cuda --layers 8 --heads 16 --head-dim 128 --latent 64 --steps 10 --warmup 3 --timeout 120)
+  else
+    args=(--device cpu --quick --timeout 60)
+  fi
+  if ! allot 280 40; then
+    no_time offload
+    return
+  fi
+  local o0=$SECONDS rc
+  PYTHONPATH="$PYINSTALL${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn \
+    run_for "$T" "$PY" bench/offload_vs_diffusers.py "${args[@]}" 2>&1 | tee -a "$OUT/offload.md"
+  rc=${PIPESTATUS[0]}
+  if ((rc == 0)) && ! { grep -qE '^\| sluice\.offload storage=bfloat16 \| [0-9.]+ \|' "$OUT/offload.md" &&
+    grep -qE '^\| sluice\.offload storage=float8_e4m3fn \| [0-9.]+ \|' "$OUT/offload.md"; }; then
+    step offload fail "(a sluice row was not timed; offload.md)"
+  else
+    step_rc offload "$rc" "($((SECONDS - o0)) s; each mode's host RAM over the model it stores; offload.md)"
+  fi
+}
+
 case "$PHASE" in
   build-tests) phase_build_tests ;;
   pipeline) phase_pipeline ;;
   compare) phase_compare ;;
+  offload) phase_offload ;;
 esac
 FINAL=1
 save_block
