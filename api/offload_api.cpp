@@ -97,7 +97,12 @@ void OffloadedModel::adopt(std::vector<OffloadLayer> layers, std::vector<std::pa
   }
   std::vector<offload::ForeignLayer> fl;
   fl.reserve(layers.size());
-  for (auto& l : layers) fl.push_back({std::move(l.name), std::move(l.weight), std::move(l.bias)});
+  for (auto& l : layers) {
+    const offload::LayerKind kind = l.kind == OffloadLayerKind::linear      ? offload::LayerKind::linear
+                                    : l.kind == OffloadLayerKind::embedding ? offload::LayerKind::embedding
+                                                                            : offload::LayerKind::other;
+    fl.push_back({std::move(l.name), std::move(l.weight), std::move(l.bias), kind});
+  }
   state_->model = std::make_unique<offload::ForeignModel>(std::move(fl), std::move(extras), fo);
   state_->entry = c.adopt(state_->model->module_ptr(), o.name.empty() ? "offloaded model" : o.name,
                           DtypePair{fo.storage, fo.compute}, o.max_resident);
@@ -137,25 +142,37 @@ void OffloadedModel::require_attached() const {
   if (removed()) throw InvalidArgument("offload: the model was removed; offload it again to run it through sluice");
 }
 
-at::Tensor OffloadedModel::linear(int64_t i, const at::Tensor& x) {
+at::Tensor OffloadedModel::in_forward(int64_t i, const std::function<at::Tensor()>& fn) {
   require_attached();
   if (i < 0) throw InvalidArgument("offload: no layer " + std::to_string(i));
   // Inference only: a weight leased for one layer must not live on in an autograd graph
   // (it is a staging slot or scratch that the next layer reuses).
   at::NoGradGuard no_grad;
-  if (state_->owner.load() == std::this_thread::get_id()) return state_->model->linear(static_cast<size_t>(i), x);
+  if (state_->owner.load() == std::this_thread::get_id()) return fn();
   // Called outside the model's forward (a host calling one of its layers directly): a
   // forward of its own, so that the layer's weights come from the engine, on the device.
   begin_forward("layer");
   at::Tensor y;
   try {
-    y = state_->model->linear(static_cast<size_t>(i), x);
+    y = fn();
   } catch (...) {
     end_forward(true);
     throw;
   }
   end_forward(false);
   return y;
+}
+
+at::Tensor OffloadedModel::linear(int64_t i, const at::Tensor& x) {
+  return in_forward(i, [&] { return state_->model->linear(static_cast<size_t>(i), x); });
+}
+
+at::Tensor OffloadedModel::embedding(int64_t i, const at::Tensor& ids) {
+  return in_forward(i, [&] { return state_->model->embedding(static_cast<size_t>(i), ids); });
+}
+
+at::Tensor OffloadedModel::call(int64_t i, const LayerFn& fn) {
+  return in_forward(i, [&] { return state_->model->with_weights(static_cast<size_t>(i), fn); });
 }
 
 void OffloadedModel::begin_forward(const std::string& kind) {

@@ -36,7 +36,7 @@ std::string list_some(const std::vector<std::string>& items) {
 // Checks that `t` can be added to `layer` as part `part`; returns the problem or "".
 std::string shape_problem(const offload::ManagedLayerImpl& layer, const at::Tensor& down, const at::Tensor& up) {
   const at::IntArrayRef w = layer.stored_weight().sizes();  // [out, in]
-  if (layer.kind() != offload::LayerKind::linear) return layer.qualified_name() + " is an embedding (LoRA needs a Linear)";
+  if (layer.kind() != offload::LayerKind::linear) return layer.qualified_name() + " is not a Linear layer (LoRA needs one)";
   const bool ok = down.dim() == 2 && up.dim() == 2 && down.size(0) == up.size(1) && down.size(0) > 0 &&
                   down.size(1) == w[1] && up.size(0) == w[0];
   if (ok) return "";

@@ -54,15 +54,20 @@ ForeignModel::ForeignModel(std::vector<ForeignLayer> layers, std::vector<std::pa
   for (auto& l : layers) {
     check_name(l.name, "layer", seen);
     const at::Tensor& w = l.weight;
-    if (!w.defined() || w.dim() != 2) {
+    const char* kind = l.kind == LayerKind::linear ? "a Linear weight is [out, in]"
+                       : l.kind == LayerKind::embedding ? "an embedding table is [num, dim]"
+                                                        : "a weight has at least one dim";
+    const bool shape_ok = w.defined() && (l.kind == LayerKind::other ? w.dim() >= 1 : w.dim() == 2);
+    if (!shape_ok) {
       throw InvalidArgument("offload: layer '" + l.name + "' has a weight of " + std::to_string(w.defined() ? w.dim() : 0) +
-                            " dims; a Linear weight is [out, in]");
+                            " dims; " + kind);
     }
     if (!w.device().is_cpu()) throw InvalidArgument("offload: the weight of layer '" + l.name + "' is not on the host");
     if (!at::isFloatingType(w.scalar_type())) {
       throw InvalidArgument(std::string("offload: the weight of layer '") + l.name + "' is " +
                             c10::toString(w.scalar_type()) + ", not floating");
     }
+    if (l.bias && l.kind == LayerKind::embedding) throw InvalidArgument("offload: embedding '" + l.name + "' has a bias");
     if (l.bias && (l.bias->dim() != 1 || l.bias->size(0) != w.size(0) || !l.bias->device().is_cpu())) {
       throw InvalidArgument("offload: the bias of layer '" + l.name + "' is not a host tensor of " +
                             std::to_string(w.size(0)) + " values");
@@ -74,8 +79,13 @@ ForeignModel::ForeignModel(std::vector<ForeignLayer> layers, std::vector<std::pa
     at::Tensor stored = cast.stored.contiguous();
     std::optional<at::Tensor> bias;  // stored as the weight is, as diffusers' layerwise casting does
     if (l.bias) bias = cast_to_storage(l.bias->detach(), storage, l.name + ".bias").stored.contiguous();
-    auto layer = std::make_shared<LinearImpl>(w.size(1), w.size(0), bias.has_value(),
-                                              at::TensorOptions().dtype(options.compute).device(at::kCPU));
+    const at::TensorOptions built = at::TensorOptions().dtype(options.compute).device(at::kCPU);
+    std::shared_ptr<ManagedLayerImpl> layer;
+    switch (l.kind) {
+      case LayerKind::linear: layer = std::make_shared<LinearImpl>(w.size(1), w.size(0), bias.has_value(), built); break;
+      case LayerKind::embedding: layer = std::make_shared<EmbeddingImpl>(w.size(0), w.size(1), built); break;
+      case LayerKind::other: layer = std::make_shared<HostComputedImpl>(w.sizes(), bias.has_value(), built); break;
+    }
     layer->set_stored(stored, bias);
     layer->set_compute_dtype(options.compute);
     layer->set_qualified_name(l.name);
@@ -101,17 +111,44 @@ int64_t ForeignModel::stored_bytes() const {
   return total;
 }
 
-LinearImpl& ForeignModel::layer(size_t i) const {
+HostComputedImpl::HostComputedImpl(at::IntArrayRef weight_shape, bool bias, at::TensorOptions options)
+    : ManagedLayerImpl(LayerKind::other, at::empty(weight_shape, options),
+                       bias ? std::optional<at::Tensor>(at::zeros({weight_shape[0]}, options)) : std::nullopt) {}
+
+ManagedLayerImpl& ForeignModel::layer(size_t i) const {
   if (i >= layers_.size()) {
     throw InvalidArgument("offload: no layer " + std::to_string(i) + " (the model has " + std::to_string(layers_.size()) + ")");
   }
   return *layers_[i];
 }
 
-at::Tensor ForeignModel::linear(size_t i, const at::Tensor& x) { return layer(i).forward(x); }
+ManagedLayerImpl& ForeignModel::layer(size_t i, LayerKind kind, const char* what) const {
+  ManagedLayerImpl& l = layer(i);
+  if (l.kind() != kind) throw InvalidArgument("offload: layer '" + l.qualified_name() + "' is not " + what);
+  return l;
+}
+
+at::Tensor ForeignModel::linear(size_t i, const at::Tensor& x) {
+  return static_cast<LinearImpl&>(layer(i, LayerKind::linear, "a Linear layer")).forward(x);
+}
+
+at::Tensor ForeignModel::embedding(size_t i, const at::Tensor& ids) {
+  auto& e = static_cast<EmbeddingImpl&>(layer(i, LayerKind::embedding, "an embedding"));
+  if (ids.scalar_type() != at::kLong && ids.scalar_type() != at::kInt) {
+    throw InvalidArgument("offload: embedding '" + e.qualified_name() + "' takes int32/int64 ids, got " +
+                          c10::toString(ids.scalar_type()));
+  }
+  return e.forward(ids);
+}
+
+at::Tensor ForeignModel::with_weights(size_t i, const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& fn) {
+  ManagedLayerImpl& l = layer(i);
+  WeightLease lease(l);
+  return fn(lease.weight(), lease.bias());
+}
 
 StoredLayer ForeignModel::host_copy(size_t i) const {
-  const LinearImpl& l = layer(i);
+  const ManagedLayerImpl& l = layer(i);
   if (!l.stored_weight().device().is_cpu() || (l.has_bias() && !l.stored_bias().device().is_cpu())) {
     throw InvalidArgument("offload: layer '" + l.qualified_name() + "' is on the device; detach the model first");
   }

@@ -1,15 +1,18 @@
 #pragma once
-// ForeignModel: the Linear layers of a torch model someone else wrote (a diffusers
-// transformer, a frontend's text encoder), held as sluice managed layers so that a
-// StreamingEngine can stream them, with the model's other parameters and buffers beside
-// them. It is the engine-side half of offloading a model in place (`sluice.offload` in
-// Python, issue 31): the host's model keeps its own modules and forward, and each of its
-// Linear layers calls linear() here instead of using its own weight.
+// ForeignModel: the layers of a torch model someone else wrote (a diffusers transformer, a
+// frontend's text encoder), held as sluice managed layers so that a StreamingEngine can
+// stream them, with the model's other parameters and buffers beside them. It is the
+// engine-side half of offloading a model in place (`sluice.offload` in Python, issue 31):
+// the host's model keeps its own modules and forward, and each of its Linear layers calls
+// linear() here instead of using its own weight, each embedding embedding(), and each
+// other weighted layer (a convolution) computes itself with the weights with_weights()
+// leases it.
 //
 // Note [foreign layers]
 // ~~~~~~~~~~~~~~~~~~~~~
 // What a foreign model hands over, and what happens to it:
-//  - Each Linear layer's weight [out, in] and bias are cast to the storage dtype
+//  - Each layer's weight (Linear [out, in], embedding [num, dim], convolution [out, in/g,
+//    k...]) and bias are cast to the storage dtype
 //    (runtime/fp8.h cast_to_storage: NaN/Inf refused, out-of-range values saturated) into a
 //    new host tensor that the managed layer owns; a layer whose dotted name matches the skip
 //    list keeps its weight's own dtype (stored unconverted, leased without an upcast), as
@@ -30,6 +33,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,8 +47,17 @@ namespace sluice::offload {
 
 struct ForeignLayer {
   std::string name;                // dotted name in the caller's model ("blocks.0.attn.to_q")
-  at::Tensor weight;               // [out, in], on the host, any floating dtype
-  std::optional<at::Tensor> bias;  // [out]
+  at::Tensor weight;               // on the host, any floating dtype: [out, in] (linear), [num, dim]
+                                   // (embedding), any shape with out first (other)
+  std::optional<at::Tensor> bias;  // [out]; none for an embedding
+  LayerKind kind = LayerKind::linear;
+};
+
+// A layer its host computes itself with the weights it leases (LayerKind::other): a
+// convolution, whose stride, padding and groups are the host's.
+class HostComputedImpl : public ManagedLayerImpl {
+ public:
+  HostComputedImpl(at::IntArrayRef weight_shape, bool bias, at::TensorOptions options);
 };
 
 // A layer's stored tensors, copied to new host memory.
@@ -61,8 +74,8 @@ struct ForeignOptions {
 
 class ForeignModel {
  public:
-  // InvalidArgument naming the layer or tensor at fault: a weight that is not 2-D or not on
-  // the host, a bias of the wrong shape, a name used twice or empty, a compute dtype that
+  // InvalidArgument naming the layer or tensor at fault: a weight of the wrong shape for its
+  // kind or not on the host, a bias of the wrong shape (or on an embedding), a name used twice or empty, a compute dtype that
   // is not floating. NaN/Inf in a weight: the storage cast's error, naming the layer.
   ForeignModel(std::vector<ForeignLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
                ForeignOptions options);
@@ -77,18 +90,26 @@ class ForeignModel {
   at::ScalarType stored_dtype(size_t i) const { return layers_.at(i)->stored_weight().scalar_type(); }
   // Stored bytes of every layer and extra: the model's host copy.
   int64_t stored_bytes() const;
+  LayerKind kind(size_t i) const { return layer(i).kind(); }
   // y = x W^T + b for layer i, its weights leased from its provider (the engine, when
-  // attached) for the duration of the call. IndexError-like InvalidArgument for a bad i.
+  // attached) for the duration of the call. InvalidArgument for a bad i or a layer of
+  // another kind.
   at::Tensor linear(size_t i, const at::Tensor& x);
+  // Rows `ids` of embedding i's table, in the compute dtype.
+  at::Tensor embedding(size_t i, const at::Tensor& ids);
+  // fn(weight, bias) with layer i's weights leased for the call (bias undefined when it
+  // has none), whatever its kind.
+  at::Tensor with_weights(size_t i, const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& fn);
   // Copies of layer i's stored weight and bias (in the dtype stored_dtype(i) names), while
   // the model is not attached (its layers are on the host); InvalidArgument otherwise.
   StoredLayer host_copy(size_t i) const;
 
  private:
-  LinearImpl& layer(size_t i) const;  // InvalidArgument for a bad i
+  ManagedLayerImpl& layer(size_t i) const;  // InvalidArgument for a bad i
+  ManagedLayerImpl& layer(size_t i, LayerKind kind, const char* what) const;  // and of that kind
 
   std::shared_ptr<torch::nn::Module> root_;
-  std::vector<std::shared_ptr<LinearImpl>> layers_;
+  std::vector<std::shared_ptr<ManagedLayerImpl>> layers_;
   int64_t extra_bytes_ = 0;
 };
 

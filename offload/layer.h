@@ -66,7 +66,9 @@ class SidecarPlacer {
   virtual void sidecars_released(uint64_t bytes) noexcept = 0;
 };
 
-enum class LayerKind { linear, embedding };
+// other: a layer whose host computes with the leased weights itself (a convolution of a
+// torch model offloaded in place: HostComputedImpl, offload/foreign_model.h).
+enum class LayerKind { linear, embedding, other };
 
 class ManagedLayerImpl : public torch::nn::Module {
  public:

@@ -343,7 +343,7 @@ TEST_CASE("bad LoRA files are CheckpointErrors naming what is wrong") {
   Tensors emb;
   emb.emplace_back("llm_adapter.embed.lora_A.weight", at::randn({2, 32}));
   emb.emplace_back("llm_adapter.embed.lora_B.weight", at::randn({128, 2}));
-  CHECK(error_of([&] { lora_from_tensors(emb, *m, "e"); }).find("llm_adapter.embed is an embedding") !=
+  CHECK(error_of([&] { lora_from_tensors(emb, *m, "e"); }).find("llm_adapter.embed is not a Linear layer") !=
         std::string::npos);
   Tensors nan = ok;
   nan[0].second = nan[0].second.clone();

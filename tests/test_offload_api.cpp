@@ -274,3 +274,42 @@ TEST_CASE("offload api: destroying a model in the middle of its forward ends the
   CHECK(at::equal(h.norm, norm_before));
   CHECK(h.norm.device().is_cpu());
 }
+
+TEST_CASE("offload api: embeddings and host-computed layers stream beside Linear layers") {
+  ModelCache cache(small_cache("64MiB"));
+  at::manual_seed(13);
+  const at::Tensor table = at::randn({50, 16});
+  const at::Tensor conv_w = at::randn({16, 4, 3, 3}) / 8.0, conv_b = at::randn({16});
+  const at::Tensor lin_w = at::randn({8, 16}) / 4.0;
+  std::vector<OffloadLayer> layers = {{"embed_tokens", table, std::nullopt, OffloadLayerKind::embedding},
+                                      {"patch_embed.conv", conv_w, conv_b, OffloadLayerKind::other},
+                                      {"proj", lin_w, std::nullopt, OffloadLayerKind::linear}};
+  OffloadOptions o = fp32("mixed");
+  o.max_resident = 0.0;  // the convolution and the Linear stream (an embedding is always resident)
+  OffloadedModel m(layers, {}, cache, o);
+  const at::Tensor ids = at::randint(0, 50, {2, 5});
+  const at::Tensor img = at::randn({2, 4, 6, 6});
+  for (int round = 0; round < 2; ++round) {
+    m.begin_forward("dit");
+    const at::Tensor e = m.embedding(0, ids);
+    const at::Tensor c = m.call(1, [&](const at::Tensor& w, const at::Tensor& b) { return at::conv2d(img, w, b, 1, 1); });
+    const at::Tensor y = m.linear(2, e);
+    m.end_forward(false);
+    CHECK(at::equal(e, at::embedding(table, ids)));
+    CHECK(at::allclose(c, at::conv2d(img, conv_w, conv_b, 1, 1), 1e-5, 1e-5));
+    CHECK(at::allclose(y, at::linear(at::embedding(table, ids), lin_w), 1e-5, 1e-5));
+  }
+  const json s = json::parse(m.stats_json());
+  CHECK(s["model"]["streamed_layers"] == 2);
+  CHECK(s["forwards"][1]["bytes_streamed"].get<uint64_t>() == conv_w.nbytes() + conv_b.nbytes() + lin_w.nbytes());
+  // The wrong entry point for a layer's kind, and bad ids, are named.
+  CHECK_THROWS_WITH(m.linear(0, at::randn({1, 50})), Catch::Contains("'embed_tokens' is not a Linear layer"));
+  CHECK_THROWS_WITH(m.embedding(2, ids), Catch::Contains("'proj' is not an embedding"));
+  CHECK_THROWS_WITH(m.embedding(0, ids.to(at::kFloat)), Catch::Contains("takes int32/int64 ids"));
+  // A failing host computation ends its forward aborted and leaves the model usable.
+  CHECK_THROWS_WITH(m.call(1, [](const at::Tensor&, const at::Tensor&) -> at::Tensor { throw std::runtime_error("host failed"); }),
+                    Catch::Contains("host failed"));
+  CHECK(at::equal(m.embedding(0, ids), at::embedding(table, ids)));
+  std::vector<OffloadLayer> bad = {{"embed", table, at::zeros({50}), OffloadLayerKind::embedding}};
+  CHECK_THROWS_WITH(OffloadedModel(bad, {}, cache, fp32("bad")), Catch::Contains("embedding 'embed' has a bias"));
+}

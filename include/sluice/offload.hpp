@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,11 +26,19 @@ namespace detail {
 struct OffloadState;
 }
 
-// One Linear layer of the host's model.
+// What a layer of the host's model is, and so how its forward reaches its weights.
+enum class OffloadLayerKind {
+  linear,     // linear(): y = x W^T + b
+  embedding,  // embedding(): rows of W [num, dim] (no bias)
+  other,      // call(): the host computes with the leased weights (a convolution)
+};
+
+// One layer of the host's model.
 struct OffloadLayer {
   std::string name;                // dotted name in the model
-  at::Tensor weight;               // [out, in] on the host
+  at::Tensor weight;               // on the host: [out, in], [num, dim], or any shape with out first
   std::optional<at::Tensor> bias;  // [out]
+  OffloadLayerKind kind = OffloadLayerKind::linear;
 };
 
 struct OffloadOptions {
@@ -78,6 +87,14 @@ class OffloadedModel {
   // autograd (inference only). Outside begin_forward/end_forward it is a forward of its
   // own. InvalidArgument after remove().
   at::Tensor linear(int64_t i, const at::Tensor& x);
+  // Rows `ids` (int32/int64) of embedding i, in the compute dtype; as linear() otherwise.
+  at::Tensor embedding(int64_t i, const at::Tensor& ids);
+  // fn(weight, bias) with layer i's weights leased in the compute dtype on the device for
+  // the call (bias undefined when the layer has none): how a host computes a layer of its
+  // own kind. fn's result is returned; the weights must not outlive the call. As linear()
+  // otherwise.
+  using LayerFn = std::function<at::Tensor(const at::Tensor& weight, const at::Tensor& bias)>;
+  at::Tensor call(int64_t i, const LayerFn& fn);
   // One forward of the model, for the stats and the recorded layer order; end_forward
   // with `aborted` when it left by an exception. The outermost pair locks the model in its
   // cache (its device share first: ResourceError when models in use hold the budget) and
@@ -102,6 +119,8 @@ class OffloadedModel {
 
  private:
   void require_attached() const;  // InvalidArgument after remove()
+  // fn() inside this thread's forward, or inside one of its own (kind "layer") when none runs.
+  at::Tensor in_forward(int64_t i, const std::function<at::Tensor()>& fn);
   void adopt(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
              const OffloadOptions& options);
   std::unique_ptr<detail::OffloadState> state_;

@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <c10/util/Exception.h>
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -250,7 +251,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<sluice::OffloadedModel>(m, "OffloadedModel")
       // `cache`: a ModelCache to go into (then the cache-wide options, None here, are the
       // cache's); None: a cache of its own, from those options (None: their defaults).
-      .def(py::init([](const std::vector<std::tuple<std::string, at::Tensor, std::optional<at::Tensor>>>& layers,
+      // layers: (name, weight, bias or None, kind: "linear" | "embedding" | "other").
+      .def(py::init([](const std::vector<std::tuple<std::string, at::Tensor, std::optional<at::Tensor>, std::string>>& layers,
                        std::vector<std::pair<std::string, at::Tensor>> extras, sluice::ModelCache* cache,
                        const std::string& name, const std::string& storage, const std::string& compute,
                        std::vector<std::string> skip, std::optional<double> max_resident,
@@ -259,7 +261,18 @@ PYBIND11_MODULE(_C, m) {
                        const py::object& prefetch, std::optional<bool> trace) {
              std::vector<sluice::OffloadLayer> ls;
              ls.reserve(layers.size());
-             for (const auto& [lname, w, b] : layers) ls.push_back({lname, w, b});
+             for (const auto& [lname, w, b, kind] : layers) {
+               sluice::OffloadLayerKind k = sluice::OffloadLayerKind::other;
+               if (kind == "linear") {
+                 k = sluice::OffloadLayerKind::linear;
+               } else if (kind == "embedding") {
+                 k = sluice::OffloadLayerKind::embedding;
+               } else if (kind != "other") {
+                 throw sluice::InvalidArgument("offload: layer '" + lname + "' has kind '" + kind +
+                                               "' (linear, embedding or other)");
+               }
+               ls.push_back({lname, w, b, k});
+             }
              sluice::OffloadOptions o;
              o.name = name;
              o.storage = storage;
@@ -290,6 +303,15 @@ PYBIND11_MODULE(_C, m) {
       .def("stored_dtype", &sluice::OffloadedModel::stored_dtype, py::arg("index"))
       .def("stored_layer", &sluice::OffloadedModel::stored_layer, py::arg("index"), release_gil())
       .def("linear", &sluice::OffloadedModel::linear, py::arg("index"), py::arg("x"), release_gil())
+      .def("embedding", &sluice::OffloadedModel::embedding, py::arg("index"), py::arg("ids"), release_gil())
+      // fn(weight, bias or None) runs with the GIL taken again (pybind's std::function wrapper).
+      .def("call",
+           [](sluice::OffloadedModel& m, int64_t i, const std::function<at::Tensor(at::Tensor, std::optional<at::Tensor>)>& fn) {
+             return m.call(i, [&](const at::Tensor& w, const at::Tensor& b) {
+               return fn(w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+             });
+           },
+           py::arg("index"), py::arg("fn"), release_gil())
       .def("begin_forward", &sluice::OffloadedModel::begin_forward, py::arg("kind") = "", release_gil())
       .def("end_forward", &sluice::OffloadedModel::end_forward, py::arg("aborted") = false, release_gil())
       .def("stats_json", &sluice::OffloadedModel::stats_json, py::arg("indent") = -1, release_gil())
