@@ -251,8 +251,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<sluice::OffloadedModel>(m, "OffloadedModel")
       // `cache`: a ModelCache to go into (then the cache-wide options, None here, are the
       // cache's); None: a cache of its own, from those options (None: their defaults).
-      // layers: (name, weight, bias or None, kind: "linear" | "embedding" | "other").
-      .def(py::init([](const std::vector<std::tuple<std::string, at::Tensor, std::optional<at::Tensor>, std::string>>& layers,
+      // layers: (name, weight, bias or None[, kind: "linear" (the default) | "embedding" | "other"]).
+      .def(py::init([](const std::vector<py::tuple>& layers,
                        std::vector<std::pair<std::string, at::Tensor>> extras, sluice::ModelCache* cache,
                        const std::string& name, const std::string& storage, const std::string& compute,
                        std::vector<std::string> skip, std::optional<double> max_resident,
@@ -261,7 +261,15 @@ PYBIND11_MODULE(_C, m) {
                        const py::object& prefetch, std::optional<bool> trace) {
              std::vector<sluice::OffloadLayer> ls;
              ls.reserve(layers.size());
-             for (const auto& [lname, w, b, kind] : layers) {
+             for (const py::tuple& t : layers) {
+               if (t.size() != 3 && t.size() != 4) {
+                 throw sluice::InvalidArgument("offload: a layer is (name, weight, bias[, kind]), got " +
+                                               std::to_string(t.size()) + " items");
+               }
+               const auto lname = t[0].cast<std::string>();
+               const auto w = t[1].cast<at::Tensor>();
+               const auto b = t[2].cast<std::optional<at::Tensor>>();
+               const std::string kind = t.size() == 4 ? t[3].cast<std::string>() : "linear";
                sluice::OffloadLayerKind k = sluice::OffloadLayerKind::other;
                if (kind == "linear") {
                  k = sluice::OffloadLayerKind::linear;
