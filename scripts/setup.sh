@@ -4,8 +4,8 @@
 #
 #   SLUICE_SETUP_FOR   test (default): everything, and build every target (tests, benchmarks);
 #                      run: only what the `sluice` command needs (scripts/run.sh): no
-#                      test-only packages (chromium, diffusers, the reference Anima), and
-#                      build only the `sluice` command and its libraries. The build folder
+#                      test-only packages (chromium, diffusers, transformers, the reference
+#                      Anima), and build only the `sluice` command and its libraries. The build folder
 #                      is configured the same way, so a later test setup reuses it.
 #   SLUICE_BUILD_DIR   build folder (default: build)
 #   Torch_DIR          use this libtorch (>= 2.11, CPU, CUDA or ROCm) instead of the venv's
@@ -70,6 +70,8 @@ if [ "$FOR" = test ]; then
   # torchvision, the build matching torch 2.11: diffusers' Cosmos transformer (Anima's) resizes
   # its padding mask with it (tests/python/test_offload.py, examples/python/diffusers_anima.py).
   "$VENV/bin/python" -c "import torchvision" 2>/dev/null || "$VENV/bin/pip" install -q "torchvision==0.26.0"
+  # transformers (+ tokenizers): the whole Anima pipeline's text encoder step (test_offload_pipeline.py, the example).
+  "$VENV/bin/python" -c "import transformers" 2>/dev/null || "$VENV/bin/pip" install -q "transformers==5.25.0"
   # The independent reference Anima for the parity tests (tests/python/).
   VENV="$VENV" bash "$ROOT/scripts/fetch_reference.sh"
 fi

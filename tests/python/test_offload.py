@@ -1,11 +1,10 @@
 """sluice.offload(module) (python/sluice/offload.py) on torch modules someone else wrote:
 toy modules, diffusers' CosmosTransformer3DModel (the transformer of diffusers'
 AnimaModularPipeline) at a tiny random configuration taken from diffusers' own Anima
-pipeline tests, and a second family, diffusers' WanTransformer3DModel, likewise; and
-diffusers' AnimaModularPipeline itself (its blocks after the text encoder) with its
-transformer and text conditioner offloaded. On the CPU device (plain, and strict with
-SLUICE_STRICT_DEVICE=1), and on the torch test accelerator (SLUICE_TEST_DEVICE=testaccel;
-there the pipeline and Wan cases are skipped, saying why).
+pipeline tests, and a second family, diffusers' WanTransformer3DModel, likewise (the whole
+AnimaModularPipeline is test_offload_pipeline.py's). On the CPU device (plain, and strict
+with SLUICE_STRICT_DEVICE=1), and on the torch test accelerator
+(SLUICE_TEST_DEVICE=testaccel; there the Wan cases are skipped, saying why).
 
 Checks: bf16 storage gives the module's outputs bit for bit; fp8 storage gives what the
 weights' fp8 round trip gives, and for the Cosmos and Wan transformers exactly what
@@ -14,37 +13,15 @@ remove() gives every tensor back bit for bit, where it was, with its requires_gr
 misuse gets one clear error."""
 import copy
 import os
-import types
 
 import pytest
 import torch
 
 import sluice
+from offload_helpers import (COSMOS_CONFIG, DEVICE, DIFFUSERS_DEFAULT_SKIPS, assert_restored, bits, offload, on_device,
+                             snapshot)
 
 torch.set_num_threads(1)
-
-# The device sluice streams to: the CPU device, or the torch test accelerator when ctest's
-# accel entry sets SLUICE_TEST_DEVICE=testaccel (and SLUICE_DEVICE_LIBRARY to its library).
-DEVICE = os.environ.get("SLUICE_TEST_DEVICE", "cpu")
-
-
-def on_device(t):
-    if DEVICE != "cpu" and not hasattr(torch, DEVICE):
-        # torch's Python side wants a module for a PrivateUse1 backend before .to() takes
-        # it; the backend itself exists once sluice loaded its library (the first offload).
-        mod = types.ModuleType(DEVICE)
-        mod.is_available = lambda: True  # what torch.accelerator and torch.random ask of it
-        mod.device_count = lambda: 1
-        mod.current_device = lambda: 0
-        mod._is_in_bad_fork = lambda: False
-        mod.manual_seed_all = lambda seed: None
-        torch._register_device_module(DEVICE, mod)
-    return t.to(DEVICE)
-
-
-def offload(module, **kwargs):
-    return sluice.offload(module, device=DEVICE, **kwargs)
-
 
 class Toy(torch.nn.Module):
     """Linear layers with and without bias, a LayerNorm and a buffer between them, and a
@@ -73,40 +50,6 @@ class Toy(torch.nn.Module):
 def toy(dtype=torch.bfloat16):
     torch.manual_seed(0)
     return Toy().to(dtype)
-
-
-class Kept(types.SimpleNamespace):
-    """One tensor of a module as it was: the object itself, its bytes (on the host), where."""
-
-
-def bits(t):
-    """A tensor's bytes, on the host: equal bits, not equal values (-0.0 is not 0.0)."""
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-
-
-def snapshot(module):
-    return {k: Kept(obj=v, bits=bits(v).clone(), ptr=v.data_ptr(), grad=v.requires_grad, dtype=v.dtype,
-                    device=v.device, shape=tuple(v.shape), stride=v.stride())
-            for k, v in module.state_dict(keep_vars=True).items()}
-
-
-def assert_restored(module, snap, same_memory=False):
-    """What remove() promises (issue 31): the same tensor objects, bit for bit, in the same
-    dtype, on the same device, with the same requires_grad flag and strides. A freed Linear
-    weight comes back in new memory: its data_ptr is checked only with same_memory."""
-    now = module.state_dict(keep_vars=True)
-    assert set(now) == set(snap)
-    for k, was in snap.items():
-        t = now[k]
-        assert t is was.obj, k
-        assert t.dtype == was.dtype and t.device == was.device, k
-        assert tuple(t.shape) == was.shape and t.stride() == was.stride, k
-        assert torch.equal(bits(t), was.bits), k
-        assert t.requires_grad == was.grad, k
-        if same_memory:
-            assert t.data_ptr() == was.ptr, k
-    assert "forward" not in module.__dict__
-    assert all("forward" not in m.__dict__ and "_apply" not in m.__dict__ for m in module.modules())
 
 
 def test_bf16_storage_is_bit_identical_and_remove_restores_everything():
@@ -354,16 +297,6 @@ def test_a_module_on_the_device_comes_back_on_it():
 
 # --- diffusers' Cosmos transformer (AnimaModularPipeline's), tiny --------------------------
 
-# diffusers tests/modular_pipelines/anima/test_modular_pipeline_anima.py's transformer.
-COSMOS_CONFIG = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
-                     mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
-                     rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True, extra_pos_embed_type=None)
-# What enable_layerwise_casting adds to the model's own patterns (diffusers
-# hooks/layerwise_casting.py DEFAULT_SKIP_MODULES_PATTERN), written for sluice's skip list
-# (a plain word matches a whole dotted component: `\w*norm\w*` is diffusers' search for "norm").
-DIFFUSERS_DEFAULT_SKIPS = [r"\w*pos_embed\w*", r"\w*patch_embed\w*", r"\w*norm\w*", "^proj_in$", "^proj_out$"]
-
-
 def cosmos():
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
@@ -466,110 +399,6 @@ def test_wan_transformer_bf16_bit_identical_and_fp8_matches_layerwise_casting():
     assert torch.equal(wan_denoise(tr, device=DEVICE), want8)
     handle.remove()
     assert_restored(tr, snap)
-
-
-# --- diffusers' AnimaModularPipeline itself, tiny ------------------------------------------
-# The real pipeline blocks after the text encoder (text conditioning, inputs, latents,
-# timesteps, the denoise loop with its guider, VAE decode), over precomputed Qwen3 hidden
-# states and T5 ids: the text encoder step needs `transformers`, which is not installed here.
-# Configurations from diffusers' tests/modular_pipelines/anima/test_modular_pipeline_anima.py.
-
-def anima_pipeline(transformer_dtype):
-    if DEVICE != "cpu":
-        # The pipeline makes its latents on the device its components report, with a
-        # torch.Generator there: the test accelerator has none.
-        pytest.skip("the pipeline's own tensors need a device with generators: CPU device only")
-    pytest.importorskip("diffusers")
-    import diffusers
-    import diffusers.loaders
-    from diffusers.loaders.lora_pipeline import AnimaLoraLoaderMixin
-
-    if not hasattr(diffusers.loaders, "AnimaLoraLoaderMixin"):
-        # exported by diffusers.loaders only when transformers is installed; the class needs none of it
-        diffusers.loaders.AnimaLoraLoaderMixin = AnimaLoraLoaderMixin
-    from diffusers.models import AnimaTextConditioner
-    from diffusers.modular_pipelines.anima import before_denoise as bd
-    from diffusers.modular_pipelines.anima import decoders, denoise
-    from diffusers.modular_pipelines.anima.modular_pipeline import AnimaModularPipeline
-    from diffusers.modular_pipelines.modular_pipeline import SequentialPipelineBlocks
-
-    class Blocks(SequentialPipelineBlocks):
-        model_name = "anima"
-        block_classes = [bd.AnimaTextConditioningStep, bd.AnimaTextInputStep, bd.AnimaPrepareLatentsStep,
-                         bd.AnimaSetTimestepsStep, denoise.AnimaDenoiseStep, decoders.AnimaVaeDecoderStep,
-                         decoders.AnimaProcessImagesOutputStep]
-        block_names = ["text_conditioning", "input", "prepare_latents", "set_timesteps", "denoise", "decode",
-                       "postprocess"]
-
-        @property
-        def description(self):
-            return "Anima text-to-image after the text encoder step"
-
-    torch.manual_seed(0)
-    transformer = diffusers.CosmosTransformer3DModel(**COSMOS_CONFIG).eval().to(transformer_dtype)
-    torch.manual_seed(0)
-    vae = diffusers.AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
-                                           temperal_downsample=[False, True], latents_mean=[0.0] * 4,
-                                           latents_std=[1.0] * 4).eval()
-    torch.manual_seed(0)
-    conditioner = AnimaTextConditioner(source_dim=16, target_dim=16, model_dim=16, num_layers=2,
-                                       num_attention_heads=4, target_vocab_size=32128,
-                                       min_sequence_length=16).eval()
-    pipe = AnimaModularPipeline(blocks=Blocks())
-    pipe.update_components(transformer=transformer, vae=vae, text_conditioner=conditioner,
-                           scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe, transformer, conditioner
-
-
-def anima_inputs():
-    g = torch.Generator().manual_seed(1234)
-    out = {}
-    for prefix, qwen, t5 in (("", 12, 3), ("negative_", 11, 3)):
-        out[prefix + "qwen_prompt_embeds"] = torch.randn(1, qwen, 16, generator=g)
-        out[prefix + "qwen_attention_mask"] = torch.ones(1, qwen, dtype=torch.long)
-        out[prefix + "t5_input_ids"] = torch.randint(0, 32128, (1, t5), generator=g)
-        out[prefix + "t5_attention_mask"] = torch.ones(1, t5, dtype=torch.long)
-    return out
-
-
-def run_anima(pipe):
-    with torch.no_grad():
-        out = pipe(**anima_inputs(), generator=torch.Generator().manual_seed(0), num_inference_steps=2, height=32,
-                   width=32, output_type="pt", output=["latents", "images"])
-    return out["latents"], out["images"]
-
-
-def test_anima_pipeline_with_transformer_and_conditioner_offloaded_is_bit_identical():
-    pipe, transformer, conditioner = anima_pipeline(torch.float32)
-    want_latents, want_images = run_anima(pipe)
-    snaps = snapshot(transformer), snapshot(conditioner)
-    # Two modules of one frontend, each streamed (fp32 storage: the weights as they are).
-    handles = [sluice.offload(transformer, storage="float32", max_resident=0.0),
-               sluice.offload(conditioner, storage="float32", max_resident=0.0)]
-    latents, images = run_anima(pipe)
-    stats = [h.stats() for h in handles]
-    for h in handles:
-        h.remove()
-    assert torch.equal(latents, want_latents)
-    assert torch.equal(images, want_images)
-    assert stats[0]["forward_count"] == 4  # 2 steps x (cond, uncond)
-    assert stats[1]["forward_count"] >= 1
-    assert_restored(transformer, snaps[0])
-    assert_restored(conditioner, snaps[1])
-
-
-def test_anima_pipeline_fp8_matches_diffusers_layerwise_casting():
-    pipe, transformer, _ = anima_pipeline(torch.bfloat16)
-    reference = copy.deepcopy(transformer)
-    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    pipe.update_components(transformer=reference)
-    want, _ = run_anima(pipe)
-    pipe.update_components(transformer=transformer)
-    handle = sluice.offload(transformer, storage="float8_e4m3fn", skip=DIFFUSERS_DEFAULT_SKIPS)
-    got, _ = run_anima(pipe)
-    handle.remove()
-    assert torch.equal(got, want)
 
 
 def test_forwards_from_several_threads_take_turns():

@@ -1,0 +1,158 @@
+"""sluice.offload(module) (python/sluice/offload.py) inside diffusers' whole
+AnimaModularPipeline: its default blocks (AnimaAutoBlocks) from a prompt and a negative
+prompt, the text encoder step included (Qwen3 hidden states and T5 ids), then the text
+conditioner, the denoise loop with its guider and the VAE decode. Every component is tiny and
+random and built here, offline: a Qwen3Model with a byte-level BPE Qwen2Tokenizer and a
+Unigram T5 tokenizer over a few words, and the transformer, VAE and text conditioner of
+diffusers' own Anima pipeline tests. On the CPU device (plain, and strict with
+SLUICE_STRICT_DEVICE=1); on the torch test accelerator (SLUICE_TEST_DEVICE=testaccel) the
+cases are skipped, saying why.
+
+Checks: with the transformer, the text conditioner and the Qwen3 text encoder offloaded
+(bf16 storage of bf16 modules) the latents and images are the pipeline's without
+offloading, bit for bit, each module's forwards ran through sluice, and remove() gives every
+tensor back bit for bit, where it was, with its requires_grad flag; with the transformer
+offloaded in fp8 storage they are exactly what diffusers'
+enable_layerwise_casting(float8_e4m3fn, bfloat16) gives with the same skip list."""
+import copy
+
+import pytest
+import torch
+
+from offload_helpers import COSMOS_CONFIG, DEVICE, DIFFUSERS_DEFAULT_SKIPS, assert_restored, offload, snapshot
+
+torch.set_num_threads(1)
+
+# The words the tokenizers know whole; anything else falls back to bytes (Qwen) or <unk> (T5).
+WORDS = ("a", "cat", "bad", "quality", "blurry")
+PROMPT, NEGATIVE_PROMPT = "a cat", "bad quality"
+
+
+def qwen_tokenizer():
+    """Qwen2Tokenizer (byte-level BPE, Qwen's pre-tokenizer) over the 256 byte symbols and a
+    merge chain per word, then the word after a space ("Ġcat"); <|endoftext|> pads."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab = {"<|endoftext|>": 0}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    merges = []
+    for word in WORDS:
+        for pair in [(word[:i], word[i]) for i in range(1, len(word))] + [("Ġ", word)]:
+            if pair not in merges:
+                merges.append(pair)
+                vocab.setdefault(pair[0] + pair[1], len(vocab))
+    return Qwen2Tokenizer(vocab=vocab, merges=merges)
+
+
+def t5_tokenizer():
+    """T5Tokenizer (Unigram, T5's Metaspace pre-tokenizer, </s> appended): <pad> </s> <unk>,
+    the words, single letters; no sentinel tokens (the pipeline uses none)."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + w, -1.0) for w in WORDS]
+    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0)
+
+
+def quiet(blocks):
+    # The pipeline's set_progress_bar_config reaches only its top-level blocks; the denoise
+    # loop is nested (denoise.text2image.denoise).
+    for block in blocks.sub_blocks.values():
+        if hasattr(block, "set_progress_bar_config"):
+            block.set_progress_bar_config(disable=True)
+        quiet(block)
+    return blocks
+
+
+def anima_pipeline():
+    """The default AnimaModularPipeline, every module bf16 but the VAE (fp32 as diffusers'
+    tests build it; it is never offloaded). Returns the pipeline and the three modules that
+    hold its Linear layers: transformer, text conditioner, text encoder."""
+    if DEVICE != "cpu":
+        # The pipeline makes its latents on the device its components report, with a
+        # torch.Generator there: the test accelerator has none.
+        pytest.skip("the pipeline's own tensors need a device with generators: CPU device only")
+    diffusers = pytest.importorskip("diffusers")
+    transformers = pytest.importorskip("transformers")
+
+    tokenizer, t5 = qwen_tokenizer(), t5_tokenizer()
+    assert tokenizer.tokenize(PROMPT) == ["a", "Ġcat"] and t5.tokenize(PROMPT) == ["▁a", "▁cat"]
+    torch.manual_seed(0)
+    transformer = diffusers.CosmosTransformer3DModel(**COSMOS_CONFIG).eval().to(torch.bfloat16)
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                           temperal_downsample=[False, True], latents_mean=[0.0] * 4,
+                                           latents_std=[1.0] * 4).eval()
+    torch.manual_seed(0)
+    conditioner = diffusers.AnimaTextConditioner(source_dim=16, target_dim=16, model_dim=16, num_layers=2,
+                                                 num_attention_heads=4, target_vocab_size=32128,
+                                                 min_sequence_length=16).eval().to(torch.bfloat16)
+    assert len(t5) <= conditioner.config.target_vocab_size  # the adapter embeds the T5 ids
+    torch.manual_seed(0)
+    # diffusers' tests/pipelines/anima/test_anima.py's Qwen3, its vocabulary cut to the tokenizer's.
+    text_encoder = transformers.Qwen3Model(transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1000000.0, head_dim=4,
+        attention_bias=False)).eval().to(torch.bfloat16)
+    pipe = diffusers.AnimaModularPipeline(blocks=quiet(diffusers.AnimaAutoBlocks()))
+    pipe.update_components(transformer=transformer, vae=vae, text_conditioner=conditioner, text_encoder=text_encoder,
+                           tokenizer=tokenizer, t5_tokenizer=t5,
+                           scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+    return pipe, transformer, conditioner, text_encoder
+
+
+def run_anima(pipe):
+    with torch.no_grad():
+        out = pipe(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, generator=torch.Generator().manual_seed(0),
+                   num_inference_steps=2, height=32, width=32, max_sequence_length=16, output_type="pt",
+                   output=["latents", "images"])
+    return out["latents"], out["images"]
+
+
+def linear_count(module):
+    return sum(type(m) is torch.nn.Linear for m in module.modules())
+
+
+def test_anima_pipeline_with_transformer_conditioner_and_text_encoder_offloaded_is_bit_identical():
+    pipe, *modules = anima_pipeline()
+    want_latents, want_images = run_anima(pipe)
+    snaps = [snapshot(m) for m in modules]
+    # Three modules of one pipeline, each streamed layer by layer (bf16 storage: their weights as they are).
+    handles = [offload(m, storage="bfloat16", max_resident=0.0) for m in modules]
+    latents, images = run_anima(pipe)
+    stats = [h.stats() for h in handles]
+    for h in handles:
+        h.remove()
+    assert torch.equal(latents, want_latents)
+    assert torch.equal(images, want_images)
+    # transformer: 2 steps x (cond, uncond); conditioner and text encoder: the prompt and the negative prompt.
+    for module, s, forwards in zip(modules, stats, (4, 2, 2)):
+        assert s["forward_count"] == forwards, type(module).__name__
+        assert s["model"]["streamed_layers"] == s["model"]["layers"] == linear_count(module)
+        for f in s["forwards"]:
+            assert f["kind"] == type(module).__name__
+            assert not f["aborted"] and f["bytes_streamed"] > 0
+    for module, snap in zip(modules, snaps):
+        assert_restored(module, snap)
+    assert all(torch.equal(a, b) for a, b in zip(run_anima(pipe), (want_latents, want_images)))
+
+
+def test_anima_pipeline_fp8_matches_diffusers_layerwise_casting():
+    pipe, transformer, _, _ = anima_pipeline()
+    reference = copy.deepcopy(transformer)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    pipe.update_components(transformer=reference)
+    want_latents, want_images = run_anima(pipe)
+    pipe.update_components(transformer=transformer)
+    snap = snapshot(transformer)
+    handle = offload(transformer, storage="float8_e4m3fn", skip=DIFFUSERS_DEFAULT_SKIPS)
+    latents, images = run_anima(pipe)
+    stats = handle.stats()
+    handle.remove()
+    assert torch.equal(latents, want_latents)
+    assert torch.equal(images, want_images)
+    assert stats["forward_count"] == 4
+    assert_restored(transformer, snap)
