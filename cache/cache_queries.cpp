@@ -216,7 +216,11 @@ void CacheQueries::write_timeline_svg(const std::shared_ptr<Entry>& e, const std
   }
   offload::TimelineStep step;
   try {
-    step = offload::timeline_step_from_trace(json, "dit");
+    // An Anima model's step is its DiT forward; an adopted model's (Note [adopted models]),
+    // whose host names its forwards, the kind its forwards mostly are.
+    std::string kind = "dit";
+    if (e->is_adopted && stats && !stats->plan.step_kind.empty()) kind = stats->plan.step_kind;
+    step = offload::timeline_step_from_trace(json, kind);
   } catch (const InvalidArgument& ex) {
     throw InvalidArgument("model '" + e->name + "', '" + path + "': " + ex.what());
   }

@@ -205,6 +205,7 @@ class ModelCache:
 
     def __init__(self, device: str = "cpu", vram_budget: str = "", **options):
         self._cache = _C.ModelCache(_C.RuntimeOptions(device=device, vram_budget=str(vram_budget), **options))
+        self._device = device  # sluice.offload(module, cache=self) checks the module's tensors against it
 
     def load(self, path_or_preset: str, storage: str = "float8_e4m3fn", compute: str = "auto",
              extra_skips: Iterable[str] = (), use_default_skips: bool = True, use_model_skips: bool = True,

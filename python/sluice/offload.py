@@ -3,18 +3,29 @@
     import sluice
     handle = sluice.offload(pipe.transformer, device="cuda", vram_budget="6GiB",
                             storage="float8_e4m3fn")
-    image = pipe(...)            # the module runs as before; its Linear layers stream
+    image = pipe(...)            # the module runs as before; its layers stream
     handle.stats()               # the engine's stats (the --stats-json model fields)
     handle.remove()              # the module as it was, bit for bit
 
-In place, as diffusers' apply_group_offloading does: every torch.nn.Linear of the module
-(except those the skip patterns name, which keep their dtype) is stored by sluice in the
-storage dtype and leased to the device for its forward only; the module's other parameters
-and buffers move to the device while it is offloaded and come back on remove(). The
-module's own forward runs unchanged, delimited as one sluice forward per call. For
-inference: the offloaded layers' outputs carry no autograd history (as under torch.no_grad).
+    # Several modules of one frontend under one budget: one ModelCache holds them all.
+    cache = sluice.ModelCache(device="cuda", vram_budget="6GiB", working_memory="512MiB")
+    te = sluice.offload(pipe.text_encoder, cache=cache, storage="bfloat16")
+    tr = sluice.offload(pipe.transformer, cache=cache)
 
-Host memory (Note [freed originals]): while offloaded, the streamed Linear layers' own
+In place, as diffusers' apply_group_offloading does: every torch.nn.Linear, torch.nn.Embedding
+and torch.nn.Conv1d/2d/3d of the module (those exact classes; the skip patterns' layers keep
+their dtype) is stored by sluice in the storage dtype and leased to the device for its
+forward only; the module's other parameters and buffers move to the device while it is
+offloaded and come back on remove(). The module's own forward runs unchanged, delimited as
+one sluice forward per call. For inference: the offloaded layers' outputs carry no autograd
+history (as under torch.no_grad).
+
+Each offloaded module is a model of a sluice ModelCache: the one given as `cache=` (its
+budget shared with the cache's other models: a module's forward gets its share first,
+taken from the models not running, as a lock does), or one of its own made from device=,
+vram_budget=, working_memory=, pin_memory=, prefetch= and trace=.
+
+Host memory (Note [freed originals]): while offloaded, the streamed layers' own
 weight and bias tensors hold no memory; sluice's stored copy is the only one in RAM. A
 layer stored in its own dtype (bf16 storage of a bf16 model, a skip-listed layer) gives its
 tensors back from that copy at remove(); a layer stored lossily (bf16 weights as fp8) keeps
@@ -27,10 +38,10 @@ device it came from.
 
 Not supported (each raises sluice.InvalidArgument naming it): tensors on another device than
 the host or `device=` (another GPU, meta tensors), a module offloaded twice, removing twice,
-state_dict()/load_state_dict() and .to()/.cuda()/.half() while offloaded. Only torch.nn.Linear
-layers (that exact class) are streamed: subclasses, embeddings, convolutions and a Linear
-whose weight another module shares move with the other parameters. Offloaded modules do not
-share a ModelCache's budget yet: each has its own.
+state_dict()/load_state_dict() and .to()/.cuda()/.half() while offloaded. Subclasses of the
+streamed classes (quantized or patched layers), transposed convolutions, an embedding with
+max_norm (its lookup rewrites the table) and a layer whose weight another module shares
+move with the other parameters instead of streaming.
 """
 from __future__ import annotations
 
@@ -52,7 +63,7 @@ _ORIGINALS = ("disk", "ram")
 # Note [freed originals]
 # ~~~~~~~~~~~~~~~~~~~~~~
 # Host RAM while offloaded is sluice's stored model and nothing else (issue 31: at most
-# 1.1x of it). Each streamed Linear keeps its Parameter objects, but their .data becomes a
+# 1.1x of it). Each streamed layer keeps its Parameter objects, but their .data becomes a
 # placeholder: a zero-stride view (as_strided, every stride 0) of one zero element of the
 # same dtype on the same device. It keeps what code reads of a weight without its values
 # (.shape, .dtype, .device, .ndim, .numel(), a model's .dtype/.device properties), holds
@@ -175,7 +186,7 @@ class _Spill:
 
 
 class _Kept:
-    """One streamed Linear tensor: how remove() gives it back."""
+    """One streamed layer's tensor: how remove() gives it back."""
 
     __slots__ = ("param", "layer", "is_bias", "dtype", "shape", "stride", "home", "how", "value")
 
@@ -192,16 +203,17 @@ class _Kept:
 
 
 class Offloaded:
-    """The handle sluice.offload() returns: stats(), set_vram_budget(), remove()."""
+    """The handle sluice.offload() returns: stats(), trace(), timeline(), set_vram_budget(),
+    remove()."""
 
-    def __init__(self, module: torch.nn.Module, model: "_C.OffloadedModel", linears: List[torch.nn.Linear],
+    def __init__(self, module: torch.nn.Module, model: "_C.OffloadedModel", linears: List[torch.nn.Module],
                  grads: List[torch.Tensor], kept: List[_Kept], moved: List[Tuple[torch.Tensor, torch.device]],
                  spill: Optional[_Spill], hooks: list, guarded: List[torch.nn.Module]):
         self._module = module
         self._model = model
         self._linears = linears
         self._grads = grads    # parameters that required grad before offload()
-        self._kept = kept      # the streamed Linear tensors (Note [freed originals])
+        self._kept = kept      # the streamed layers' tensors (Note [freed originals])
         self._moved = moved    # the other tensors that came from the device, and that device
         self._spill = spill
         self._hooks = hooks
@@ -213,11 +225,25 @@ class Offloaded:
         remove(), those of the moment it was removed)."""
         return json.loads(self._final_stats if self._model is None else self._model.stats_json())
 
+    def trace(self, path: str) -> None:
+        """Writes the per-layer trace (Chrome trace JSON: copies, waits, upcasts, computes)
+        to `path`; needs trace=True (or a cache made with trace=True)."""
+        self._attached().write_trace(str(path))
+
+    def timeline(self, path: str) -> None:
+        """Writes the SVG timeline of one steady-state forward to `path` (as `sluice run
+        --timeline`); needs trace=True and a forward that ran to its end."""
+        self._attached().write_timeline_svg(str(path))
+
     def set_vram_budget(self, budget: str) -> None:
-        """A new budget ("6GiB", "50%"); sluice.ResourceError when too small."""
+        """A new budget ("6GiB", "50%") for a module with a cache of its own;
+        sluice.ResourceError when too small. In a shared cache: the cache's set_vram_budget."""
+        self._attached().set_vram_budget(str(budget))
+
+    def _attached(self) -> "_C.OffloadedModel":
         if self._model is None:
             raise InvalidArgument("offload: the module was already removed")
-        self._model.set_vram_budget(budget)
+        return self._model
 
     @property
     def removed(self) -> bool:
@@ -274,6 +300,36 @@ class Offloaded:
         _return_freed_host_memory()
 
 
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def _kind(m: torch.nn.Module) -> Optional[str]:
+    """How a module's forward reaches sluice (the C++ model's layer kinds), or None for a
+    module sluice does not stream: exactly nn.Linear, nn.Embedding without max_norm (whose
+    lookup renormalises rows of the table in place), nn.Conv1d/2d/3d."""
+    t = type(m)
+    if t is torch.nn.Linear:
+        return "linear"
+    if t is torch.nn.Embedding and m.max_norm is None:
+        return "embedding"
+    if t in _CONVS:
+        return "other"
+    return None
+
+
+def _layer_forward(model: "_C.OffloadedModel", i: int, m: torch.nn.Module):
+    """Layer i's forward through sluice: its weights leased for the call."""
+    kind = _kind(m)
+    if kind == "linear":
+        return lambda x: model.linear(i, x)
+    if kind == "embedding":
+        # padding_idx, scale_grad_by_freq and sparse shape gradients only: a lookup is rows.
+        return lambda ids: model.embedding(i, ids)
+    # A convolution: the module's own _conv_forward (its stride, padding, padding_mode,
+    # dilation and groups) with the leased weights.
+    return lambda x: model.call(i, lambda w, b: m._conv_forward(x, w, b))
+
+
 def _target(device: str, name: str, t: torch.Tensor) -> None:
     """Refuses a tensor that is neither on the host nor on the sluice device `device`."""
     where = t.device
@@ -298,20 +354,29 @@ def _target(device: str, name: str, t: torch.Tensor) -> None:
                               f"tensors are on the host or on {device}")
 
 
-def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = "",
-            working_memory: str = "256MiB", storage: str = "float8_e4m3fn",
-            compute: Optional[str] = None, skip: Iterable[str] = (),
-            max_resident: Optional[float] = None, pin_memory: str = "auto",
-            originals: str = "disk", spill_dir: Optional[str] = None) -> Offloaded:
-    """Streams `module`'s Linear layers through sluice, in place; returns the handle.
+def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage: str = "float8_e4m3fn",
+            compute: Optional[str] = None, skip: Iterable[str] = (), max_resident: Optional[float] = None,
+            originals: str = "disk", spill_dir: Optional[str] = None, device: Optional[str] = None,
+            vram_budget: Optional[str] = None, working_memory: Optional[str] = None,
+            pin_memory: Optional[str] = None, prefetch=None, trace: Optional[bool] = None) -> Offloaded:
+    """Streams `module`'s layers through sluice, in place; returns the handle.
 
-    The module's tensors may be on the host or on `device` already (a pipeline moved there
-    with .to("cuda")); remove() puts each back where it was.
+    The module's tensors may be on the host or on the sluice device already (a pipeline
+    moved there with .to("cuda")); remove() puts each back where it was.
 
-    vram_budget: what sluice may hold on the device for this module, working_memory (kept
-    free for activations, 256MiB by default) included: for a budget smaller than that, lower
-    working_memory too. "" = all device memory.
-    compute: the dtype the Linear layers compute in; default: their weights' dtype.
+    cache: a sluice.ModelCache to hold the module beside its other models, under its one
+    budget (its device, budget, working memory, pinning, prefetch and tracing are the
+    cache's: giving any of those here too is an InvalidArgument). None: a cache of the
+    module's own, made from:
+      device: "cpu" (default; the CPU plays the device), "cuda", "cuda:1", ...
+      vram_budget: what sluice may hold on the device for this module, working_memory (kept
+        free for activations, 256MiB by default) included: for a budget smaller than that,
+        lower working_memory too. "" (default) = all device memory.
+      pin_memory: "auto" (default: on for CUDA and ROCm) | "on" | "off".
+      prefetch: most streamed layers copied ahead, "auto" (default) or a number.
+      trace: record per-layer spans for handle.trace() and handle.timeline().
+    name: the module's name in logs and stats; default: its class name.
+    compute: the dtype the streamed layers compute in; default: their weights' dtype.
     originals: where the original weights of layers stored lossily (bf16 weights stored as
     fp8) wait for remove(), which gives them back bit for bit. "disk" (default): as raw bytes
     in one unnamed temporary file in spill_dir (default: the system's temporary folder),
@@ -326,38 +391,39 @@ def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = 
         raise InvalidArgument("offload: the module is already offloaded; remove() it first")
     if originals not in _ORIGINALS:
         raise InvalidArgument(f"offload: originals={originals!r}; one of {', '.join(map(repr, _ORIGINALS))}")
-    # Exactly torch.nn.Linear: a subclass may compute more than x W^T + b in its forward
-    # (quantized or patched layers); its tensors move with the other parameters instead.
-    # Nor a Linear whose weight or bias another module also holds (tied weights): freeing it
+    if cache is not None:
+        given = [k for k, v in (("device", device), ("vram_budget", vram_budget), ("working_memory", working_memory),
+                                ("pin_memory", pin_memory), ("prefetch", prefetch), ("trace", trace)) if v is not None]
+        if given:
+            raise InvalidArgument(f"offload: {', '.join(given)} belong to the ModelCache given as cache=; set them there")
+    where = cache._device if cache is not None else device or "cpu"  # the sluice device
+    # Exactly the streamed classes: a subclass may compute more than its class does in its
+    # forward (quantized or patched layers); its tensors move with the other parameters.
+    # Nor a layer whose weight or bias another module also holds (tied weights): freeing it
     # would leave that module a placeholder.
     holders: Dict[int, int] = {}
     for m in module.modules():
         for p in m._parameters.values():
             if p is not None:
                 holders[id(p)] = holders.get(id(p), 0) + 1
-    linears = [(name, m) for name, m in module.named_modules()
-               if type(m) is torch.nn.Linear and all(holders[id(p)] == 1 for p in m._parameters.values() if p is not None)]
+    linears = [(n, m) for n, m in module.named_modules()
+               if _kind(m) is not None and all(holders[id(p)] == 1 for p in m._parameters.values() if p is not None)]
     if not linears:
-        raise InvalidArgument("offload: the module has no torch.nn.Linear layer to stream")
+        raise InvalidArgument("offload: the module has no layer to stream (torch.nn.Linear, Embedding, Conv1d/2d/3d)")
     dtypes = {m.weight.dtype for _, m in linears}
     if compute is None:
         if len(dtypes) != 1:
-            raise InvalidArgument("offload: the Linear layers have several dtypes "
+            raise InvalidArgument("offload: the streamed layers have several dtypes "
                                   f"({sorted(str(d) for d in dtypes)}); give compute=")
         compute = str(next(iter(dtypes))).replace("torch.", "")
-    owned = set()
-    for _, m in linears:
-        owned.add(id(m.weight))
-        if m.bias is not None:
-            owned.add(id(m.bias))
+    owned = {id(p) for _, m in linears for p in m._parameters.values() if p is not None}
     # The module's own tensor objects: sluice re-points them in place (to the device and
     # back), so the module's norms and tables move with it.
     extras = [(n, t) for n, t in module.named_parameters() if id(t) not in owned]
     extras += [(n, t) for n, t in module.named_buffers() if t is not None]
-    lin_tensors = [(f"{n}.{k}", p) for n, m in linears for k, p in (("weight", m.weight), ("bias", m.bias))
-                   if p is not None]
-    for name, t in lin_tensors + extras:
-        _target(device, name, t)
+    lin_tensors = [(f"{n}.{k}", p) for n, m in linears for k, p in m._parameters.items() if p is not None]
+    for tname, t in lin_tensors + extras:
+        _target(where, tname, t)
     # Inference only: the parameters stop requiring grad while offloaded (re-pointing one
     # that requires grad at an out-of-tree backend's memory is refused, Note [re-pointing
     # across devices]); remove() gives each its flag back.
@@ -375,21 +441,23 @@ def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = 
                 home = t.device
                 _repoint(t, t.detach().to("cpu"))
                 moved.append((t, home))
-        if moved and torch.device(device).type == "cuda":
+        if moved and torch.device(where).type == "cuda":
             torch.cuda.empty_cache()  # torch's cached blocks back to the device, for sluice's budget
         if originals == "disk":
             spill = _Spill(spill_dir)
-        layers = [(name, m.weight.detach(), None if m.bias is None else m.bias.detach()) for name, m in linears]
-        model = _C.OffloadedModel(layers, extras, device=device, vram_budget=vram_budget,
-                                  working_memory=working_memory, storage=storage, compute=compute,
-                                  skip=_skip_patterns(module, skip), max_resident=max_resident,
-                                  pin_memory=pin_memory)
+        layers = [(lname, m.weight.detach(), None if getattr(m, "bias", None) is None else m.bias.detach(), _kind(m))
+                  for lname, m in linears]
+        model = _C.OffloadedModel(layers, extras, cache=None if cache is None else cache._cache,
+                                  name=name or type(module).__name__, storage=storage, compute=compute,
+                                  skip=_skip_patterns(module, skip), max_resident=max_resident, device=device,
+                                  vram_budget=vram_budget, working_memory=working_memory, pin_memory=pin_memory,
+                                  prefetch=prefetch, trace=trace)
         del layers
         homes = {id(t): h for t, h in moved}
         kept: List[_Kept] = []
         for i, (_, m) in enumerate(linears):
             stored = model.stored_dtype(i)
-            for is_bias, p in ((False, m.weight), (True, m.bias)):
+            for is_bias, p in ((False, m.weight), (True, getattr(m, "bias", None))):
                 if p is None:
                     continue
                 k = _Kept(p, i, is_bias, homes.get(id(p), p.device))
@@ -425,7 +493,7 @@ def offload(module: torch.nn.Module, *, device: str = "cpu", vram_budget: str = 
 
     lin_modules = [m for _, m in linears]
     for i, m in enumerate(lin_modules):
-        m.forward = (lambda i: lambda x: model.linear(i, x))(i)
+        m.forward = _layer_forward(model, i, m)
     inner = module.forward
     # The engine runs one forward at a time: calls from several threads take turns (a
     # re-entrant lock, so a forward that calls the module again nests).

@@ -108,7 +108,7 @@ def test_misuse_gets_one_clear_error():
     handle.remove()
     with pytest.raises(sluice.InvalidArgument, match="already removed"):
         handle.remove()
-    with pytest.raises(sluice.InvalidArgument, match="no torch.nn.Linear"):
+    with pytest.raises(sluice.InvalidArgument, match="no layer to stream"):
         sluice.offload(torch.nn.LayerNorm(8))
     meta = toy().to("meta")
     with pytest.raises(sluice.InvalidArgument, match="'proj_in.weight' is on meta"):
@@ -443,3 +443,138 @@ def test_a_linear_subclass_keeps_its_own_forward():
     assert "forward" not in m.proj_out.__dict__
     assert handle.stats()["model"]["layers"] == 5  # proj_in, three blocks, extra: not the subclass
     handle.remove()
+
+
+# --- layers other than Linear, one cache for several modules, traces ------------------------
+
+class Convs(torch.nn.Module):
+    """An embedding, convolutions (one with reflect padding and groups) and a Linear, beside
+    the kinds sluice leaves to move with the other tensors: an embedding with max_norm (its
+    lookup rewrites the table) and a transposed convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 8, padding_idx=0)
+        self.renormed = torch.nn.Embedding(10, 8, max_norm=1.0)
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.grouped = torch.nn.Conv1d(8, 8, 3, padding=1, padding_mode="reflect", groups=2, bias=False)
+        self.up = torch.nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, ids):
+        e = self.embed(ids) + self.renormed(ids % 10)                 # [B, L, 8]
+        x = self.grouped(e.transpose(1, 2))                            # [B, 8, L]
+        x = self.conv(x.unsqueeze(-1).expand(-1, -1, -1, 4))           # [B, 8, L, 4]
+        return self.head(self.up(x).permute(0, 2, 3, 1))               # [B, 2L, 8, 4]
+
+
+def test_embeddings_and_convolutions_stream_bit_identical():
+    if DEVICE != "cpu":
+        pytest.skip("the test accelerator implements no convolution")
+    torch.manual_seed(0)
+    m = Convs().to(torch.bfloat16)
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        want = m(ids)
+    snap = snapshot(m)
+    handle = offload(m, storage="bfloat16", max_resident=0.0)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(ids), want)
+    stats = handle.stats()
+    handle.remove()
+    assert_restored(m, snap)
+    # embed, conv, grouped, head managed; the embedding stays resident, the other three stream.
+    assert stats["model"]["layers"] == 4
+    assert stats["model"]["streamed_layers"] == 3
+    with torch.no_grad():
+        assert torch.equal(m(ids), want)
+
+
+def test_fp8_convolutions_compute_the_fp8_round_trip():
+    if DEVICE != "cpu":
+        pytest.skip("the test accelerator implements no convolution")
+    torch.manual_seed(1)
+    m = Convs().to(torch.bfloat16)
+    ref = copy.deepcopy(m)
+    for mod in (ref.embed, ref.conv, ref.grouped, ref.head):
+        for p in mod.parameters():
+            p.data = p.data.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    ids = torch.randint(0, 100, (2, 5))
+    handle = offload(m, storage="float8_e4m3fn")
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref(ids))
+    handle.remove()
+
+
+def two_toys():
+    torch.manual_seed(3)
+    return Toy().to(torch.bfloat16), Toy().to(torch.bfloat16)
+
+
+def test_modules_in_one_model_cache_share_its_budget():
+    a, b = two_toys()
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = a(x), b(x)
+    size = sum(t.numel() * t.element_size() for t in a.state_dict().values())
+    mib = 1 << 20
+    # Beside the working memory, room for one toy and a half: each forward takes its share
+    # from the other module, which is not running.
+    cache = sluice.ModelCache(device=DEVICE, vram_budget=str(mib + size * 3 // 2), working_memory=str(mib))
+    ha = sluice.offload(a, cache=cache, name="a", storage="bfloat16")
+    hb = sluice.offload(b, cache=cache, name="b", storage="bfloat16")
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(a(on_device(x)).cpu(), want[0])
+            assert torch.equal(b(on_device(x)).cpu(), want[1])
+    stats = cache.stats()["cache"]
+    assert {m["name"] for m in stats["models_held"]} == {"a", "b"}
+    assert stats["vram_reserved_bytes"] <= stats["vram_limit_bytes"]
+    assert stats["device_unloads"] + stats["device_drops"] > 0
+    assert cache.models() == []  # offloaded modules are not sluice.Model handles
+    assert ha.stats()["budget"]["budget_bytes"] == mib + size * 3 // 2
+    with pytest.raises(sluice.InvalidArgument, match="set the budget with the cache's set_vram_budget"):
+        ha.set_vram_budget("64MiB")
+    ha.remove()
+    hb.remove()
+    assert cache.stats()["cache"]["models_held"] == []
+
+
+def test_the_cache_options_belong_to_the_cache():
+    cache = sluice.ModelCache(device=DEVICE)
+    m = toy()
+    for kwargs in ({"vram_budget": "1GiB"}, {"device": "cpu"}, {"prefetch": 2}, {"trace": True},
+                   {"working_memory": "1MiB"}, {"pin_memory": "off"}):
+        with pytest.raises(sluice.InvalidArgument, match=f"offload: {next(iter(kwargs))} belong to the ModelCache"):
+            sluice.offload(m, cache=cache, **kwargs)
+    assert "forward" not in m.__dict__
+    with pytest.raises(sluice.InvalidArgument, match="prefetch"):
+        offload(m, prefetch="soon")
+    assert "forward" not in m.__dict__
+
+
+def test_trace_and_timeline_of_an_offloaded_module(tmp_path):
+    import json
+
+    m = toy()
+    x = on_device(torch.randn(2, 32, dtype=torch.bfloat16))
+    handle = offload(m, storage="bfloat16", max_resident=0.0, trace=True, prefetch=1)
+    with torch.no_grad():
+        for _ in range(3):
+            m(x)
+    handle.trace(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any("proj_in" in e.get("name", "") for e in events)
+    handle.timeline(tmp_path / "step.svg")
+    svg = (tmp_path / "step.svg").read_text()
+    assert "<svg" in svg and svg.rstrip().endswith("</svg>") and "proj_in" in svg
+    handle.remove()
+    with pytest.raises(sluice.InvalidArgument, match="already removed"):
+        handle.trace(tmp_path / "again.json")
+    untraced = offload(m, storage="bfloat16")
+    with torch.no_grad():
+        m(x)
+    with pytest.raises(sluice.InvalidArgument, match="tracing is off"):
+        untraced.timeline(tmp_path / "none.svg")
+    untraced.remove()
