@@ -10,13 +10,14 @@ It builds diffusers' whole AnimaModularPipeline (its default blocks) from random
 a Qwen3 text encoder with its two tokenizers (built here from a few words, nothing
 downloaded), the text conditioner, the Cosmos transformer and the VAE. It runs the pipeline
 from a prompt, text encoder step included, once plain and once with the transformer and the
-text encoder offloaded through sluice.offload() (the transformer in --storage, fp8 by
-default; the text encoder in bf16, its own dtype), and prints how far apart the latents and
-images are, the residency and what streamed. With a pretrained pipeline the calls are the
-same:
+text encoder offloaded through sluice.offload() into one sluice.ModelCache, under one
+budget (the transformer in --storage, fp8 by default; the text encoder in bf16, its own
+dtype), and prints how far apart the latents and images are, the residency and what
+streamed. With a pretrained pipeline the calls are the same:
 
-    handles = [sluice.offload(pipe.transformer, device="cuda", vram_budget="6GiB"),
-               sluice.offload(pipe.text_encoder, device="cuda", storage="bfloat16")]
+    cache = sluice.ModelCache(device="cuda", vram_budget="6GiB", working_memory="512MiB")
+    handles = [sluice.offload(pipe.transformer, cache=cache),
+               sluice.offload(pipe.text_encoder, cache=cache, storage="bfloat16")]
     image = pipe(prompt=...)
     for h in handles: h.remove()
 """
@@ -97,7 +98,7 @@ def generate(pipe, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--vram-budget", default="", help='the transformer\'s: "6GiB", "50%%"; default: stream every layer')
+    p.add_argument("--vram-budget", default="", help='both modules\': "6GiB", "50%%"; default: stream every layer')
     p.add_argument("--storage", default="float8_e4m3fn", help="the transformer's storage dtype")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
@@ -115,15 +116,15 @@ def main():
         getattr(pipe, name).to(args.device)
     plain_latents, plain_images, plain_s = generate(pipe, args)
 
-    # sluice.offload takes a module on the host and moves it itself: its Linear layers stream,
-    # its other tensors (norms, embeddings) go to the device while it is offloaded. The
-    # pipeline runs where its first module (the text encoder, its embedding) now is.
-    pipe.transformer.to("cpu")
-    pipe.text_encoder.to("cpu")
+    # sluice.offload takes the modules where they are (on the device already): their layers
+    # stream, their other tensors (norms) stay on the device while they are offloaded, and
+    # remove() puts every tensor back there. One cache, one budget: each module's forward
+    # gets its share from the one not running.
+    cache = sluice.ModelCache(device=args.device, vram_budget=args.vram_budget, working_memory="256MiB")
+    stream_all = None if args.vram_budget else 0.0
     handles = {
-        "transformer": sluice.offload(pipe.transformer, device=args.device, vram_budget=args.vram_budget,
-                                      storage=args.storage, max_resident=None if args.vram_budget else 0.0),
-        "text_encoder": sluice.offload(pipe.text_encoder, device=args.device, storage="bfloat16", max_resident=0.0),
+        "transformer": sluice.offload(pipe.transformer, cache=cache, storage=args.storage, max_resident=stream_all),
+        "text_encoder": sluice.offload(pipe.text_encoder, cache=cache, storage="bfloat16", max_resident=stream_all),
     }
     latents, images, sluice_s = generate(pipe, args)
     stats = {name: h.stats() for name, h in handles.items()}
@@ -132,7 +133,7 @@ def main():
 
     for name, s in stats.items():
         m = s["model"]
-        print(f"{name}: {m['layers']} Linear layers managed, residency {m['residency']}, {s['forward_count']} "
+        print(f"{name}: {m['layers']} layers managed, residency {m['residency']}, {s['forward_count']} "
               f"forwards, {sum(f['bytes_streamed'] for f in s['forwards'])} bytes streamed, "
               f"device peak {s['device']['peak_bytes']} bytes")
     print(f"pipeline from a prompt, {args.steps} steps at {args.resolution}px: plain {plain_s:.3f} s; "
