@@ -31,8 +31,13 @@ import sluice
 WORDS = ("a", "cat", "in", "space", "bad", "quality", "blurry")
 
 
-def tokenizers():
-    """Qwen's byte-level BPE tokenizer and T5's Unigram tokenizer, over a few whole words."""
+def tokenizers(words=WORDS):
+    """Qwen's byte-level BPE tokenizer and T5's Unigram tokenizer, over a few whole words
+    (tests/python/test_offload_pipeline.py builds its pipeline's with it too).
+
+    Qwen2Tokenizer: the 256 byte symbols and a merge chain per word, then the word after a
+    space ("Ġcat"); <|endoftext|> pads. T5TokenizerFast (Unigram, Metaspace, </s> appended):
+    <pad> </s> <unk>, the words, a comma and single letters; no sentinel tokens."""
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer, T5TokenizerFast
 
@@ -40,14 +45,14 @@ def tokenizers():
     for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[symbol] = len(vocab)
     merges = []
-    for word in WORDS:
+    for word in words:
         for pair in [(word[:i], word[i]) for i in range(1, len(word))] + [("Ġ", word)]:
             if pair not in merges:
                 merges.append(pair)
                 vocab.setdefault(pair[0] + pair[1], len(vocab))
     qwen = Qwen2Tokenizer(vocab=vocab, merges=merges)
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0), (",", -3.0)]
-    pieces += [("▁" + w, -1.0) for w in WORDS] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    pieces += [("▁" + w, -1.0) for w in words] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
     t5 = T5TokenizerFast(vocab=pieces, extra_ids=0)
     return qwen, t5
 

@@ -15,6 +15,8 @@ tensor back bit for bit, where it was, with its requires_grad flag; with the tra
 offloaded in fp8 storage they are exactly what diffusers'
 enable_layerwise_casting(float8_e4m3fn, bfloat16) gives with the same skip list."""
 import copy
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -23,40 +25,15 @@ import sluice
 
 from offload_helpers import COSMOS_CONFIG, DEVICE, DIFFUSERS_DEFAULT_SKIPS, assert_restored, offload, snapshot
 
+# The example's tiny tokenizers (built from a word list, nothing downloaded).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "python"))
+from diffusers_anima import tokenizers  # noqa: E402
+
 torch.set_num_threads(1)
 
 # The words the tokenizers know whole; anything else falls back to bytes (Qwen) or <unk> (T5).
 WORDS = ("a", "cat", "bad", "quality", "blurry")
 PROMPT, NEGATIVE_PROMPT = "a cat", "bad quality"
-
-
-def qwen_tokenizer():
-    """Qwen2Tokenizer (byte-level BPE, Qwen's pre-tokenizer) over the 256 byte symbols and a
-    merge chain per word, then the word after a space ("Ġcat"); <|endoftext|> pads."""
-    from tokenizers import pre_tokenizers
-    from transformers import Qwen2Tokenizer
-
-    vocab = {"<|endoftext|>": 0}
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[symbol] = len(vocab)
-    merges = []
-    for word in WORDS:
-        for pair in [(word[:i], word[i]) for i in range(1, len(word))] + [("Ġ", word)]:
-            if pair not in merges:
-                merges.append(pair)
-                vocab.setdefault(pair[0] + pair[1], len(vocab))
-    return Qwen2Tokenizer(vocab=vocab, merges=merges)
-
-
-def t5_tokenizer():
-    """T5Tokenizer (Unigram, T5's Metaspace pre-tokenizer, </s> appended): <pad> </s> <unk>,
-    the words, single letters; no sentinel tokens (the pipeline uses none)."""
-    from transformers import T5TokenizerFast
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [("▁" + w, -1.0) for w in WORDS]
-    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
-    return T5TokenizerFast(vocab=pieces, extra_ids=0)
 
 
 def quiet(blocks):
@@ -80,7 +57,7 @@ def anima_pipeline():
     diffusers = pytest.importorskip("diffusers")
     transformers = pytest.importorskip("transformers")
 
-    tokenizer, t5 = qwen_tokenizer(), t5_tokenizer()
+    tokenizer, t5 = tokenizers(WORDS)
     assert tokenizer.tokenize(PROMPT) == ["a", "Ġcat"] and t5.tokenize(PROMPT) == ["▁a", "▁cat"]
     torch.manual_seed(0)
     transformer = diffusers.CosmosTransformer3DModel(**COSMOS_CONFIG).eval().to(torch.bfloat16)
