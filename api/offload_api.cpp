@@ -111,10 +111,19 @@ void OffloadedModel::adopt(std::vector<OffloadLayer> layers, std::vector<std::pa
 OffloadedModel::~OffloadedModel() {
   if (!state_ || !state_->entry || state_->removed) return;
   try {
-    if (state_->lock) {  // a host destroying the model mid-forward: that forward ends aborted
-      state_->engine->end_forward_noexcept(true);
-      state_->cache->cache->end_run(*state_->lock, /*aborted=*/true);
-      state_->lock.reset();
+    detail::OffloadState& s = *state_;
+    if (s.lock && s.owner.load() == std::this_thread::get_id()) {
+      // A host destroying the model in the middle of its own forward: that forward ends,
+      // aborted, at every level it nested, and its turn is given back (a mutex must not be
+      // destroyed locked). Another thread's forward cannot be ended from here: destroying
+      // a model that another thread runs is the host's error, as for any C++ object.
+      for (; s.depth > 0; --s.depth) {
+        s.engine->end_forward_noexcept(true);
+        s.forward_mutex.unlock();
+      }
+      s.owner.store(std::thread::id());
+      s.cache->cache->end_run(*s.lock, /*aborted=*/true);
+      s.lock.reset();
     }
     state_->cache->cache->drop(state_->entry);
   } catch (const std::exception& e) {

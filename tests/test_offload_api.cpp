@@ -268,6 +268,7 @@ TEST_CASE("offload api: destroying a model in the middle of its forward ends the
   {
     OffloadedModel m(layers_of(h), extras_of(h), cache, fp32("m"));
     m.begin_forward("dit");
+    m.begin_forward("dit");  // nested: both levels end with it
     (void)m.linear(0, at::randn({1, kWidth}));
   }
   CHECK(json::parse(cache.stats_json())["models_held"].empty());
