@@ -34,7 +34,9 @@ tensor back bit for bit.
 
 A module already on the sluice device (`pipe.to("cuda")` first) is taken as it is: its
 tensors come to the host, the device copies are freed, and remove() puts each back on the
-device it came from.
+device it came from. While offloaded, the streamed layers' placeholders are on the sluice
+device, so the module's .device (its first parameter's, which diffusers reads to place a
+pipeline's inputs) is where it runs, wherever it came from.
 
 Not supported (each raises sluice.InvalidArgument naming it): tensors on another device than
 the host or `device=` (another GPU, meta tensors), a module offloaded twice, removing twice,
@@ -65,8 +67,9 @@ _ORIGINALS = ("disk", "ram")
 # Host RAM while offloaded is sluice's stored model and nothing else (issue 31: at most
 # 1.1x of it). Each streamed layer keeps its Parameter objects, but their .data becomes a
 # placeholder: a zero-stride view (as_strided, every stride 0) of one zero element of the
-# same dtype on the same device. It keeps what code reads of a weight without its values
-# (.shape, .dtype, .device, .ndim, .numel(), a model's .dtype/.device properties), holds
+# same dtype, on the sluice device (where the module now runs; see offload()). It keeps what
+# code reads of a weight without its values (.shape, .dtype, .ndim, .numel(), a model's
+# .dtype, and .device as the device it runs on), holds
 # element_size() bytes (one per dtype and device, shared by every layer), reads as zeros, and
 # refuses every in-place write ("more than one element of the written-to tensor refers to a
 # single memory location"), so nothing can fill it silently. Not the alternatives: a meta
@@ -330,26 +333,27 @@ def _layer_forward(model: "_C.OffloadedModel", i: int, m: torch.nn.Module):
     return lambda x: model.call(i, lambda w, b: m._conv_forward(x, w, b))
 
 
+def _device_of(device: str) -> torch.device:
+    """The torch device `device` names, with its index ("cuda": the current one)."""
+    dev = torch.device(device)
+    if dev.type != "cpu" and dev.index is None:
+        try:
+            dev = torch.device(dev.type, getattr(torch, dev.type).current_device())
+        except Exception:  # noqa: BLE001  (a backend without a device module: its device 0)
+            dev = torch.device(dev.type, 0)
+    return dev
+
+
 def _target(device: str, name: str, t: torch.Tensor) -> None:
     """Refuses a tensor that is neither on the host nor on the sluice device `device`."""
     where = t.device
     if where.type == "cpu":
         return
     try:
-        dev = torch.device(device)
+        dev = _device_of(device)
     except (RuntimeError, ValueError):
         dev = None
-    ok = dev is not None and dev.type == where.type and where.type != "meta"
-    if ok:
-        index = dev.index
-        if index is None:
-            mod = getattr(torch, dev.type, None)
-            try:
-                index = mod.current_device()
-            except Exception:  # noqa: BLE001  (a backend without a device module: its device 0)
-                index = 0
-        ok = (where.index if where.index is not None else 0) == index
-    if not ok:
+    if dev is None or where.type == "meta" or dev.type != where.type or dev.index != (where.index or 0):
         raise InvalidArgument(f"offload: '{name}' is on {where}; offload(device={device!r}) takes a module whose "
                               f"tensors are on the host or on {device}")
 
@@ -384,8 +388,8 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage: str
     kernel's page cache may hold them for a while, as reclaimable memory), read back at
     remove(). "ram": kept in memory as they are (host RAM: the model plus the stored copy;
     the fastest remove()). Layers stored in their own dtype keep no second copy either way.
-    While offloaded, the streamed layers' weights are placeholders of the same shape, dtype
-    and device that hold no memory: state_dict(), load_state_dict() and .to() raise
+    While offloaded, the streamed layers' weights are placeholders of the same shape and
+    dtype, on the sluice device, that hold no memory: state_dict(), load_state_dict() and .to() raise
     sluice.InvalidArgument until remove()."""
     if _ATTR in module.__dict__:
         raise InvalidArgument("offload: the module is already offloaded; remove() it first")
@@ -483,12 +487,26 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage: str
     # Frees the originals (Note [freed originals]): from here on nothing fails.
     lin_moved = {id(k.param) for k in kept}
     moved = [(t, h) for t, h in moved if id(t) not in lin_moved]
-    bases: Dict[tuple, torch.Tensor] = {}
+    # The placeholders live on the sluice device, where the module now runs, whichever
+    # device its tensors came from: a model's .device (its first parameter's, as diffusers
+    # reads it to place a pipeline's inputs) is where its forward computes, as diffusers'
+    # group offloading reports its onload device.
+    # Where that cannot be (a backend torch's Python side cannot allocate on, or a tensor
+    # that an autograd graph from before still holds, which an out-of-tree backend's swap
+    # refuses: _repoint), the placeholder stays on the device the tensor came from.
+    bases: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def base(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if (dtype, device) not in bases:
+            bases[(dtype, device)] = torch.zeros(1, dtype=dtype, device=device)
+        return bases[(dtype, device)]
+
     for k in kept:
-        key = (k.dtype, k.home)
-        if key not in bases:
-            bases[key] = torch.zeros(1, dtype=k.dtype, device=k.home)
-        _repoint(k.param, bases[key].as_strided(k.shape, (0,) * len(k.shape)))
+        zeros = (0,) * len(k.shape)
+        try:
+            _repoint(k.param, base(k.dtype, _device_of(where)).as_strided(k.shape, zeros))
+        except Exception:  # noqa: BLE001  (see above: the tensor's own device then)
+            _repoint(k.param, base(k.dtype, k.home).as_strided(k.shape, zeros))
     _return_freed_host_memory()
 
     lin_modules = [m for _, m in linears]

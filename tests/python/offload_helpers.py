@@ -14,10 +14,12 @@ import sluice
 DEVICE = os.environ.get("SLUICE_TEST_DEVICE", "cpu")
 
 
-def on_device(t):
+def backend():
+    """Makes DEVICE usable from torch's Python side: an out-of-tree (PrivateUse1) backend
+    exists once sluice loaded its library (a sluice device made on it), and torch wants a
+    module for it before .to() or a factory takes it."""
     if DEVICE != "cpu" and not hasattr(torch, DEVICE):
-        # torch's Python side wants a module for a PrivateUse1 backend before .to() takes
-        # it; the backend itself exists once sluice loaded its library (the first offload).
+        sluice.ModelCache(device=DEVICE)  # loads SLUICE_DEVICE_LIBRARY, which names the backend
         mod = types.ModuleType(DEVICE)
         mod.is_available = lambda: True  # what torch.accelerator and torch.random ask of it
         mod.device_count = lambda: 1
@@ -25,10 +27,15 @@ def on_device(t):
         mod._is_in_bad_fork = lambda: False
         mod.manual_seed_all = lambda seed: None
         torch._register_device_module(DEVICE, mod)
+
+
+def on_device(t):
+    backend()
     return t.to(DEVICE)
 
 
 def offload(module, **kwargs):
+    backend()
     return sluice.offload(module, device=DEVICE, **kwargs)
 
 

@@ -153,7 +153,7 @@ def test_fp8_storage_gives_the_originals_back_bit_for_bit(originals, tmp_path):
     for lin in (m.proj_in, m.blocks[0], m.proj_out):
         assert_placeholder(lin.weight, torch.bfloat16, lin.weight.shape)
     assert_placeholder(m.proj_in.bias, torch.bfloat16, (64,))
-    assert m.proj_in.weight.device == snap["proj_in.weight"].device
+    assert m.proj_in.weight.device.type == DEVICE  # where the module runs now (then home again)
     # The model-level properties code reads keep working (diffusers' ModelMixin.dtype).
     assert next(m.parameters()).dtype == torch.bfloat16
     assert os.listdir(tmp_path) == []  # the spill file has no name
@@ -293,6 +293,17 @@ def test_a_module_on_the_device_comes_back_on_it():
         assert_restored(m, snap)
         with torch.no_grad():
             assert torch.equal(m(on_device(x)).cpu(), want)  # its own forward, on the device
+    # A module from the host runs on the device too: its placeholders say so (a pipeline
+    # places its inputs on its first module's .device), and remove() brings it home.
+    m = toy()
+    snap = snapshot(m)
+    handle = offload(m, storage="bfloat16")
+    assert m.proj_in.weight.device.type == DEVICE
+    with torch.no_grad():
+        assert torch.equal(m(on_device(x)).cpu(), want)
+    handle.remove()
+    assert_restored(m, snap)
+    assert m.proj_in.weight.device.type == "cpu"
 
 
 # --- diffusers' Cosmos transformer (AnimaModularPipeline's), tiny --------------------------
