@@ -201,6 +201,11 @@ class ModelCache:
     pin_memory_limit (page-locked bytes of all models, "25%" of RAM),
     policy ("balanced"|"spread"|"front-first"), timing, trace,
     device_memory, cpu_copy_gbps, load_threads (threads that read a checkpoint; 0: every core).
+
+    Torch modules a frontend already has go in with sluice.offload(module, cache=cache):
+    they share the budget with the cache's other models, are listed in
+    stats()["cache"]["models_held"], and are not among models() (their handle is the one
+    offload() returned).
     """
 
     def __init__(self, device: str = "cpu", vram_budget: str = "", **options):
