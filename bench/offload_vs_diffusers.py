@@ -18,13 +18,16 @@ imports, to read against the model's stored bytes), the host RAM each mode holds
 model it stores, and the output against the baseline.
 
 Host RAM over the stored model (issue 31's target for sluice: at most 1.1x): the RSS over
-the RSS right after the imports, divided by the bytes the mode keeps of the model: sluice's
-stored model (stats()["model"]["total_bytes"]: its Linear layers in the storage dtype, the
+a base (the RSS once the model was built, less the model's bytes: what the process holds
+besides the model), divided by the bytes the mode keeps of the model: sluice's
+stored model (stats()["model"]["total_bytes"]: its streamed layers in the storage dtype, the
 other tensors as they are) for the sluice rows, the bf16 model for the others. "setup" is
 right after offload()/apply_group_offloading (sluice has freed the Linear layers' originals
 by then: bf16 storage keeps the module's own memory, fp8 writes the bf16 originals to a
-temporary file, originals="disk"), "peak" the whole run's peak, which includes setup's moment
-with both the bf16 model the process built and the copy being stored. On the CPU device the
+temporary file, originals="disk"), "peak" the whole run's peak (read after remove()), which
+includes setup's moment with both the bf16 model the process built and the copy being
+stored, the forwards' activations, and remove()'s moment with the stored copy and the
+restored tensors. On the CPU device the
 device is host memory too, so the sluice cells also give the host side alone: the RSS less
 what sluice holds on the device (its ledger's current bytes after setup, its peak for the
 peak).
