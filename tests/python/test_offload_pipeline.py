@@ -6,7 +6,8 @@ random and built here, offline: a Qwen3Model with a byte-level BPE Qwen2Tokenize
 Unigram T5 tokenizer over a few words, and the transformer, VAE and text conditioner of
 diffusers' own Anima pipeline tests. On the CPU device (plain, and strict with
 SLUICE_STRICT_DEVICE=1); on the torch test accelerator (SLUICE_TEST_DEVICE=testaccel) the
-cases are skipped, saying why.
+pipeline runs on the accelerator from given initial latents (it has no generator), the VAE
+decoding on the host (it has no convolution), and the other cases are skipped, saying why.
 
 Checks: with the transformer, the text conditioner and the Qwen3 text encoder offloaded
 (bf16 storage of bf16 modules) the latents and images are the pipeline's without
@@ -46,11 +47,11 @@ def quiet(blocks):
     return blocks
 
 
-def anima_pipeline():
+def anima_pipeline(any_device=False):
     """The default AnimaModularPipeline, every module bf16 but the VAE (fp32 as diffusers'
     tests build it; it is never offloaded). Returns the pipeline and the three modules that
     hold its Linear layers: transformer, text conditioner, text encoder."""
-    if DEVICE != "cpu":
+    if DEVICE != "cpu" and not any_device:
         # The pipeline makes its latents on the device its components report, with a
         # torch.Generator there: the test accelerator has none.
         pytest.skip("the pipeline's own tensors need a device with generators: CPU device only")
@@ -167,5 +168,41 @@ def test_anima_pipeline_modules_share_one_model_cache_budget():
     assert stats["device_unloads"] + stats["device_drops"] > 0  # modules gave way to each other
     assert [s["forward_count"] for s in per_module] == [4, 2, 2]
     assert cache.stats()["cache"]["models_held"] == []  # remove() took each out
+    for module, snap in zip(modules, snaps):
+        assert_restored(module, snap)
+
+
+def test_anima_pipeline_runs_on_the_sluice_device_with_its_modules_offloaded():
+    """The whole pipeline where sluice streams to, its modules all on the host first: their
+    placeholders put the pipeline's inputs on the sluice device (its .device), and every
+    step but the VAE's runs there. Initial latents are given (the test accelerator has no
+    generator) and, off the CPU device, the VAE decodes on the host (it has no convolution)."""
+    pipe, *modules = anima_pipeline(any_device=True)
+    latents0 = torch.randn(1, 4, 1, 4, 4, generator=torch.Generator().manual_seed(7))  # 32 px: 4 x 4 latents
+
+    def run(first):
+        with torch.no_grad():
+            out = pipe(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, latents=first, num_inference_steps=2, height=32,
+                       width=32, max_sequence_length=16, output_type="pt", output=["latents", "images"])
+        return out["latents"], out["images"]
+
+    want_latents, want_images = run(latents0)
+    snaps = [snapshot(m) for m in modules]
+    handles = [offload(m, storage="bfloat16", max_resident=0.0) for m in modules]
+    assert pipe._execution_device.type == DEVICE
+    decode = pipe.vae.decode
+    if DEVICE != "cpu":
+        pipe.vae.decode = lambda z, *args, **kwargs: decode(z.cpu(), *args, **kwargs)
+    try:
+        latents, images = run(latents0.to(pipe._execution_device))
+    finally:
+        pipe.vae.__dict__.pop("decode", None)
+    stats = [h.stats() for h in handles]
+    for h in handles:
+        h.remove()
+    assert latents.device.type == DEVICE
+    assert torch.equal(latents.cpu(), want_latents)
+    assert torch.equal(images.cpu(), want_images)
+    assert [s["forward_count"] for s in stats] == [4, 2, 2]
     for module, snap in zip(modules, snaps):
         assert_restored(module, snap)
