@@ -172,11 +172,15 @@ def test_anima_pipeline_modules_share_one_model_cache_budget():
         assert_restored(module, snap)
 
 
-def test_anima_pipeline_runs_on_the_sluice_device_with_its_modules_offloaded():
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_anima_pipeline_runs_on_the_sluice_device_with_its_modules_offloaded(storage):
     """The whole pipeline where sluice streams to, its modules all on the host first: their
     placeholders put the pipeline's inputs on the sluice device (its .device), and every
     step but the VAE's runs there. Initial latents are given (the test accelerator has no
-    generator) and, off the CPU device, the VAE decodes on the host (it has no convolution)."""
+    generator) and, off the CPU device, the VAE decodes on the host (it has no convolution).
+    bf16 storage: the plain pipeline's latents and images on the host, bit for bit. fp8
+    storage of the transformer (the text modules in bf16): those of the pipeline whose
+    transformer has diffusers' enable_layerwise_casting, on the host, bit for bit."""
     pipe, *modules = anima_pipeline(any_device=True)
     latents0 = torch.randn(1, 4, 1, 4, 4, generator=torch.Generator().manual_seed(7))  # 32 px: 4 x 4 latents
 
@@ -186,9 +190,19 @@ def test_anima_pipeline_runs_on_the_sluice_device_with_its_modules_offloaded():
                        width=32, max_sequence_length=16, output_type="pt", output=["latents", "images"])
         return out["latents"], out["images"]
 
-    want_latents, want_images = run(latents0)
+    transformer = modules[0]
+    if storage == "bfloat16":
+        want_latents, want_images = run(latents0)
+        kwargs = [{}, {}, {}]
+    else:
+        reference = copy.deepcopy(transformer)
+        reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        pipe.update_components(transformer=reference)
+        want_latents, want_images = run(latents0)
+        pipe.update_components(transformer=transformer)
+        kwargs = [{"storage": storage, "skip": DIFFUSERS_DEFAULT_SKIPS}, {}, {}]
     snaps = [snapshot(m) for m in modules]
-    handles = [offload(m, storage="bfloat16", max_resident=0.0) for m in modules]
+    handles = [offload(m, **{"storage": "bfloat16", "max_resident": 0.0, **kw}) for m, kw in zip(modules, kwargs)]
     assert pipe._execution_device.type == DEVICE
     decode = pipe.vae.decode
     if DEVICE != "cpu":
