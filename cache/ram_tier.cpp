@@ -307,8 +307,13 @@ void RamTier::evict(Entry& e) {
     s_.ram.decrease(static_cast<int64_t>(e.ram_bytes));
     e.ram_bytes = 0;
     e.announced = false;
-    ++s_.evictions;
-    log::info("Evicted model '" + e.name + "' from RAM" + (e.dropped ? " (dropped)" : ""));
+    if (e.is_adopted) {
+      // Its host's module, given back (Note [adopted models]): nothing was evicted.
+      log::info("Removed offloaded model '" + e.name + "' from the cache");
+    } else {
+      ++s_.evictions;
+      log::info("Evicted model '" + e.name + "' from RAM" + (e.dropped ? " (dropped)" : ""));
+    }
   }
   if (e.dropped) {
     s_.entries.remove_if([&](const std::shared_ptr<Entry>& p) { return p.get() == &e; });
