@@ -395,6 +395,8 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage: str
         raise InvalidArgument("offload: the module is already offloaded; remove() it first")
     if originals not in _ORIGINALS:
         raise InvalidArgument(f"offload: originals={originals!r}; one of {', '.join(map(repr, _ORIGINALS))}")
+    if cache is not None and not (hasattr(cache, "_cache") and hasattr(cache, "_device")):
+        raise InvalidArgument(f"offload: cache= takes a sluice.ModelCache, got {type(cache).__name__}")
     if cache is not None:
         given = [k for k, v in (("device", device), ("vram_budget", vram_budget), ("working_memory", working_memory),
                                 ("pin_memory", pin_memory), ("prefetch", prefetch), ("trace", trace)) if v is not None]

@@ -559,6 +559,8 @@ def test_the_cache_options_belong_to_the_cache():
                    {"working_memory": "1MiB"}, {"pin_memory": "off"}):
         with pytest.raises(sluice.InvalidArgument, match=f"offload: {next(iter(kwargs))} belong to the ModelCache"):
             sluice.offload(m, cache=cache, **kwargs)
+    with pytest.raises(sluice.InvalidArgument, match="cache= takes a sluice.ModelCache, got str"):
+        sluice.offload(m, cache="cuda")
     assert "forward" not in m.__dict__
     with pytest.raises(sluice.InvalidArgument, match="prefetch"):
         offload(m, prefetch="soon")
