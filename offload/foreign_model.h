@@ -21,7 +21,8 @@
 //    memory (read only; pinning copies it into the arena). The caller's tensor objects are
 //    not touched: what becomes of them is the caller's choice (Python's sluice.offload
 //    frees them, and gives them back from host_copy() at remove()).
-//  - The other parameters and buffers (norms, embeddings' tables, RoPE tables) are the
+//  - The other parameters and buffers (norms, RoPE tables, the tables of embeddings the
+//    host does not hand over as layers) are the
 //    caller's tensors themselves, registered under the model's dotted names without
 //    copying: attaching the model re-points them at device copies in place (offload/
 //    repoint.h), and detaching points them back at the very same host memory, so the
@@ -29,7 +30,8 @@
 //  - Names keep the caller's dotted paths (the plan, the stats and the trace name the
 //    layers as the caller's model does); layers are registered in the order given, which
 //    the engine takes as the order to plan by until the first forward records the real one.
-// Every layer's compute dtype is `compute`: linear() takes inputs in it.
+// Every layer's compute dtype is `compute`: linear() takes inputs in it, embedding() and
+// with_weights() give rows and weights in it.
 #include <torch/nn/module.h>
 
 #include <cstdint>

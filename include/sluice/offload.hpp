@@ -1,10 +1,11 @@
 #pragma once
 // sluice::OffloadedModel: sluice's streaming engine behind a torch model someone else wrote
-// (issue 31). The host hands over the model's Linear layers by name (their weights are
-// stored in sluice's host storage, in the storage dtype) and its other parameters and
-// buffers (moved to the device and back in place); its own forward then calls linear()
-// for each of those layers, between begin_forward() and end_forward(). Python's
-// `sluice.offload(module)` is built on it (python/sluice/offload.py).
+// (issue 31). The host hands over the model's weighted layers by name (Linear layers,
+// embeddings, convolutions: their weights are stored in sluice's host storage, in the
+// storage dtype) and its other parameters and buffers (moved to the device and back in
+// place); its own forward then calls linear(), embedding() or call() for each of those
+// layers, between begin_forward() and end_forward(). Python's `sluice.offload(module)` is
+// built on it (python/sluice/offload.py).
 //
 // The model lives in a ModelCache: one the host gives, beside the cache's other models
 // (several offloaded modules of one frontend, its text encoder and its transformer, share
