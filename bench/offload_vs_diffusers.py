@@ -22,7 +22,7 @@ a base (the RSS once the model was built, less the model's bytes: what the proce
 besides the model), divided by the bytes the mode keeps of the model: sluice's
 stored model (stats()["model"]["total_bytes"]: its streamed layers in the storage dtype, the
 other tensors as they are) for the sluice rows, the bf16 model for the others. "setup" is
-right after offload()/apply_group_offloading (sluice has freed the Linear layers' originals
+right after offload()/apply_group_offloading (sluice has freed the streamed layers' originals
 by then: bf16 storage keeps the module's own memory, fp8 writes the bf16 originals to a
 temporary file, originals="disk"), "peak" the whole run's peak (read after remove()), which
 includes setup's moment with both the bf16 model the process built and the copy being
@@ -399,7 +399,8 @@ def hardware_line(a) -> str:
 
 
 def ram_over_stored(r: dict, cuda: bool) -> str:
-    """The table's host RAM cell: (RSS - RSS after the imports) / the model bytes the mode stores."""
+    """The table's host RAM cell: (RSS - the process without the model) / the model bytes the
+    mode stores, after setup and at the peak."""
     stored = r.get("stored_bytes") or r["model_bytes"]
     # The process without the model: the RSS once the model was built, less its bytes (random
     # initialisation wrote every page of them); what building it loaded and touched besides
