@@ -25,15 +25,11 @@
 #include "runtime/logging.h"      // raising the level for the log-line test
 #include "runtime/safetensors.h"  // writing the LoRA fixture
 #include "tests/device_env.h"     // SLUICE_TEST_DEVICE
+#include "tests/single_thread.h"  // one intra-op thread
 
 namespace {
 
 constexpr uint64_t MiB = 1ull << 20;
-
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 // A fresh directory under the build tree, removed with POSIX calls (torch's own
 // std::filesystem symbols crash in test binaries).

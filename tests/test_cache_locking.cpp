@@ -19,6 +19,7 @@
 
 #include "cache/cache_locking.h"
 #include "tests/cache_parts.h"
+#include "tests/single_thread.h"
 
 using namespace sluice;
 using namespace sluice::cache;
@@ -27,11 +28,6 @@ using sluice::testing::CacheParts;
 using sluice::testing::roomy_cache_options;
 
 namespace {
-
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 // Events in the order threads record them.
 struct Order {

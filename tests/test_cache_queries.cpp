@@ -14,6 +14,7 @@
 
 #include "cache/cache_queries.h"
 #include "tests/cache_parts.h"
+#include "tests/single_thread.h"
 
 using namespace sluice;
 using namespace sluice::cache;
@@ -22,11 +23,6 @@ using sluice::testing::CacheParts;
 using sluice::testing::roomy_cache_options;
 
 namespace {
-
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 }  // namespace
 

@@ -15,6 +15,7 @@
 #include "cache/device_shares.h"
 #include "runtime/error.h"
 #include "tests/cache_parts.h"
+#include "tests/single_thread.h"
 
 using namespace sluice;
 using namespace sluice::cache;
@@ -25,12 +26,6 @@ namespace {
 
 constexpr uint64_t MiB = 1ull << 20;
 constexpr uint64_t GiB = 1ull << 30;
-
-// One intra-op thread: the CPU device's copy worker needs a core on a 2-core CI machine.
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 CacheOptions options(uint64_t budget, uint64_t working = 1 * MiB) {
   CacheOptions o;

@@ -13,6 +13,7 @@
 #include "runtime/size_parse.h"
 #include "tests/counting_device.h"
 #include "tests/device_env.h"
+#include "tests/single_thread.h"
 #include "tests/toy_model.h"
 
 using namespace sluice::offload;
@@ -22,13 +23,6 @@ using sluice::testing::ToyOptions;
 namespace {
 
 constexpr uint64_t MiB = 1ull << 20;
-
-// The toy layers are tiny: one intra-op thread keeps OpenMP's spinning workers from
-// competing with the CPU device's copy thread on a 2-core CI machine.
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 at::Tensor input(int64_t dim = 64, uint64_t seed = 42) {
   at::Generator gen = at::detail::createCPUGenerator(seed);

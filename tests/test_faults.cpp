@@ -32,6 +32,7 @@
 #include "runtime/logging.h"
 #include "runtime/safetensors.h"
 #include "tests/device_env.h"
+#include "tests/single_thread.h"
 
 using namespace sluice;
 using namespace sluice::anima;
@@ -40,12 +41,6 @@ using namespace sluice::offload;
 namespace {
 
 constexpr uint64_t MiB = 1ull << 20;
-
-// The CPU device's copy thread needs a core (see offload/cpu_device.h).
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 Fp8Options fp8() {
   Fp8Options o;

@@ -15,17 +15,12 @@
 #include "offload/staging_ring.h"
 #include "runtime/error.h"
 #include "tests/device_env.h"
+#include "tests/single_thread.h"
 
 using namespace sluice;
 using namespace sluice::offload;
 
 namespace {
-
-// The CPU device's copy thread needs a core (see offload/cpu_device.h).
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 constexpr uint64_t kScratch = 4096;
 

@@ -26,6 +26,7 @@
 #include "offload/forward_recorder.h"
 #include "offload/model_residency.h"
 #include "tests/device_env.h"
+#include "tests/single_thread.h"
 #include "tests/toy_model.h"
 
 using namespace sluice;
@@ -34,12 +35,6 @@ using sluice::testing::ToyModel;
 using sluice::testing::ToyOptions;
 
 namespace {
-
-// The CPU device's copy thread needs a core (see offload/cpu_device.h).
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 constexpr uint64_t MiB = 1ull << 20;
 

@@ -36,6 +36,7 @@
 #include "runtime/size_parse.h"
 #include "tests/counting_device.h"
 #include "tests/device_env.h"
+#include "tests/single_thread.h"
 
 using namespace sluice;
 using namespace sluice::cache;
@@ -43,12 +44,6 @@ using namespace sluice::cache;
 namespace {
 
 constexpr uint64_t MiB = 1ull << 20;
-
-// One intra-op thread: the CPU device's copy worker needs a core on a 2-core CI machine.
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 LoadSpec spec(const std::string& preset = "anima-tiny", uint64_t seed = 1) {
   LoadSpec s;

@@ -20,6 +20,7 @@
 #include "offload/repoint.h"
 #include "runtime/error.h"
 #include "tests/device_env.h"
+#include "tests/single_thread.h"
 #include "tests/toy_model.h"
 
 using namespace sluice;
@@ -28,12 +29,6 @@ using sluice::testing::ToyModel;
 using sluice::testing::ToyOptions;
 
 namespace {
-
-// The CPU device's copy thread needs a core (see offload/cpu_device.h).
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 ToyModel small_toy(int blocks = 2) {
   ToyOptions o;

@@ -19,6 +19,7 @@
 #include "offload/model_residency.h"
 #include "runtime/error.h"
 #include "tests/device_env.h"
+#include "tests/single_thread.h"
 #include "tests/toy_model.h"
 
 using namespace sluice;
@@ -27,12 +28,6 @@ using sluice::testing::ToyModel;
 using sluice::testing::ToyOptions;
 
 namespace {
-
-// The CPU device's copy thread needs a core (see offload/cpu_device.h).
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 constexpr uint64_t MiB = 1ull << 20;
 constexpr uint64_t kWorkingMemory = 1 * MiB;

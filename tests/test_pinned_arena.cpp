@@ -25,6 +25,7 @@
 #include "runtime/fault_injection.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
+#include "tests/single_thread.h"
 #include "tests/toy_model.h"
 
 using namespace sluice;
@@ -35,11 +36,6 @@ using sluice::testing::ToyOptions;
 namespace {
 
 constexpr uint64_t MiB = 1ull << 20;
-
-const bool kSingleThread = [] {
-  at::set_num_threads(1);  // the CPU device's copy worker needs a core of its own
-  return true;
-}();
 
 std::shared_ptr<DeviceBackend> cpu(bool strict) {
   CpuDeviceOptions o;

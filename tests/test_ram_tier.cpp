@@ -21,6 +21,7 @@
 #include "cache/ram_tier.h"
 #include "runtime/error.h"
 #include "tests/cache_parts.h"
+#include "tests/single_thread.h"
 
 using namespace sluice;
 using namespace sluice::cache;
@@ -29,11 +30,6 @@ using sluice::testing::CacheParts;
 using sluice::testing::roomy_cache_options;
 
 namespace {
-
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 uint64_t tiny_bytes() { return estimate_model_bytes(cache_spec(), at::kCPU); }
 

@@ -20,18 +20,13 @@
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/logging.h"
+#include "tests/single_thread.h"
 #include "tests/toy_model.h"
 
 using namespace sluice;
 using namespace sluice::offload;
 
 namespace {
-
-// The CPU device's copy thread needs a core (see offload/cpu_device.h).
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 constexpr uint32_t kRingSlots = 3;
 

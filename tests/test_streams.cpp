@@ -10,8 +10,9 @@
 #include "models/lora.h"
 #include "runtime/fault_injection.h"
 #include "runtime/logging.h"
-#include "tests/toy_model.h"
 #include "tests/device_env.h"
+#include "tests/single_thread.h"
+#include "tests/toy_model.h"
 
 using namespace sluice::offload;
 using sluice::testing::ToyModel;
@@ -19,11 +20,6 @@ using sluice::testing::ToyModel;
 namespace {
 
 constexpr uint64_t MiB = 1ull << 20;
-
-const bool kSingleThread = [] {
-  at::set_num_threads(1);
-  return true;
-}();
 
 std::shared_ptr<DeviceBackend> strict_cpu() {
   CpuDeviceOptions o;
