@@ -24,6 +24,15 @@ class CacheImpl {
     std::lock_guard<std::mutex> g(mutex);
     budget_source = r.how;
   }
+  // A new budget for all models (RuntimeOptions::vram_budget forms; "auto" with
+  // options.vram_headroom): ModelCache::set_vram_budget, and OffloadedModel's for its own cache.
+  void set_vram_budget(const std::string& text) {
+    const bool automatic = offload::is_auto_vram_budget(text);
+    const offload::ResolvedVramBudget r =
+        cache->parse_budget(text, automatic ? options.vram_headroom : std::string(), "vram_budget", "vram_headroom");
+    cache->set_vram_budget(r.bytes);
+    set_budget_source(r);
+  }
   std::string budget_source_now() const {
     std::lock_guard<std::mutex> g(mutex);
     return budget_source;

@@ -57,6 +57,12 @@ void require_cache_defaults(const OffloadOptions& o) {
   check(o.trace == d.trace, "trace");
 }
 
+// i as an index into the model's layers; the model names the index it has no layer for.
+size_t layer_index(int64_t i) {
+  if (i < 0) throw InvalidArgument("offload: no layer " + std::to_string(i));
+  return static_cast<size_t>(i);
+}
+
 }  // namespace
 
 OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
@@ -133,15 +139,11 @@ OffloadedModel::~OffloadedModel() {
 
 size_t OffloadedModel::layers() const { return state_->model->size(); }
 
-at::ScalarType OffloadedModel::stored_dtype(int64_t i) const {
-  if (i < 0 || static_cast<size_t>(i) >= state_->model->size()) throw InvalidArgument("offload: no layer " + std::to_string(i));
-  return state_->model->stored_dtype(static_cast<size_t>(i));
-}
+at::ScalarType OffloadedModel::stored_dtype(int64_t i) const { return state_->model->stored_dtype(layer_index(i)); }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> OffloadedModel::stored_layer(int64_t i) const {
   if (!removed()) throw InvalidArgument("offload: a layer's stored tensors are read after remove()");
-  if (i < 0) throw InvalidArgument("offload: no layer " + std::to_string(i));
-  offload::StoredLayer s = state_->model->host_copy(static_cast<size_t>(i));
+  offload::StoredLayer s = state_->model->host_copy(layer_index(i));
   return {std::move(s.weight), std::move(s.bias)};
 }
 
@@ -151,19 +153,19 @@ void OffloadedModel::require_attached() const {
   if (removed()) throw InvalidArgument("offload: the model was removed; offload it again to run it through sluice");
 }
 
-at::Tensor OffloadedModel::in_forward(int64_t i, const std::function<at::Tensor()>& fn) {
+at::Tensor OffloadedModel::in_forward(int64_t i, const std::function<at::Tensor(size_t)>& fn) {
   require_attached();
-  if (i < 0) throw InvalidArgument("offload: no layer " + std::to_string(i));
+  const size_t index = layer_index(i);
   // Inference only: a weight leased for one layer must not live on in an autograd graph
   // (it is a staging slot or scratch that the next layer reuses).
   at::NoGradGuard no_grad;
-  if (state_->owner.load() == std::this_thread::get_id()) return fn();
+  if (state_->owner.load() == std::this_thread::get_id()) return fn(index);
   // Called outside the model's forward (a host calling one of its layers directly): a
   // forward of its own, so that the layer's weights come from the engine, on the device.
   begin_forward("layer");
   at::Tensor y;
   try {
-    y = fn();
+    y = fn(index);
   } catch (...) {
     end_forward(true);
     throw;
@@ -173,15 +175,15 @@ at::Tensor OffloadedModel::in_forward(int64_t i, const std::function<at::Tensor(
 }
 
 at::Tensor OffloadedModel::linear(int64_t i, const at::Tensor& x) {
-  return in_forward(i, [&] { return state_->model->linear(static_cast<size_t>(i), x); });
+  return in_forward(i, [&](size_t k) { return state_->model->linear(k, x); });
 }
 
 at::Tensor OffloadedModel::embedding(int64_t i, const at::Tensor& ids) {
-  return in_forward(i, [&] { return state_->model->embedding(static_cast<size_t>(i), ids); });
+  return in_forward(i, [&](size_t k) { return state_->model->embedding(k, ids); });
 }
 
 at::Tensor OffloadedModel::call(int64_t i, const LayerFn& fn) {
-  return in_forward(i, [&] { return state_->model->with_weights(static_cast<size_t>(i), fn); });
+  return in_forward(i, [&](size_t k) { return state_->model->with_weights(k, fn); });
 }
 
 void OffloadedModel::begin_forward(const std::string& kind) {
@@ -254,10 +256,7 @@ void OffloadedModel::set_vram_budget(const std::string& text) {
   if (!state_->own_cache) {
     throw InvalidArgument("offload: the model is in a ModelCache; set the budget with the cache's set_vram_budget");
   }
-  cache::ModelCache& c = *state_->cache->cache;
-  const offload::ResolvedVramBudget b = c.parse_budget(text, "", "vram_budget", "vram_headroom");
-  c.set_vram_budget(b.bytes);
-  state_->cache->set_budget_source(b);
+  state_->cache->set_vram_budget(text);
 }
 
 void OffloadedModel::remove() {

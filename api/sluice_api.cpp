@@ -284,13 +284,7 @@ void ModelCache::drop(const Model& model) {
   impl_->cache->drop(m->entry);
 }
 
-void ModelCache::set_vram_budget(const std::string& budget) {
-  const bool automatic = offload::is_auto_vram_budget(budget);
-  const offload::ResolvedVramBudget r = impl_->cache->parse_budget(
-      budget, automatic ? impl_->options.vram_headroom : std::string(), "vram_budget", "vram_headroom");
-  impl_->cache->set_vram_budget(r.bytes);
-  impl_->set_budget_source(r);
-}
+void ModelCache::set_vram_budget(const std::string& budget) { impl_->set_vram_budget(budget); }
 
 CacheStats ModelCache::stats() const {
   const cache::CacheStats s = impl_->cache->stats();

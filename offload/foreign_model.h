@@ -89,7 +89,7 @@ class ForeignModel {
   size_t size() const { return layers_.size(); }
   const std::string& name(size_t i) const { return layers_.at(i)->qualified_name(); }
   // The dtype layer i is stored in (the storage dtype, or its own when skipped).
-  at::ScalarType stored_dtype(size_t i) const { return layers_.at(i)->stored_weight().scalar_type(); }
+  at::ScalarType stored_dtype(size_t i) const { return layer(i).stored_weight().scalar_type(); }
   // Stored bytes of every layer and extra: the model's host copy.
   int64_t stored_bytes() const;
   LayerKind kind(size_t i) const { return layer(i).kind(); }

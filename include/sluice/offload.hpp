@@ -120,8 +120,9 @@ class OffloadedModel {
 
  private:
   void require_attached() const;  // InvalidArgument after remove()
-  // fn() inside this thread's forward, or inside one of its own (kind "layer") when none runs.
-  at::Tensor in_forward(int64_t i, const std::function<at::Tensor()>& fn);
+  // fn(layer i's index) inside this thread's forward, or inside one of its own (kind
+  // "layer") when none runs; InvalidArgument for a negative i.
+  at::Tensor in_forward(int64_t i, const std::function<at::Tensor(size_t)>& fn);
   void adopt(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
              const OffloadOptions& options);
   std::unique_ptr<detail::OffloadState> state_;

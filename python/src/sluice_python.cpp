@@ -64,6 +64,11 @@ py::object nonfinite_dict(const std::optional<sluice::NonFiniteReport>& r) {
   return std::move(d);
 }
 
+// A prefetch option as Python gives it: "auto" or a number of layers (an int or its string).
+std::string prefetch_option(const py::object& prefetch) {
+  return py::isinstance<py::int_>(prefetch) ? std::to_string(prefetch.cast<int64_t>()) : prefetch.cast<std::string>();
+}
+
 sluice::RuntimeOptions runtime_options(const std::string& device, const std::string& vram_budget,
                                        const std::string& working_memory, int64_t resolution, const std::string& ram_limit,
                                        const py::object& prefetch, const std::string& pin_memory, const std::string& pin_memory_limit,
@@ -75,8 +80,7 @@ sluice::RuntimeOptions runtime_options(const std::string& device, const std::str
   o.working_memory = working_memory;
   o.resolution = resolution;
   o.ram_limit = ram_limit;
-  // "auto" or a number of layers (an int or its string).
-  o.prefetch = py::isinstance<py::int_>(prefetch) ? std::to_string(prefetch.cast<int64_t>()) : prefetch.cast<std::string>();
+  o.prefetch = prefetch_option(prefetch);
   o.pin_memory = pin_memory;
   o.pin_memory_limit = pin_memory_limit;
   o.policy = policy;
@@ -291,10 +295,7 @@ PYBIND11_MODULE(_C, m) {
              if (vram_budget) o.vram_budget = *vram_budget;
              if (working_memory) o.working_memory = *working_memory;
              if (pin_memory) o.pin_memory = *pin_memory;
-             if (!prefetch.is_none()) {  // "auto" or a number of layers (an int or its string)
-               o.prefetch = py::isinstance<py::int_>(prefetch) ? std::to_string(prefetch.cast<int64_t>())
-                                                               : prefetch.cast<std::string>();
-             }
+             if (!prefetch.is_none()) o.prefetch = prefetch_option(prefetch);
              if (trace) o.trace = *trace;
              py::gil_scoped_release nogil;
              return cache ? std::make_unique<sluice::OffloadedModel>(std::move(ls), std::move(extras), *cache, o)
