@@ -51,7 +51,6 @@ import ctypes
 import json
 import re
 import tempfile
-import threading
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -515,20 +514,19 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage: str
     for i, m in enumerate(lin_modules):
         m.forward = _layer_forward(model, i, m)
     inner = module.forward
-    # The engine runs one forward at a time: calls from several threads take turns (a
-    # re-entrant lock, so a forward that calls the module again nests).
-    turn = threading.RLock()
+    # The engine runs one forward at a time: a call from another thread waits in
+    # begin_forward (without the GIL) for the running one to end, and a forward that calls
+    # the module again nests (OffloadedModel's turn, include/sluice/offload.hpp).
 
     def forward(*args, **kwargs):
-        with turn:
-            model.begin_forward(type(module).__name__)
-            try:
-                out = inner(*args, **kwargs)
-            except BaseException:
-                model.end_forward(True)
-                raise
-            model.end_forward(False)
-            return out
+        model.begin_forward(type(module).__name__)
+        try:
+            out = inner(*args, **kwargs)
+        except BaseException:
+            model.end_forward(True)
+            raise
+        model.end_forward(False)
+        return out
 
     module.forward = forward
 
