@@ -343,15 +343,12 @@ def _device_of(device: str) -> torch.device:
     return dev
 
 
-def _target(device: str, name: str, t: torch.Tensor) -> None:
-    """Refuses a tensor that is neither on the host nor on the sluice device `device`."""
+def _target(dev: Optional[torch.device], device: str, name: str, t: torch.Tensor) -> None:
+    """Refuses a tensor that is neither on the host nor on the sluice device `device` (`dev`,
+    as _device_of resolves it; None when torch knows no such device)."""
     where = t.device
     if where.type == "cpu":
         return
-    try:
-        dev = _device_of(device)
-    except (RuntimeError, ValueError):
-        dev = None
     if dev is None or where.type == "meta" or dev.type != where.type or dev.index != (where.index or 0):
         raise InvalidArgument(f"offload: '{name}' is on {where}; offload(device={device!r}) takes a module whose "
                               f"tensors are on the host or on {device}")
@@ -402,6 +399,10 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage: str
         if given:
             raise InvalidArgument(f"offload: {', '.join(given)} belong to the ModelCache given as cache=; set them there")
     where = cache._device if cache is not None else device or "cpu"  # the sluice device
+    try:
+        runs_on: Optional[torch.device] = _device_of(where)  # once: "cuda" asks torch for its current device
+    except (RuntimeError, ValueError):
+        runs_on = None  # a device torch does not know: the module's tensors must be on the host
     # Exactly the streamed classes: a subclass may compute more than its class does in its
     # forward (quantized or patched layers); its tensors move with the other parameters.
     # Nor a layer whose weight or bias another module also holds (tied weights): freeing it
@@ -428,7 +429,7 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage: str
     extras += [(n, t) for n, t in module.named_buffers() if t is not None]
     lin_tensors = [(f"{n}.{k}", p) for n, m in linears for k, p in m._parameters.items() if p is not None]
     for tname, t in lin_tensors + extras:
-        _target(where, tname, t)
+        _target(runs_on, where, tname, t)
     # Inference only: the parameters stop requiring grad while offloaded (re-pointing one
     # that requires grad at an out-of-tree backend's memory is refused, Note [re-pointing
     # across devices]); remove() gives each its flag back.
@@ -505,7 +506,7 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage: str
     for k in kept:
         zeros = (0,) * len(k.shape)
         try:
-            _repoint(k.param, base(k.dtype, _device_of(where)).as_strided(k.shape, zeros))
+            _repoint(k.param, base(k.dtype, k.home if runs_on is None else runs_on).as_strided(k.shape, zeros))
         except Exception:  # noqa: BLE001  (see above: the tensor's own device then)
             _repoint(k.param, base(k.dtype, k.home).as_strided(k.shape, zeros))
     _return_freed_host_memory()
