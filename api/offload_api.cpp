@@ -22,6 +22,8 @@ namespace sluice {
 namespace detail {
 struct OffloadState {
   std::unique_ptr<offload::ForeignModel> model;
+  OffloadOptions options;  // begin()'s, for finish()
+  bool finished = false;   // in the cache (finish() done)
   std::shared_ptr<CacheImpl> cache;
   bool own_cache = false;  // made for this model alone (no ModelCache given)
   std::shared_ptr<cache::Entry> entry;
@@ -65,9 +67,7 @@ size_t layer_index(int64_t i) {
 
 }  // namespace
 
-OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
-                               const OffloadOptions& o)
-    : state_(std::make_unique<detail::OffloadState>()) {
+OffloadedModel::OffloadedModel(const OffloadOptions& o) : state_(std::make_unique<detail::OffloadState>()) {
   RuntimeOptions r;
   r.device = o.device;
   r.vram_budget = o.vram_budget;
@@ -79,19 +79,31 @@ OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std
   ModelCache own(r);
   state_->cache = own.impl_;
   state_->own_cache = true;
-  adopt(std::move(layers), std::move(extras), o);
+  begin(o);
+}
+
+OffloadedModel::OffloadedModel(ModelCache& cache, const OffloadOptions& o)
+    : state_(std::make_unique<detail::OffloadState>()) {
+  require_cache_defaults(o);
+  state_->cache = cache.impl_;
+  begin(o);
+}
+
+OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
+                               const OffloadOptions& o)
+    : OffloadedModel(o) {
+  for (auto& l : layers) add_layer(std::move(l));
+  finish(std::move(extras));
 }
 
 OffloadedModel::OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
                                ModelCache& cache, const OffloadOptions& o)
-    : state_(std::make_unique<detail::OffloadState>()) {
-  require_cache_defaults(o);
-  state_->cache = cache.impl_;
-  adopt(std::move(layers), std::move(extras), o);
+    : OffloadedModel(cache, o) {
+  for (auto& l : layers) add_layer(std::move(l));
+  finish(std::move(extras));
 }
 
-void OffloadedModel::adopt(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
-                           const OffloadOptions& o) {
+void OffloadedModel::begin(const OffloadOptions& o) {
   offload::check_max_resident(o.max_resident);
   cache::ModelCache& c = *state_->cache->cache;
   offload::ForeignOptions fo;
@@ -101,21 +113,36 @@ void OffloadedModel::adopt(std::vector<OffloadLayer> layers, std::vector<std::pa
   if (is_fp8(fo.storage) && !device_supports_fp8_storage(c.device().device(), fo.storage)) {
     throw InvalidArgument("storage: " + dtype_name(fo.storage) + " is not supported on " + c.device().name());
   }
-  std::vector<offload::ForeignLayer> fl;
-  fl.reserve(layers.size());
-  for (auto& l : layers) {
-    const offload::LayerKind kind = l.kind == OffloadLayerKind::linear      ? offload::LayerKind::linear
-                                    : l.kind == OffloadLayerKind::embedding ? offload::LayerKind::embedding
-                                                                            : offload::LayerKind::other;
-    fl.push_back({std::move(l.name), std::move(l.weight), std::move(l.bias), kind});
+  state_->options = o;
+  state_->model = std::make_unique<offload::ForeignModel>(fo);
+}
+
+int64_t OffloadedModel::add_layer(OffloadLayer l) {
+  if (state_->finished || state_->removed) {
+    throw InvalidArgument("offload: add_layer after finish(); a model's layers are all given before it runs");
   }
-  state_->model = std::make_unique<offload::ForeignModel>(std::move(fl), std::move(extras), fo);
-  state_->entry = c.adopt(state_->model->module_ptr(), o.name.empty() ? "offloaded model" : o.name,
-                          DtypePair{fo.storage, fo.compute}, o.max_resident);
+  const offload::LayerKind kind = l.kind == OffloadLayerKind::linear      ? offload::LayerKind::linear
+                                  : l.kind == OffloadLayerKind::embedding ? offload::LayerKind::embedding
+                                                                          : offload::LayerKind::other;
+  std::optional<at::ScalarType> compute;
+  if (!l.compute.empty()) compute = parse_compute_dtype(l.compute);
+  state_->model->add_layer({std::move(l.name), std::move(l.weight), std::move(l.bias), kind, compute});
+  return static_cast<int64_t>(state_->model->size()) - 1;
+}
+
+void OffloadedModel::finish(std::vector<std::pair<std::string, at::Tensor>> extras) {
+  if (state_->finished || state_->removed) throw InvalidArgument("offload: finish() twice");
+  detail::OffloadState& s = *state_;
+  s.model->add_extras(std::move(extras));
+  cache::ModelCache& c = *s.cache->cache;
+  const OffloadOptions& o = s.options;
+  s.entry = c.adopt(s.model->module_ptr(), o.name.empty() ? "offloaded model" : o.name,
+                    DtypePair{parse_storage_dtype(o.storage), parse_compute_dtype(o.compute)}, o.max_resident);
+  s.finished = true;
 }
 
 OffloadedModel::~OffloadedModel() {
-  if (!state_ || !state_->entry || state_->removed) return;
+  if (!state_ || !state_->entry || state_->removed || !state_->finished) return;
   try {
     detail::OffloadState& s = *state_;
     if (s.lock && s.owner.load() == std::this_thread::get_id()) {
@@ -147,10 +174,20 @@ std::pair<at::Tensor, std::optional<at::Tensor>> OffloadedModel::stored_layer(in
   return {std::move(s.weight), std::move(s.bias)};
 }
 
+void OffloadedModel::release_layer(int64_t i) {
+  if (!removed()) throw InvalidArgument("offload: a layer's stored tensors are freed after remove()");
+  state_->model->release_host(layer_index(i));
+}
+
 bool OffloadedModel::removed() const { return state_->removed; }
+
+void OffloadedModel::require_finished() const {
+  if (!state_->finished) throw InvalidArgument("offload: the model is still being built; call finish() first");
+}
 
 void OffloadedModel::require_attached() const {
   if (removed()) throw InvalidArgument("offload: the model was removed; offload it again to run it through sluice");
+  if (!state_->finished) throw InvalidArgument("offload: the model is still being built; call finish() first");
 }
 
 at::Tensor OffloadedModel::in_forward(int64_t i, const std::function<at::Tensor(size_t)>& fn) {
@@ -240,14 +277,17 @@ void OffloadedModel::end_forward(bool aborted) {
 }
 
 std::string OffloadedModel::stats_json(int indent) const {
+  require_finished();
   return state_->cache->cache->model_stats_json(state_->entry, indent);
 }
 
 void OffloadedModel::write_trace(const std::string& path) const {
+  require_finished();
   state_->cache->cache->write_trace(state_->entry, path);
 }
 
 void OffloadedModel::write_timeline_svg(const std::string& path) const {
+  require_finished();
   state_->cache->cache->write_timeline_svg(state_->entry, path);
 }
 
@@ -263,7 +303,7 @@ void OffloadedModel::remove() {
   if (removed()) throw InvalidArgument("offload: the model was already removed");
   std::lock_guard<std::recursive_mutex> turn(state_->forward_mutex);
   if (state_->depth > 0) throw InvalidArgument("offload: remove() during the model's forward; remove it after");
-  state_->cache->cache->drop(state_->entry);
+  if (state_->finished) state_->cache->cache->drop(state_->entry);  // before finish(): in no cache yet
   state_->removed = true;
 }
 

@@ -196,6 +196,21 @@ std::optional<NonFiniteReport> locate(detail::LockToken& t, const char* kind,
 
 std::string version() { return SLUICE_VERSION_STRING; }
 
+// The public levels are the runtime's own (runtime/logging.h), in the same order.
+static_assert(static_cast<int>(LogLevel::off) == static_cast<int>(log::Level::off));
+
+void set_log_level(LogLevel level) { log::set_level(static_cast<log::Level>(level)); }
+
+LogLevel log_level() { return static_cast<LogLevel>(log::level()); }
+
+void set_log_sink(LogSink sink) {
+  if (!sink) {
+    log::set_sink(nullptr);
+    return;
+  }
+  log::set_sink([sink = std::move(sink)](log::Level l, const std::string& m) { sink(static_cast<LogLevel>(l), m); });
+}
+
 // ---------------------------------------------------------------------------------------
 // ModelCache
 

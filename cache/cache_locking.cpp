@@ -80,8 +80,13 @@ void CacheLocking::publish(Entry& e, bool settle) const {
     p.residency = plan.residency_map();
     for (size_t i = 0; i < plan.layers.size(); ++i) {
       if (plan.resident[i]) continue;
-      (plan.layers[i].name.rfind("llm_adapter.", 0) == 0 ? p.streamed_adapter : p.streamed_dit) +=
-          plan.layers[i].stored_bytes;
+      const std::string& name = plan.layers[i].name;
+      if (e.is_adopted) {
+        // A torch module of the host's: its own top-level children, not Anima's parts.
+        p.streamed_by_part[name.substr(0, name.find('.'))] += plan.layers[i].stored_bytes;
+      } else {
+        (name.rfind("llm_adapter.", 0) == 0 ? p.streamed_adapter : p.streamed_dit) += plan.layers[i].stored_bytes;
+      }
     }
   }
   std::lock_guard<std::mutex> g(e.published_mutex);

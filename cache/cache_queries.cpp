@@ -152,7 +152,11 @@ std::string CacheQueries::model_stats_json(const std::shared_ptr<Entry>& e, int 
   j["budget"]["share_bytes"] = e->attached ? e->share : 0;
   {
     const EntryState st = entry_state_locked(e);
-    j["model"]["streamed_bytes_by_forward"] = {{"dit", st.streamed_dit}, {"adapter", st.streamed_adapter}};
+    if (e->is_adopted) {
+      j["model"]["streamed_bytes_by_part"] = st.streamed_by_part;  // the host module's top-level children
+    } else {
+      j["model"]["streamed_bytes_by_forward"] = {{"dit", st.streamed_dit}, {"adapter", st.streamed_adapter}};
+    }
   }
   j["model"]["id"] = e->id;  // two models may share a name (Note [stats parts])
   j["model"]["source"] = e->spec.source;
@@ -265,6 +269,7 @@ EntryState CacheQueries::entry_state_locked(const std::shared_ptr<Entry>& e) con
     s.residency = e->published.residency;
     s.streamed_dit = e->published.streamed_dit;
     s.streamed_adapter = e->published.streamed_adapter;
+    s.streamed_by_part = e->published.streamed_by_part;
   }
   return s;
 }

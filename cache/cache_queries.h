@@ -28,6 +28,7 @@
 //    sluice's allocations, the ring slots above: 0 between forwards). Null where the
 //    allocator's counters are unavailable.
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -86,6 +87,7 @@ struct EntryState {
   uint64_t device_allocated = 0;  // of device_bytes, allocated now (the ring's slots, not its reservation)
   uint64_t streamed_dit = 0;      // stored bytes of streamed DiT layers: what a DiT forward streams
   uint64_t streamed_adapter = 0;  // of streamed llm_adapter layers: what encode_text streams
+  std::map<std::string, uint64_t> streamed_by_part;  // an adopted model's, by its top-level modules
   std::string residency;
 };
 

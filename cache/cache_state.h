@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -105,6 +106,8 @@ struct Entry {
   struct Published {
     std::optional<offload::EngineStats> stats;  // none before the engine exists
     uint64_t device_bytes = 0, device_allocated = 0, streamed_dit = 0, streamed_adapter = 0;
+    // An adopted model's streamed bytes by its host's top-level module (Note [adopted models]).
+    std::map<std::string, uint64_t> streamed_by_part;
     std::string residency;
     std::string trace_json;  // with CacheOptions::trace
   };

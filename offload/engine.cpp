@@ -54,13 +54,17 @@ void StreamingEngine::before_change(const char* what) {
   if (forwards_.in_implicit_forward()) end_forward(false);
 }
 
-LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) {
+LayerWeights StreamingEngine::acquire(ManagedLayerImpl& layer) { return acquire_as(layer, false); }
+
+LayerWeights StreamingEngine::acquire_stored(ManagedLayerImpl& layer) { return acquire_as(layer, true); }
+
+LayerWeights StreamingEngine::acquire_as(ManagedLayerImpl& layer, bool stored) {
   if (!deferred_error_.empty()) {
     std::string msg = std::move(deferred_error_);
     deferred_error_.clear();
     TORCH_INTERNAL_ASSERT(false, "streaming engine: an earlier forward ended with an error: ", msg);
   }
-  return forwards_.acquire(layer);
+  return forwards_.acquire(layer, stored);
 }
 
 std::vector<at::Tensor> StreamingEngine::place_sidecars(const std::vector<at::Tensor>& host,

@@ -90,6 +90,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer, priva
   // WeightProvider. The returned tensors are valid until release(); they may be views of
   // a staging slot or of a scratch buffer that the next layer reuses.
   LayerWeights acquire(ManagedLayerImpl& layer) override;
+  LayerWeights acquire_stored(ManagedLayerImpl& layer) override;
   void release(ManagedLayerImpl& layer) noexcept override { forwards_.release(layer); }
 
   // SidecarPlacer (Note [device extras]). Between forwards only (InvalidArgument during one);
@@ -187,6 +188,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer, priva
   const EngineOptions& options() const { return options_; }
 
  private:
+  LayerWeights acquire_as(ManagedLayerImpl& layer, bool stored);
   // PlanObserver (model_residency.h).
   void before_change(const char* what) override;
   void plan_changing() noexcept override { forwards_.plan_changing(); }

@@ -43,66 +43,99 @@ void check_name(const std::string& name, const char* what, std::set<std::string>
 
 ForeignModel::ForeignModel(std::vector<ForeignLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
                            ForeignOptions options)
-    : root_(std::make_shared<torch::nn::Module>("ForeignModel")) {
-  if (!at::isFloatingType(options.compute)) {
-    throw InvalidArgument(std::string("offload: compute dtype must be floating, got ") + c10::toString(options.compute));
+    : ForeignModel(std::move(options)) {
+  for (auto& l : layers) add_layer(std::move(l));
+  add_extras(std::move(extras));
+}
+
+ForeignModel::ForeignModel(ForeignOptions options)
+    : options_(std::move(options)), root_(std::make_shared<torch::nn::Module>("ForeignModel")) {
+  if (!at::isFloatingType(options_.compute)) {
+    throw InvalidArgument(std::string("offload: compute dtype must be floating, got ") + c10::toString(options_.compute));
   }
-  const SkipList skip(options.skip);
-  std::map<std::string, std::shared_ptr<torch::nn::Module>> made;
-  std::set<std::string> seen;
-  int64_t index = 0;
-  for (auto& l : layers) {
-    check_name(l.name, "layer", seen);
-    const at::Tensor& w = l.weight;
-    const char* kind = l.kind == LayerKind::linear ? "a Linear weight is [out, in]"
-                       : l.kind == LayerKind::embedding ? "an embedding table is [num, dim]"
-                                                        : "a weight has at least one dim";
-    const bool shape_ok = w.defined() && (l.kind == LayerKind::other ? w.dim() >= 1 : w.dim() == 2);
-    if (!shape_ok) {
-      throw InvalidArgument("offload: layer '" + l.name + "' has a weight of " + std::to_string(w.defined() ? w.dim() : 0) +
-                            " dims; " + kind);
-    }
-    if (!w.device().is_cpu()) throw InvalidArgument("offload: the weight of layer '" + l.name + "' is not on the host");
-    if (!at::isFloatingType(w.scalar_type())) {
-      throw InvalidArgument(std::string("offload: the weight of layer '") + l.name + "' is " +
-                            c10::toString(w.scalar_type()) + ", not floating");
-    }
-    if (l.bias && l.kind == LayerKind::embedding) throw InvalidArgument("offload: embedding '" + l.name + "' has a bias");
-    if (l.bias && (l.bias->dim() != 1 || l.bias->size(0) != w.size(0) || !l.bias->device().is_cpu())) {
-      throw InvalidArgument("offload: the bias of layer '" + l.name + "' is not a host tensor of " +
-                            std::to_string(w.size(0)) + " values");
-    }
-    const bool skipped = skip.matches(l.name).has_value() || at::isFloat8Type(w.scalar_type());
-    const at::ScalarType storage = skipped ? w.scalar_type() : options.storage;
-    StorageCast cast = cast_to_storage(w.detach(), storage, l.name);
-    // Already in the storage dtype: the caller's memory itself, not a copy (Note [foreign layers]).
-    at::Tensor stored = cast.stored.contiguous();
-    std::optional<at::Tensor> bias;  // stored as the weight is, as diffusers' layerwise casting does
-    if (l.bias) bias = cast_to_storage(l.bias->detach(), storage, l.name + ".bias").stored.contiguous();
-    const at::TensorOptions built = at::TensorOptions().dtype(options.compute).device(at::kCPU);
-    std::shared_ptr<ManagedLayerImpl> layer;
-    switch (l.kind) {
-      case LayerKind::linear: layer = std::make_shared<LinearImpl>(w.size(1), w.size(0), bias.has_value(), built); break;
-      case LayerKind::embedding: layer = std::make_shared<EmbeddingImpl>(w.size(0), w.size(1), built); break;
-      case LayerKind::other: layer = std::make_shared<HostComputedImpl>(w.sizes(), bias.has_value(), built); break;
-    }
-    layer->set_stored(stored, bias);
-    layer->set_compute_dtype(options.compute);
-    layer->set_qualified_name(l.name);
-    layer->set_layer_index(index++);
-    const auto [parent, leaf] = split_name(l.name);
-    module_at(*root_, made, parent).register_module(leaf, layer);
-    layers_.push_back(std::move(layer));
+}
+
+void ForeignModel::add_layer(ForeignLayer l) {
+  check_name(l.name, "layer", seen_);
+  try {
+    store(l);
+  } catch (...) {
+    seen_.erase(l.name);  // a refused layer leaves nothing behind, its name included
+    throw;
   }
+}
+
+void ForeignModel::store(const ForeignLayer& l) {
+  const at::Tensor& w = l.weight;
+  const char* kind = l.kind == LayerKind::linear ? "a Linear weight is [out, in]"
+                     : l.kind == LayerKind::embedding ? "an embedding table is [num, dim]"
+                                                      : "a weight has at least one dim";
+  const bool shape_ok = w.defined() && (l.kind == LayerKind::other ? w.dim() >= 1 : w.dim() == 2);
+  if (!shape_ok) {
+    throw InvalidArgument("offload: layer '" + l.name + "' has a weight of " + std::to_string(w.defined() ? w.dim() : 0) +
+                          " dims; " + kind);
+  }
+  if (!w.device().is_cpu()) throw InvalidArgument("offload: the weight of layer '" + l.name + "' is not on the host");
+  if (!at::isFloatingType(w.scalar_type())) {
+    throw InvalidArgument(std::string("offload: the weight of layer '") + l.name + "' is " +
+                          c10::toString(w.scalar_type()) + ", not floating");
+  }
+  if (l.bias && l.kind == LayerKind::embedding) throw InvalidArgument("offload: embedding '" + l.name + "' has a bias");
+  if (l.bias && (l.bias->dim() != 1 || l.bias->size(0) != w.size(0) || !l.bias->device().is_cpu())) {
+    throw InvalidArgument("offload: the bias of layer '" + l.name + "' is not a host tensor of " +
+                          std::to_string(w.size(0)) + " values");
+  }
+  if (l.compute && !at::isFloatingType(*l.compute)) {
+    throw InvalidArgument(std::string("offload: layer '") + l.name + "' has compute dtype " + c10::toString(*l.compute) +
+                          ", not floating");
+  }
+  const bool skipped = SkipList(options_.skip).matches(l.name).has_value() || at::isFloat8Type(w.scalar_type());
+  const at::ScalarType storage = skipped ? w.scalar_type() : options_.storage;
+  // A layer kept in its own dtype computes in it, as without sluice; another in the one named.
+  const at::ScalarType compute = skipped && !at::isFloat8Type(w.scalar_type()) ? w.scalar_type()
+                                                                               : l.compute.value_or(options_.compute);
+  // Always sluice's own memory, never the caller's (Note [foreign layers]).
+  auto own = [](const at::Tensor& src, at::Tensor stored) {
+    stored = stored.contiguous();
+    return stored.is_alias_of(src) ? stored.clone() : stored;
+  };
+  at::Tensor stored = own(w, cast_to_storage(w.detach(), storage, l.name).stored);
+  std::optional<at::Tensor> bias;  // stored as the weight is, as diffusers' layerwise casting does
+  if (l.bias) bias = own(*l.bias, cast_to_storage(l.bias->detach(), storage, l.name + ".bias").stored);
+  const at::TensorOptions built = at::TensorOptions().dtype(compute).device(at::kCPU);
+  std::shared_ptr<ManagedLayerImpl> layer;
+  switch (l.kind) {
+    case LayerKind::linear: layer = std::make_shared<LinearImpl>(w.size(1), w.size(0), bias.has_value(), built); break;
+    case LayerKind::embedding: layer = std::make_shared<EmbeddingImpl>(w.size(0), w.size(1), built); break;
+    case LayerKind::other: layer = std::make_shared<HostComputedImpl>(w.sizes(), bias.has_value(), built); break;
+  }
+  layer->set_stored(stored, bias);
+  layer->set_compute_dtype(compute);
+  layer->set_qualified_name(l.name);
+  layer->set_layer_index(static_cast<int64_t>(layers_.size()));
+  const auto [parent, leaf] = split_name(l.name);
+  module_at(*root_, made_, parent).register_module(leaf, layer);
+  layers_.push_back(std::move(layer));
+}
+
+void ForeignModel::add_extras(std::vector<std::pair<std::string, at::Tensor>> extras) {
   for (auto& [name, t] : extras) {
-    check_name(name, "parameter", seen);
+    check_name(name, "parameter", seen_);
     if (!t.defined() || !t.device().is_cpu()) throw InvalidArgument("offload: parameter '" + name + "' is not on the host");
     const auto [parent, leaf] = split_name(name);
     // A buffer, not a parameter: registering a parameter would set requires_grad on the
     // caller's tensor. The same tensor (same impl): the engine re-points it in place.
-    module_at(*root_, made, parent).register_buffer(leaf, t);
+    module_at(*root_, made_, parent).register_buffer(leaf, t);
     extra_bytes_ += static_cast<int64_t>(t.nbytes());
   }
+}
+
+void ForeignModel::release_host(size_t i) {
+  ManagedLayerImpl& l = layer(i);
+  if (!l.stored_weight().device().is_cpu()) {
+    throw InvalidArgument("offload: layer '" + l.qualified_name() + "' is on the device; detach the model first");
+  }
+  l.release_stored();
 }
 
 int64_t ForeignModel::stored_bytes() const {

@@ -17,10 +17,17 @@
 //    new host tensor that the managed layer owns; a layer whose dotted name matches the skip
 //    list keeps its weight's own dtype (stored unconverted, leased without an upcast), as
 //    diffusers' layerwise casting keeps the modules its skip patterns name. A tensor that
-//    is already in the dtype it is stored in is not copied: the layer holds the caller's
-//    memory (read only; pinning copies it into the arena). The caller's tensor objects are
-//    not touched: what becomes of them is the caller's choice (Python's sluice.offload
-//    frees them, and gives them back from host_copy() at remove()).
+//    is already in the dtype it is stored in is copied too: sluice never shares the caller's
+//    memory, so a write through a reference the caller kept cannot reach the stored copy
+//    for streamed layers and miss it for resident ones (an output that would depend on the
+//    budget). The caller's tensor objects are not touched: what becomes of them is the
+//    caller's choice (Python's sluice.offload frees each layer's original once add_layer()
+//    has copied it, so that the host holds the original of one layer at most twice, and
+//    gives them back from host_copy() at remove()).
+//  - Layers come one at a time (add_layer), then the extras (add_extras), so that a host can
+//    free each original before handing over the next.
+//  - Each layer computes in its own compute dtype: a skipped layer in its weight's dtype,
+//    any other in the one the host names for it (the options' by default).
 //  - The other parameters and buffers (norms, RoPE tables, the tables of embeddings the
 //    host does not hand over as layers) are the
 //    caller's tensors themselves, registered under the model's dotted names without
@@ -30,14 +37,16 @@
 //  - Names keep the caller's dotted paths (the plan, the stats and the trace name the
 //    layers as the caller's model does); layers are registered in the order given, which
 //    the engine takes as the order to plan by until the first forward records the real one.
-// Every layer's compute dtype is `compute`: linear() takes inputs in it, embedding() and
-// with_weights() give rows and weights in it.
+// A layer's compute dtype is the one linear() takes inputs in and embedding() and
+// with_weights() give rows and weights in.
 #include <torch/nn/module.h>
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,6 +62,7 @@ struct ForeignLayer {
                                    // (embedding), any shape with out first (other)
   std::optional<at::Tensor> bias;  // [out]; none for an embedding
   LayerKind kind = LayerKind::linear;
+  std::optional<at::ScalarType> compute;  // none: the options' (a skipped layer: its weight's dtype)
 };
 
 // A layer its host computes itself with the weights it leases (LayerKind::other): a
@@ -81,6 +91,14 @@ class ForeignModel {
   // is not floating. NaN/Inf in a weight: the storage cast's error, naming the layer.
   ForeignModel(std::vector<ForeignLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
                ForeignOptions options);
+  // An empty model: add_layer() each layer, then add_extras() once.
+  explicit ForeignModel(ForeignOptions options);
+  // Stores one more layer (errors as the constructor's; nothing is kept of a layer refused).
+  void add_layer(ForeignLayer layer);
+  void add_extras(std::vector<std::pair<std::string, at::Tensor>> extras);
+  // Frees layer i's stored tensors (its host copy), once the host has taken them back; the
+  // layer then has none: only for a model no engine holds any more.
+  void release_host(size_t i);
 
   // What StreamingEngine::attach takes.
   torch::nn::Module& module() { return *root_; }
@@ -107,11 +125,15 @@ class ForeignModel {
   StoredLayer host_copy(size_t i) const;
 
  private:
+  void store(const ForeignLayer& layer);     // add_layer's work, its name already taken
   ManagedLayerImpl& layer(size_t i) const;  // InvalidArgument for a bad i
   ManagedLayerImpl& layer(size_t i, LayerKind kind, const char* what) const;  // and of that kind
 
+  ForeignOptions options_;
   std::shared_ptr<torch::nn::Module> root_;
   std::vector<std::shared_ptr<ManagedLayerImpl>> layers_;
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> made_;  // parent modules by dotted path
+  std::set<std::string> seen_;                                       // names given so far
   int64_t extra_bytes_ = 0;
 };
 

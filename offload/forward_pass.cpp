@@ -142,26 +142,23 @@ ForwardPass::Ended ForwardPass::end(bool aborted) {
   rec.index = forwards_++;
   rec.kind = kind_;
   rec.bytes_streamed = acc.bytes;
+  const uint64_t loaded = static_cast<uint64_t>(residency_.applier().residency_h2d().allocated);
+  rec.bytes_loaded = loaded - std::min(loaded, loaded_before_);
+  loaded_before_ = loaded;
   rec.copies = acc.copies;
   rec.demand_copies = acc.demand;
   rec.stalls = acc.stalls;  // host-query count without timing; resolve() counts timed ones
   rec.stalls_timed = options_.timed();
   rec.diverged = ended.diverged;
   rec.aborted = aborted;
-  // Each streamed layer is copied exactly once per forward (Note [prefetch order]).
+  // Each call of a streamed layer is copied exactly once per forward (Note [prefetch order],
+  // Note [repeated calls]).
   uint64_t expected = rec.bytes_streamed;
   if (!aborted && !ended.diverged && !ended.overflow) {
-    std::unordered_set<int64_t> seen;
-    bool dup = false;
     expected = 0;
     for (int64_t id : ended.acquires) {
-      if (!seen.insert(id).second) {
-        dup = true;
-      } else if (!layers[static_cast<size_t>(id)].resident) {
-        expected += layers[static_cast<size_t>(id)].stored_bytes;
-      }
+      if (!layers[static_cast<size_t>(id)].resident) expected += layers[static_cast<size_t>(id)].stored_bytes;
     }
-    if (dup) expected = rec.bytes_streamed;
   }
   rec.planned_bytes = expected;
   for (auto& e : residency_.records().extras()) {
@@ -230,14 +227,17 @@ void ForwardPass::top_up_for_next() { top_up(0, /*at_end=*/true); }
 
 void ForwardPass::top_up(size_t pos, bool at_end) {
   if (!residency_.buffers().ring()) return;
-  sched_.top_up(pos, at_end, [this](int64_t id, uint64_t epoch) { return offer(id, epoch); });
+  sched_.top_up(pos, at_end,
+                [this](int64_t id, uint64_t epoch, uint32_t occurrence) { return offer(id, epoch, occurrence); });
 }
 
-PrefetchScheduler::Offer ForwardPass::offer(int64_t id, uint64_t epoch) {
+PrefetchScheduler::Offer ForwardPass::offer(int64_t id, uint64_t epoch, uint32_t occurrence) {
   const LayerRecord& r = residency_.records().at(id);
-  if (r.resident || residency_.buffers().ring()->find(id, epoch) >= 0) return PrefetchScheduler::Offer::issued;
+  if (r.resident || residency_.buffers().ring()->find(id, epoch, occurrence) >= 0) {
+    return PrefetchScheduler::Offer::issued;
+  }
   try {
-    return issue(id, epoch, /*demand=*/false) < 0 ? PrefetchScheduler::Offer::full : PrefetchScheduler::Offer::issued;
+    return issue(id, epoch, occurrence, /*demand=*/false) < 0 ? PrefetchScheduler::Offer::full : PrefetchScheduler::Offer::issued;
   } catch (const ResourceError&) {
     return PrefetchScheduler::Offer::full;  // the budget has no room for a slot now (nested leases hold it)
   } catch (const DeviceError& e) {
@@ -248,7 +248,7 @@ PrefetchScheduler::Offer ForwardPass::offer(int64_t id, uint64_t epoch) {
   }
 }
 
-int ForwardPass::issue(int64_t id, uint64_t epoch, bool demand) {
+int ForwardPass::issue(int64_t id, uint64_t epoch, uint32_t occurrence, bool demand) {
   const LayerRecord& r = residency_.records().at(id);
   StagingRing& ring = *residency_.buffers().ring();
   int s = ring.pick(r.slot_bytes, epoch_, /*keep_unconsumed=*/true);
@@ -270,6 +270,7 @@ int ForwardPass::issue(int64_t id, uint64_t epoch, bool demand) {
     b = recorder_.take_event();
   }
   ring.fill(s, id, epoch, parts, a.get(), b.get(), bounce_for(parts));
+  ring.slot(static_cast<size_t>(s)).occurrence = occurrence;  // Note [repeated calls]
   ForwardAcc& acc = epoch == epoch_ ? recorder_.current() : recorder_.next();
   acc.bytes += r.stored_bytes;
   acc.copies += 1;
@@ -319,7 +320,7 @@ size_t ForwardPass::bounce_limit() const {
 // ---------------------------------------------------------------------------------------
 // leases
 
-LayerWeights ForwardPass::acquire(ManagedLayerImpl& layer) {
+LayerWeights ForwardPass::acquire(ManagedLayerImpl& layer, bool stored) {
   // A layer callback asked to stop (set_layer_progress): this forward ends here, before the
   // layer, as from any error.
   if (interrupt_ && depth_ > 0) std::rethrow_exception(take_interrupt());
@@ -353,7 +354,10 @@ LayerWeights ForwardPass::acquire(ManagedLayerImpl& layer) {
     LayerWeights out;
     out.weight = w;
     out.bias = b;
-    if (r.upcast_w || r.upcast_b) {
+    if (stored) {
+      out.scale = s;
+      out.stored = true;
+    } else if (r.upcast_w || r.upcast_b) {
       ForwardBuffers& buffers = residency_.buffers();
       lease.scratch = buffers.take_scratch(r.scratch_bytes, nested_flag_);
       const at::Tensor& buf = buffers.scratch(lease.scratch);
@@ -394,10 +398,11 @@ int ForwardPass::read_streamed(int64_t id, size_t pos) {
       throw ResourceError("model '" + model + "' has no staging ring to stream '" + r.name + "': " + e.what());
     }
   }
-  int slot = residency_.buffers().ring()->find(id, epoch_);
+  const uint32_t occurrence = sched_.occurrence();
+  int slot = residency_.buffers().ring()->find(id, epoch_, occurrence);
   if (slot < 0) {
     try {
-      slot = issue(id, epoch_, /*demand=*/true);
+      slot = issue(id, epoch_, occurrence, /*demand=*/true);
     } catch (const DeviceError& e) {
       throw DeviceError("model '" + model + "': streaming layer '" + r.name + "' failed: " + e.what());
     }

@@ -76,7 +76,8 @@ class ForwardPass {
   // working memory]); none when it was not measured or `aborted` (measured again then).
   // Read after the plan follows the forward's nesting, as the device is then.
   std::optional<WorkingMeasure> take_working_measure(bool aborted);
-  LayerWeights acquire(ManagedLayerImpl& layer);
+  // `stored`: the weights as stored, not upcast (WeightLease::Form::stored).
+  LayerWeights acquire(ManagedLayerImpl& layer, bool stored = false);
   void release(ManagedLayerImpl& layer) noexcept;
   // After a forward: prefetches for the next one, from the start of the recorded order.
   void top_up_for_next();
@@ -113,8 +114,8 @@ class ForwardPass {
   // The slot holding layer `id` for this forward, its copy waited for on the compute stream.
   int read_streamed(int64_t id, size_t pos);
   void top_up(size_t pos, bool at_end);
-  PrefetchScheduler::Offer offer(int64_t id, uint64_t epoch);
-  int issue(int64_t id, uint64_t epoch, bool demand);
+  PrefetchScheduler::Offer offer(int64_t id, uint64_t epoch, uint32_t occurrence);
+  int issue(int64_t id, uint64_t epoch, uint32_t occurrence, bool demand);
   BounceRing* bounce_for(const std::vector<SlotPart>& parts);  // the bounce ring when a part is pageable
   size_t bounce_limit() const;  // the most slots it grows to (Note [bounce ring sizing])
   void end_lease(Lease& lease) noexcept;  // ends a lease's accesses, records its uses, frees its slot and scratch
@@ -144,6 +145,7 @@ class ForwardPass {
   std::exception_ptr interrupt_;  // an Interrupted from layer_progress_, raised by the next acquire()
   int64_t released_ = 0;          // leases released in the open forward (for layer_progress_)
   uint64_t mismatched_ = 0;       // forwards whose streamed bytes were not the streamed layers' bytes
+  uint64_t loaded_before_ = 0;    // residency bytes made resident up to the last forward (ForwardRecord::bytes_loaded)
   bool waste_warned_ = false;
   // Note [measured working memory]
   std::unordered_set<std::string> measured_kinds_;

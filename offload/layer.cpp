@@ -30,6 +30,12 @@ void ManagedLayerImpl::set_stored(at::Tensor weight, std::optional<at::Tensor> b
   }
 }
 
+void ManagedLayerImpl::release_stored() {
+  repoint(weight_, at::empty({0}, weight_.options()));
+  if (bias_.defined()) repoint(bias_, at::empty({0}, bias_.options()));
+  weight_scale_ = at::Tensor();
+}
+
 int64_t ManagedLayerImpl::stored_bytes() const {
   int64_t n = weight_.nbytes();
   if (bias_.defined()) n += bias_.nbytes();
@@ -44,8 +50,17 @@ LayerWeights ManagedLayerImpl::upcast_stored() const {
   return w;
 }
 
-WeightLease::WeightLease(ManagedLayerImpl& layer) : layer_(layer) {
-  weights_ = layer.provider() ? layer.provider()->acquire(layer) : layer.upcast_stored();
+WeightLease::WeightLease(ManagedLayerImpl& layer, Form form) : layer_(layer) {
+  if (WeightProvider* p = layer.provider()) {
+    weights_ = form == Form::stored ? p->acquire_stored(layer) : p->acquire(layer);
+  } else if (form == Form::stored) {
+    weights_.weight = layer.stored_weight();
+    weights_.bias = layer.stored_bias();
+    weights_.scale = layer.weight_scale();
+    weights_.stored = true;
+  } else {
+    weights_ = layer.upcast_stored();
+  }
 }
 
 WeightLease::~WeightLease() {
@@ -80,8 +95,24 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) {
               qualified_name(), ": embedding ids must be int32/int64, got ", ids.scalar_type());
   at::Tensor y;
   {
-    WeightLease lease(*this);
-    y = at::embedding(lease.weight(), ids.to(at::kLong));
+    WeightLease lease(*this, WeightLease::Form::stored);  // Note [embedding rows]
+    const LayerWeights& w = lease.weights();
+    const at::Tensor flat = ids.to(at::kLong).reshape({-1});
+    if (!w.stored || (w.weight.scalar_type() == compute_dtype() && !w.scale.defined())) {
+      y = at::embedding(w.weight, ids.to(at::kLong));
+    } else {
+      // The rows' bytes (gathered as integers of the same width: index_select need not know
+      // fp8), then their upcast.
+      const at::Tensor& table = w.weight;
+      const at::ScalarType bits = table.element_size() == 1 ? at::kByte : table.element_size() == 2 ? at::kShort
+                                                                                                    : at::kInt;
+      at::Tensor rows = table.view(bits).index_select(0, flat).view(table.scalar_type());
+      at::Tensor scale = w.scale;
+      if (scale.defined() && scale.dim() == 1 && scale.size(0) == table.size(0)) scale = scale.index_select(0, flat);
+      std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+      shape.push_back(table.size(1));
+      y = sluice::upcast(rows, compute_dtype(), scale).view(shape);
+    }
   }
   observe_output(*this, y);  // Note [layer output observer]
   return y;

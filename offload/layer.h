@@ -30,7 +30,9 @@ class ManagedLayerImpl;
 // Compute-dtype weights of one layer, on the compute device.
 struct LayerWeights {
   at::Tensor weight;
-  at::Tensor bias;  // undefined when the layer has none
+  at::Tensor bias;   // undefined when the layer has none
+  at::Tensor scale;  // with `stored`: the weight's dequantisation scale, undefined when unscaled
+  bool stored = false;  // weight and bias in the storage dtype, not upcast (WeightLease::Form::stored)
 };
 
 // Supplies compute-dtype weights to layers and is told when a forward is done with them.
@@ -39,6 +41,10 @@ class WeightProvider {
  public:
   virtual ~WeightProvider() = default;
   virtual LayerWeights acquire(ManagedLayerImpl& layer) = 0;
+  // The same weights in their storage dtype, not upcast (their `stored` set), for a forward
+  // that upcasts only the part it reads (an embedding's rows, Note [embedding rows]). The
+  // default gives acquire()'s upcast weights: a provider that cannot do better stays correct.
+  virtual LayerWeights acquire_stored(ManagedLayerImpl& layer) { return acquire(layer); }
   // Must not throw: it runs from WeightLease's destructor, also during unwinding.
   virtual void release(ManagedLayerImpl& layer) noexcept = 0;
 };
@@ -83,6 +89,9 @@ class ManagedLayerImpl : public torch::nn::Module {
   // Replace the stored tensors' data (storage cast, move between host and device),
   // keeping the registered parameter objects, so named_parameters() stays valid.
   void set_stored(at::Tensor weight, std::optional<at::Tensor> bias = std::nullopt);
+  // Lets go of the stored tensors (empty tensors in their place): a layer whose model is
+  // being taken apart (ForeignModel::release_host).
+  void release_stored();
 
   // Optional dequantization scale for scaled fp8 storage: per tensor ([]) or per output
   // channel ([out]), fp32. Undefined when the storage is unscaled.
@@ -131,13 +140,17 @@ class ManagedLayerImpl : public torch::nn::Module {
 // RAII handle on a layer's compute-dtype weights. See Note [weight leases].
 class WeightLease {
  public:
-  explicit WeightLease(ManagedLayerImpl& layer);
+  // compute: the weights upcast to the compute dtype; stored: as stored, where the provider
+  // can (weights().stored says which it gave).
+  enum class Form { compute, stored };
+  explicit WeightLease(ManagedLayerImpl& layer, Form form = Form::compute);
   ~WeightLease();
   WeightLease(const WeightLease&) = delete;
   WeightLease& operator=(const WeightLease&) = delete;
 
   const at::Tensor& weight() const { return weights_.weight; }
   const at::Tensor& bias() const { return weights_.bias; }
+  const LayerWeights& weights() const { return weights_; }
 
  private:
   ManagedLayerImpl& layer_;
@@ -156,6 +169,14 @@ class LinearImpl : public ManagedLayerImpl {
 TORCH_MODULE(Linear);
 
 // Row lookup into W [num, dim].
+//
+// Note [embedding rows]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A table stored in fp8 is not upcast whole for a lookup (a Qwen3-0.6B table is 297 MiB of
+// bf16, a Qwen3.5-4B one 1.2 GiB): the forward leases the stored table (WeightLease::Form::
+// stored), gathers the rows asked for in the storage dtype, and upcasts those rows only,
+// with their rows of a per-row scale. Resident or streamed alike; a provider without a
+// stored form gives the upcast table, and the lookup is then the plain one.
 class EmbeddingImpl : public ManagedLayerImpl {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t dim, at::TensorOptions options);

@@ -43,6 +43,9 @@ void PrefetchScheduler::refresh(Kind& k) const {
   for (size_t i = n; i-- > 0;) k.next_streamed[i] = streamed(k.order[i]) ? i : k.next_streamed[i + 1];
   k.streamed_before.assign(n + 1, 0);
   for (size_t i = 0; i < n; ++i) k.streamed_before[i + 1] = k.streamed_before[i] + (streamed(k.order[i]) ? 1 : 0);
+  std::map<int64_t, uint32_t> seen;
+  k.occurrence.resize(n);
+  for (size_t i = 0; i < n; ++i) k.occurrence[i] = seen[k.order[i]]++;
 }
 
 void PrefetchScheduler::set_streamed(std::vector<bool> streamed) {
@@ -59,6 +62,8 @@ void PrefetchScheduler::begin(const std::string& kind, uint64_t epoch, bool impl
   cursor_ = 0;
   diverged_ = false;
   recording_.clear();
+  calls_.clear();
+  occurrence_ = 0;
   overflow_ = false;
   if (frontier_epoch_ < epoch_) {
     frontier_epoch_ = epoch_;
@@ -67,6 +72,7 @@ void PrefetchScheduler::begin(const std::string& kind, uint64_t epoch, bool impl
 }
 
 size_t PrefetchScheduler::acquired(int64_t id) {
+  occurrence_ = calls_[id]++;
   if (!overflow_) {
     if (recording_.size() < 4 * streamed_.size() + 16) {
       recording_.push_back(id);
@@ -140,7 +146,7 @@ void PrefetchScheduler::top_up(size_t pos, bool at_end, const OfferFn& offer) {
       i = j;
       break;
     }
-    const Offer answer = offer(k.order[j], e);
+    const Offer answer = offer(k.order[j], e, k.occurrence[j]);
     if (answer != Offer::issued) {
       i = j;
       break;

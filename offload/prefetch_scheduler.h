@@ -13,6 +13,15 @@
 // wrap around: the first streamed layers of the next forward are copied during the tail of
 // this one and at its end, but never more than one full cycle ahead.
 //
+// Note [repeated calls]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A layer may be called more than once in one forward (a Linear a host's forward calls
+// twice, a shared projection). Each call is a position of its own in the recorded order and
+// is offered on its own, tagged with its occurrence (0 for the layer's first call in the
+// forward, 1 for its second, ...): the staging ring keeps one copy per call (find() by
+// layer, forward and occurrence), so the second call reads its own prefetched copy instead
+// of a demand copy of a slot the first call gave back.
+//
 // A call that differs from the prediction stays correct (the engine copies the layer on
 // demand and waits, counted as a stall); the scheduler resynchronizes with the recorded
 // order if it can, and the new order is recorded at end(). Offers are made once per
@@ -50,8 +59,9 @@ class PrefetchScheduler {
     full,     // no room now: stop, and offer it again at the next acquire
     failed,   // the copy failed: stop offering for this acquire, retry later
   };
-  // The engine's answer to "copy layer `id` for forward `epoch`".
-  using OfferFn = std::function<Offer(int64_t id, uint64_t epoch)>;
+  // The engine's answer to "copy layer `id` for call `occurrence` of it in forward `epoch`"
+  // (Note [repeated calls]).
+  using OfferFn = std::function<Offer(int64_t id, uint64_t epoch, uint32_t occurrence)>;
 
   explicit PrefetchScheduler(uint32_t max_ahead = kPrefetchAuto) : max_ahead_(max_ahead) {}
 
@@ -65,6 +75,8 @@ class PrefetchScheduler {
   void begin(const std::string& kind, uint64_t epoch, bool implicit);
   // Layer `id` is acquired: its position in the recorded order, or kNone when unknown.
   size_t acquired(int64_t id);
+  // Which call of its layer the latest acquire is in this forward (Note [repeated calls]).
+  uint32_t occurrence() const { return occurrence_; }
   // Offers copies after position `pos` of the current forward (kNone: nothing known).
   // `at_end`: the forward has ended; offers are for the next one of the same kind.
   void top_up(size_t pos, bool at_end, const OfferFn& offer);
@@ -90,6 +102,7 @@ class PrefetchScheduler {
     std::vector<int64_t> order;         // layer ids in acquire order
     std::vector<size_t> next_streamed;  // index of the first streamed position >= i
     std::vector<size_t> streamed_before;  // streamed positions < i
+    std::vector<uint32_t> occurrence;   // how many times order[i] comes before position i
   };
   void refresh(Kind& k) const;
   bool streamed(int64_t id) const;
@@ -104,6 +117,8 @@ class PrefetchScheduler {
   size_t cursor_ = 0;
   bool diverged_ = false;
   std::vector<int64_t> recording_;
+  std::map<int64_t, uint32_t> calls_;  // this forward's acquires per layer
+  uint32_t occurrence_ = 0;
   bool overflow_ = false;
   // Offers were made for every position before (frontier_epoch_, frontier_).
   uint64_t frontier_epoch_ = 0;

@@ -73,6 +73,7 @@ void StagingRing::forget(StagingSlot& s) {
     wasted_bytes_ += s.copy_bytes;
   }
   s.layer = -1;
+  s.occurrence = 0;
   s.consumed = true;
 }
 
@@ -83,9 +84,10 @@ void StagingRing::release(StagingSlot& s) {
   s.overflow = false;
 }
 
-int StagingRing::find(int64_t layer, uint64_t epoch) const {
+int StagingRing::find(int64_t layer, uint64_t epoch, uint32_t occurrence) const {
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i].layer == layer && slots_[i].epoch == epoch && slots_[i].buffer.defined()) return static_cast<int>(i);
+    const StagingSlot& s = slots_[i];
+    if (s.layer == layer && s.epoch == epoch && s.occurrence == occurrence && s.buffer.defined()) return static_cast<int>(i);
   }
   return -1;
 }

@@ -59,6 +59,7 @@ struct StagingSlot {
   at::Tensor buffer;                          // uint8 [bytes] on the device; undefined: an empty entry
   int64_t layer = -1;                         // layer id it holds (-1: none)
   uint64_t epoch = 0;                         // the forward its copy belongs to
+  uint32_t occurrence = 0;                    // which call of its layer in that forward (Note [repeated calls])
   uint64_t copy_bytes = 0;                    // stored bytes of that copy (for the waste count)
   bool consumed = true;                       // acquired since its copy was issued
   bool overflow = false;                      // beyond the capacity: freed once released
@@ -94,8 +95,9 @@ class StagingRing {
   StagingSlot& slot(size_t i) { return slots_.at(i); }
   const StagingSlot& slot(size_t i) const { return slots_.at(i); }
 
-  // Index of the slot holding `layer` for forward `epoch`, or -1.
-  int find(int64_t layer, uint64_t epoch) const;
+  // Index of the slot holding `layer` for call `occurrence` (0: its first) of forward
+  // `epoch`, or -1.
+  int find(int64_t layer, uint64_t epoch, uint32_t occurrence = 0) const;
 
   // A slot of at least `bytes` that may be overwritten now, within the capacity (Note
   // [staging ring]): never one with open leases; when `keep_unconsumed`, never one whose

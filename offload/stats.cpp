@@ -125,6 +125,7 @@ std::string EngineStats::to_json(int indent) const {
     fw.push_back({{"index", f.index},
                   {"kind", f.kind},
                   {"bytes_streamed", f.bytes_streamed},
+                  {"bytes_loaded", f.bytes_loaded},
                   {"planned_bytes", f.planned_bytes},
                   {"copies", f.copies},
                   {"demand_copies", f.demand_copies},

@@ -59,6 +59,8 @@ struct ForwardRecord {
   uint64_t index = 0;           // 0-based count of forwards since attach
   std::string kind;             // the kind given to begin_forward() ("dit", "adapter"; "" when none)
   uint64_t bytes_streamed = 0;  // stored bytes copied host->device for this forward
+  uint64_t bytes_loaded = 0;    // stored bytes made resident since the forward before it (an attach, a
+                                // reload after other models of its cache took the device, a residency change)
   uint64_t planned_bytes = 0;   // stored bytes of the streamed layers it used, under the plan it ran with (a plan
                                 // from measurements may change after it); differs from bytes_streamed only when a
                                 // copy was repeated or dropped (mismatched_forwards)

@@ -48,6 +48,9 @@ spdlog::logger& logger() {
 
 std::array<std::atomic<uint64_t>, 6> g_counts{};  // by Level
 
+std::mutex g_sink_mutex;
+std::shared_ptr<const Sink> g_sink;  // none: stderr
+
 }  // namespace
 
 Level parse_level(std::string_view name) {
@@ -77,9 +80,26 @@ Level level() {
 
 bool enabled(Level l) { return logger().should_log(to_spdlog(l)); }
 
+void set_sink(Sink sink) {
+  std::lock_guard<std::mutex> lock(g_sink_mutex);
+  g_sink = sink ? std::make_shared<const Sink>(std::move(sink)) : nullptr;
+}
+
 void write(Level l, std::string_view message) {
   g_counts[static_cast<size_t>(l)].fetch_add(1, std::memory_order_relaxed);
   if (!enabled(l)) return;
+  std::shared_ptr<const Sink> sink;
+  {
+    std::lock_guard<std::mutex> lock(g_sink_mutex);
+    sink = g_sink;
+  }
+  if (sink) {
+    try {
+      (*sink)(l, std::string(message));
+    } catch (...) {  // a sink must not throw; a message is not worth an error
+    }
+    return;
+  }
   const status_line::Pause pause;  // Note [status line]: the message never lands inside the live line
   logger().log(to_spdlog(l), "{}", message);
 }

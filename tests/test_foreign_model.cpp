@@ -169,3 +169,156 @@ TEST_CASE("foreign model: bad layers and names are refused naming them") {
   ForeignModel fm(m.layers, m.extras, {});
   CHECK_THROWS_WITH(fm.linear(4, at::zeros({1, 32})), Catch::Contains("no layer 4"));
 }
+
+TEST_CASE("foreign model: a layer already in its storage dtype is sluice's own copy, never the caller's memory") {
+  // Issue 37: a write through a reference the caller kept must not reach the streamed
+  // layers and miss the resident ones (an output that would depend on the budget).
+  CallerModel m = caller_model(at::kBFloat16);
+  std::vector<at::Tensor> originals;
+  for (const auto& l : m.layers) originals.push_back(l.weight.clone());
+  const at::Tensor x = at::randn({3, 32}).to(at::kBFloat16);
+  const at::Tensor want = run_reference(m, x, originals);
+  ForeignModel fm(m.layers, m.extras, {at::kBFloat16, at::kBFloat16, {}});
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    m.layers[i].weight.mul_(2);  // the caller writes to its own tensors in place
+    CHECK_FALSE(fm.host_copy(i).weight.data_ptr() == m.layers[i].weight.data_ptr());
+  }
+  auto dev = sluice::testing::test_device_or_cpu();
+  for (double resident : {0.0, 1.0}) {
+    EngineOptions o = streaming_options(fm, dev);
+    o.max_resident = resident;
+    o.budget_bytes += static_cast<uint64_t>(fm.stored_bytes());
+    StreamingEngine engine(o);
+    engine.attach(fm.module(), "caller");
+    CHECK(at::equal(run_foreign(fm, engine, x).cpu(), want));
+    engine.detach();
+  }
+}
+
+TEST_CASE("foreign model: each layer computes in its own dtype; a skipped layer in its weight's") {
+  at::manual_seed(3);
+  ForeignOptions o{at::kBFloat16, at::kBFloat16, {"time_embedder"}};
+  ForeignModel fm(o);
+  const at::Tensor w32 = at::randn({16, 8});
+  const at::Tensor b32 = at::randn({16});
+  const at::Tensor w16 = at::randn({8, 16}).to(at::kBFloat16);
+  fm.add_layer({"time_embedder.linear_1", w32, b32, LayerKind::linear, at::kBFloat16});  // kept: fp32 whatever is named
+  fm.add_layer({"blocks.0.proj", w16, std::nullopt, LayerKind::linear, std::nullopt});   // the options': bf16
+  fm.add_extras({});
+  CHECK(fm.stored_dtype(0) == at::kFloat);
+  CHECK(fm.stored_dtype(1) == at::kBFloat16);
+  const at::Tensor t = at::randn({2, 8});
+  const at::Tensor y = fm.linear(0, t);  // no engine: the layers' own leases
+  CHECK(y.scalar_type() == at::kFloat);
+  CHECK(at::equal(y, at::linear(t, w32, b32)));
+  const at::Tensor z = fm.linear(1, y.to(at::kBFloat16));
+  CHECK(at::equal(z, at::linear(y.to(at::kBFloat16), w16)));
+}
+
+TEST_CASE("foreign model: layers one at a time; a refused one leaves nothing behind; release_host frees a layer") {
+  CallerModel m = caller_model(at::kBFloat16);
+  ForeignModel fm(ForeignOptions{at::kBFloat16, at::kBFloat16, {}});
+  fm.add_layer(m.layers[0]);
+  ForeignLayer bad = m.layers[1];
+  bad.bias = at::randn({5});
+  CHECK_THROWS_WITH(fm.add_layer(bad), Catch::Contains("the bias of layer 'blocks.0.attn.to_q'"));
+  CHECK(fm.size() == 1);
+  fm.add_layer(m.layers[1]);  // the name is free again
+  CHECK(fm.size() == 2);
+  fm.add_extras(m.extras);
+  const int64_t before = fm.stored_bytes();
+  fm.release_host(0);
+  CHECK(fm.stored_bytes() == before - static_cast<int64_t>(m.layers[0].weight.nbytes()));
+  CHECK(fm.host_copy(0).weight.numel() == 0);
+}
+
+namespace {
+
+// A provider whose upcast lease must not be asked for: an embedding's lookup leases the
+// table as stored (Note [embedding rows]).
+struct StoredOnly : WeightProvider {
+  int stored = 0;
+  LayerWeights acquire(ManagedLayerImpl& layer) override {
+    throw std::runtime_error("the whole table was upcast for '" + layer.qualified_name() + "'");
+  }
+  LayerWeights acquire_stored(ManagedLayerImpl& layer) override {
+    ++stored;
+    LayerWeights w;
+    w.weight = layer.stored_weight();
+    w.scale = layer.weight_scale();
+    w.stored = true;
+    return w;
+  }
+  void release(ManagedLayerImpl&) noexcept override {}
+};
+
+}  // namespace
+
+TEST_CASE("foreign model: an fp8 embedding looks up its rows and upcasts only those, resident or streamed") {
+  at::manual_seed(5);
+  const at::Tensor table = at::randn({1000, 24}).to(at::kBFloat16);
+  const at::Tensor ids = at::tensor(std::vector<int64_t>{3, 999, 0, 3, 512, 7}).view({2, 3});
+  const at::Tensor want = at::embedding(table.to(at::kFloat8_e4m3fn).to(at::kBFloat16), ids);
+  ForeignModel fm({{"embed_tokens", table, std::nullopt, LayerKind::embedding}, {"proj", at::randn({8, 24}).to(at::kBFloat16), std::nullopt, LayerKind::linear}},
+                  {}, {at::kFloat8_e4m3fn, at::kBFloat16, {}});
+  REQUIRE(fm.stored_dtype(0) == at::kFloat8_e4m3fn);
+  {
+    StoredOnly provider;
+    auto& layer = *dynamic_cast<ManagedLayerImpl*>(fm.module().named_modules()["embed_tokens"].get());
+    layer.set_provider(&provider);
+    const at::Tensor y = fm.embedding(0, ids);
+    layer.set_provider(nullptr);
+    CHECK(provider.stored == 1);
+    CHECK(y.sizes() == at::IntArrayRef({2, 3, 24}));
+    CHECK(at::equal(y, want));
+  }
+  CHECK(at::equal(fm.embedding(0, ids.to(at::kInt)), want));  // no provider: the stored table itself
+  auto dev = sluice::testing::test_device_or_cpu();
+  for (double resident : {0.0, 1.0}) {
+    EngineOptions o = streaming_options(fm, dev);
+    o.max_resident = resident;
+    o.budget_bytes += static_cast<uint64_t>(fm.stored_bytes());
+    StreamingEngine engine(o);
+    engine.attach(fm.module(), "caller");
+    at::Tensor y;
+    {
+      ForwardScope scope(engine, "dit");
+      y = fm.embedding(0, ids.to(dev->device())).cpu();
+    }
+    CHECK(at::equal(y, want));
+    engine.detach();
+  }
+}
+
+TEST_CASE("foreign model: a layer called twice per forward is two calls, each prefetched (Note [repeated calls])") {
+  CallerModel m = caller_model(at::kBFloat16);
+  ForeignModel fm(m.layers, m.extras, {at::kBFloat16, at::kBFloat16, {}});
+  auto dev = sluice::testing::test_device_or_cpu();
+  EngineOptions o = streaming_options(fm, dev);
+  o.budget_bytes += uint64_t{4} << 20;  // room in the ring for every call's copy
+  StreamingEngine engine(o);
+  engine.attach(fm.module(), "caller");
+  const at::Tensor x = at::randn({3, 32}).to(at::kBFloat16);
+  auto forward = [&] {
+    ForwardScope scope(engine, "dit");
+    at::Tensor y = fm.linear(0, x);
+    y = fm.linear(1, y);
+    y = fm.linear(2, y);
+    y = fm.linear(2, y);  // the same layer again
+    return fm.linear(3, y);
+  };
+  const at::Tensor want = forward().cpu();
+  for (int f = 0; f < 4; ++f) CHECK(at::equal(forward().cpu(), want));
+  const EngineStats s = engine.stats(/*wait=*/true);
+  REQUIRE(s.forward_records.size() >= 3);
+  const ForwardRecord& last = s.forward_records.back();
+  uint64_t calls_bytes = 0;
+  for (size_t i : {0, 1, 2, 2, 3}) calls_bytes += static_cast<uint64_t>(fm.module().named_parameters()[fm.name(i) + ".weight"].nbytes());
+  for (size_t i : {1, 3}) calls_bytes += static_cast<uint64_t>(fm.module().named_parameters()[fm.name(i) + ".bias"].nbytes());
+  CHECK(last.copies == 5);        // one copy per call
+  CHECK(last.demand_copies == 0);  // each prefetched
+  CHECK_FALSE(last.diverged);
+  CHECK(last.bytes_streamed == last.planned_bytes);
+  CHECK(s.mismatched_forwards == 0);
+  engine.detach();
+}

@@ -17,7 +17,7 @@ struct FakeRing {
   size_t room = 1000;
   std::vector<std::pair<int64_t, uint64_t>> offers;  // every offer, in order
   std::set<std::pair<int64_t, uint64_t>> held;
-  Offer operator()(int64_t id, uint64_t epoch) {
+  Offer operator()(int64_t id, uint64_t epoch, uint32_t /*occurrence*/ = 0) {
     offers.emplace_back(id, epoch);
     if (held.count({id, epoch})) return Offer::issued;
     if (held.size() >= room) return Offer::full;

@@ -40,13 +40,16 @@ struct OffloadLayer {
   at::Tensor weight;               // on the host: [out, in], [num, dim], or any shape with out first
   std::optional<at::Tensor> bias;  // [out]
   OffloadLayerKind kind = OffloadLayerKind::linear;
+  // The dtype the layer computes in; empty: OffloadOptions::compute. A layer the skip list
+  // keeps in its own dtype computes in that dtype whatever is named here.
+  std::string compute{};
 };
 
 struct OffloadOptions {
   // The model.
   std::string name;                        // in logs and stats; empty: "offloaded model"
   std::string storage = "float8_e4m3fn";   // the layers' storage dtype (bfloat16/float16/float32: no fp8)
-  std::string compute = "bfloat16";        // the dtype linear() takes and returns
+  std::string compute = "bfloat16";        // what linear() takes and returns, for layers naming none
   std::vector<std::string> skip;           // layer patterns kept in their own dtype
   std::optional<double> max_resident;      // cap on resident streamable bytes, 0..1
   // Its own cache's (the constructor without a ModelCache). With a ModelCache these are the
@@ -72,6 +75,17 @@ class OffloadedModel {
   // as long as this model does.
   OffloadedModel(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
                  ModelCache& cache, const OffloadOptions& options);
+  // A model built a layer at a time (so that the host can free each original before it
+  // hands over the next): add_layer() each, then finish() with the extras, which attaches
+  // it as the constructors above do. Nothing but add_layer, layers, stored_dtype, finish and
+  // remove may be called before finish().
+  explicit OffloadedModel(const OffloadOptions& options);
+  OffloadedModel(ModelCache& cache, const OffloadOptions& options);
+  // Stores one layer (cast to its storage dtype into sluice's own host memory: the caller's
+  // tensors are not kept); returns its index. InvalidArgument naming the layer, as the
+  // constructors; after one, the model is as before the call.
+  int64_t add_layer(OffloadLayer layer);
+  void finish(std::vector<std::pair<std::string, at::Tensor>> extras);
   ~OffloadedModel();
   OffloadedModel(const OffloadedModel&) = delete;
   OffloadedModel& operator=(const OffloadedModel&) = delete;
@@ -84,6 +98,10 @@ class OffloadedModel {
   // freed its own tensors gives them back from these where stored_dtype is theirs);
   // InvalidArgument before.
   std::pair<at::Tensor, std::optional<at::Tensor>> stored_layer(int64_t i) const;
+  // Frees layer i's stored tensors after remove() (a host that took a layer back frees
+  // sluice's copy before it takes the next: its host memory peaks one layer above the
+  // model, not twice it). The layer has no tensors afterwards.
+  void release_layer(int64_t i);
   // y = x W^T + b for layer i (x in the compute dtype, on the device), computed without
   // autograd (inference only). Outside begin_forward/end_forward it is a forward of its
   // own. InvalidArgument after remove().
@@ -119,12 +137,12 @@ class OffloadedModel {
   bool removed() const;
 
  private:
-  void require_attached() const;  // InvalidArgument after remove()
+  void require_finished() const;  // InvalidArgument before finish()
+  void require_attached() const;  // InvalidArgument after remove() or before finish()
   // fn(layer i's index) inside this thread's forward, or inside one of its own (kind
   // "layer") when none runs; InvalidArgument for a negative i.
   at::Tensor in_forward(int64_t i, const std::function<at::Tensor(size_t)>& fn);
-  void adopt(std::vector<OffloadLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
-             const OffloadOptions& options);
+  void begin(const OffloadOptions& options);  // the empty model, its options checked
   std::unique_ptr<detail::OffloadState> state_;
 };
 

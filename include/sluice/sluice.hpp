@@ -47,6 +47,18 @@ struct LoraState;
 // The library version, "MAJOR.MINOR.PATCH".
 std::string version();
 
+// sluice's log lines (the "sluice" logger: stderr by default, its level from
+// SLUICE_LOG_LEVEL, else info).
+enum class LogLevel { trace, debug, info, warn, error, off };
+void set_log_level(LogLevel level);
+LogLevel log_level();
+// Sends every line the level lets through to `sink` instead of stderr (an embedder's own
+// logging); an empty function: stderr again. `sink` runs on the thread that logs (a copy
+// worker's too), must not block (queue the line if the embedder's logging may) and must
+// not throw.
+using LogSink = std::function<void(LogLevel level, const std::string& message)>;
+void set_log_sink(LogSink sink);
+
 // Options for a ModelCache (one per device). Sizes are strings parsed with sluice's size
 // rules: plain bytes ("123456"), binary units ("6GiB", "512MiB", "8G"), decimal units
 // ("6GB"), or a percentage ("50%") where the field says of what.

@@ -21,6 +21,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from ._C import CheckpointError, Error, FileError, InvalidArgument, ResourceError
+from . import _logging
 from .offload import Offloaded, offload
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Error", "FileError", "CheckpointError", "InvalidArgument", "ResourceError",
 ]
 __version__ = _C.version()
+_logging.start()  # sluice's log lines go to logging.getLogger("sluice") (sluice/_logging.py)
 
 
 def version() -> str:
@@ -209,6 +211,7 @@ class ModelCache:
     """
 
     def __init__(self, device: str = "cpu", vram_budget: str = "", **options):
+        _logging.sync_level()
         self._cache = _C.ModelCache(_C.RuntimeOptions(device=device, vram_budget=str(vram_budget), **options))
         self._device = device  # sluice.offload(module, cache=self) checks the module's tensors against it
 

@@ -10,9 +10,12 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <deque>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "runtime/error.h"
@@ -25,6 +28,29 @@ namespace py = pybind11;
 namespace {
 
 using release_gil = py::call_guard<py::gil_scoped_release>;
+
+// Note [log sink]
+// ~~~~~~~~~~~~~~~
+// sluice's log lines go to Python's logging (the `sluice` logger: sluice/_logging.py). They
+// are written on any thread: a copy worker's, or a forward's that runs with the GIL let go
+// while the main thread waits for it. A sink that took the GIL there could wait for a
+// thread that waits for sluice: a deadlock. So the sink never touches Python: it queues the
+// line (at most kLogQueued; past that lines are counted and dropped), and Python takes the
+// lines off the queue (_log_next) on a thread of its own, and after each offloaded forward.
+// _log_next never waits and never lets the GIL go: a daemon thread that took the GIL back
+// in C++ during interpreter shutdown would be ended by pthread_exit through a noexcept
+// destructor (std::terminate); the Python thread sleeps in Python between polls instead.
+struct LogQueue {
+  static constexpr size_t kLogQueued = 10000;
+  std::mutex mutex;
+  std::deque<std::pair<int, std::string>> lines;
+  uint64_t dropped = 0;
+};
+
+LogQueue& log_queue() {
+  static LogQueue* q = new LogQueue;  // never freed: a copy worker may log during interpreter shutdown
+  return *q;
+}
 
 // Note [Ctrl-C in a forward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -133,6 +159,42 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("version", &sluice::version);
+  // Note [log sink].
+  m.def("_log_to_queue", [](bool on) {
+    if (!on) {
+      sluice::set_log_sink(nullptr);
+      return;
+    }
+    sluice::set_log_sink([](sluice::LogLevel level, const std::string& line) {
+      LogQueue& q = log_queue();
+      {
+        std::lock_guard<std::mutex> lock(q.mutex);
+        if (q.lines.size() >= LogQueue::kLogQueued) {
+          q.dropped += 1;
+          return;
+        }
+        q.lines.emplace_back(static_cast<int>(level), line);
+      }
+    });
+  });
+  m.def("_log_next", []() -> py::object {
+        std::optional<std::pair<int, std::string>> line;
+        uint64_t dropped = 0;
+        {
+          LogQueue& q = log_queue();
+          std::lock_guard<std::mutex> lock(q.mutex);  // held by a sink for a push only: never long
+          if (!q.lines.empty()) {
+            line = std::move(q.lines.front());
+            q.lines.pop_front();
+          }
+          dropped = std::exchange(q.dropped, 0);
+        }
+        if (!line && !dropped) return py::none();
+        if (!line) return py::make_tuple(static_cast<int>(sluice::LogLevel::warn),
+                                         std::to_string(dropped) + " log lines dropped (the queue was full)");
+        return py::make_tuple(line->first, line->second);
+      });
+  m.def("_set_log_level", [](int level) { sluice::set_log_level(static_cast<sluice::LogLevel>(level)); });
   m.def(
       "inspect_json",
       [](const std::string& source, const std::string& storage) {
@@ -255,36 +317,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<sluice::OffloadedModel>(m, "OffloadedModel")
       // `cache`: a ModelCache to go into (then the cache-wide options, None here, are the
       // cache's); None: a cache of its own, from those options (None: their defaults).
-      // layers: (name, weight, bias or None[, kind: "linear" (the default) | "embedding" | "other"]).
-      .def(py::init([](const std::vector<py::tuple>& layers,
-                       std::vector<std::pair<std::string, at::Tensor>> extras, sluice::ModelCache* cache,
-                       const std::string& name, const std::string& storage, const std::string& compute,
-                       std::vector<std::string> skip, std::optional<double> max_resident,
+      // Built a layer at a time (add_layer, then finish), so that the caller frees each
+      // original before it hands over the next.
+      .def(py::init([](sluice::ModelCache* cache, const std::string& name, const std::string& storage,
+                       const std::string& compute, std::vector<std::string> skip, std::optional<double> max_resident,
                        std::optional<std::string> device, std::optional<std::string> vram_budget,
                        std::optional<std::string> working_memory, std::optional<std::string> pin_memory,
                        const py::object& prefetch, std::optional<bool> trace) {
-             std::vector<sluice::OffloadLayer> ls;
-             ls.reserve(layers.size());
-             for (const py::tuple& t : layers) {
-               if (t.size() != 3 && t.size() != 4) {
-                 throw sluice::InvalidArgument("offload: a layer is (name, weight, bias[, kind]), got " +
-                                               std::to_string(t.size()) + " items");
-               }
-               const auto lname = t[0].cast<std::string>();
-               const auto w = t[1].cast<at::Tensor>();
-               const auto b = t[2].cast<std::optional<at::Tensor>>();
-               const std::string kind = t.size() == 4 ? t[3].cast<std::string>() : "linear";
-               sluice::OffloadLayerKind k = sluice::OffloadLayerKind::other;
-               if (kind == "linear") {
-                 k = sluice::OffloadLayerKind::linear;
-               } else if (kind == "embedding") {
-                 k = sluice::OffloadLayerKind::embedding;
-               } else if (kind != "other") {
-                 throw sluice::InvalidArgument("offload: layer '" + lname + "' has kind '" + kind +
-                                               "' (linear, embedding or other)");
-               }
-               ls.push_back({lname, w, b, k});
-             }
              sluice::OffloadOptions o;
              o.name = name;
              o.storage = storage;
@@ -298,16 +337,54 @@ PYBIND11_MODULE(_C, m) {
              if (!prefetch.is_none()) o.prefetch = prefetch_option(prefetch);
              if (trace) o.trace = *trace;
              py::gil_scoped_release nogil;
-             return cache ? std::make_unique<sluice::OffloadedModel>(std::move(ls), std::move(extras), *cache, o)
-                          : std::make_unique<sluice::OffloadedModel>(std::move(ls), std::move(extras), o);
+             return cache ? std::make_unique<sluice::OffloadedModel>(*cache, o)
+                          : std::make_unique<sluice::OffloadedModel>(o);
            }),
-           py::arg("layers"), py::arg("extras"), py::kw_only(), py::arg("cache") = nullptr, py::arg("name") = "",
+           py::kw_only(), py::arg("cache") = nullptr, py::arg("name") = "",
            py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "bfloat16",
            py::arg("skip") = std::vector<std::string>{}, py::arg("max_resident") = std::nullopt,
            py::arg("device") = std::nullopt, py::arg("vram_budget") = std::nullopt,
            py::arg("working_memory") = std::nullopt, py::arg("pin_memory") = std::nullopt,
            py::arg("prefetch") = py::none(), py::arg("trace") = std::nullopt,
-           py::keep_alive<1, 4>())  // the cache outlives the model (it holds the cache's state too)
+           py::keep_alive<1, 2>())  // the cache outlives the model (it holds the cache's state too)
+      // kind: "linear" | "embedding" | "other"; compute: "" = the model's.
+      .def("add_layer",
+           [](sluice::OffloadedModel& m, const std::string& lname, const at::Tensor& w, std::optional<at::Tensor> b,
+              const std::string& kind, const std::string& compute) {
+             sluice::OffloadLayerKind k = sluice::OffloadLayerKind::other;
+             if (kind == "linear") {
+               k = sluice::OffloadLayerKind::linear;
+             } else if (kind == "embedding") {
+               k = sluice::OffloadLayerKind::embedding;
+             } else if (kind != "other") {
+               throw sluice::InvalidArgument("offload: layer '" + lname + "' has kind '" + kind +
+                                             "' (linear, embedding or other)");
+             }
+             sluice::OffloadLayer l{lname, w, std::move(b), k, compute};
+             py::gil_scoped_release nogil;
+             return m.add_layer(std::move(l));
+           },
+           py::arg("name"), py::arg("weight"), py::arg("bias"), py::arg("kind") = "linear", py::arg("compute") = "")
+      .def("finish", &sluice::OffloadedModel::finish, py::arg("extras"), release_gil())
+      .def("release_layer", &sluice::OffloadedModel::release_layer, py::arg("index"), release_gil())
+      // fn(weight, bias or None) -> any object, with layer i's weights leased for the call:
+      // how a layer runs its own forward (its hooks, a patched forward, a subclass's) in
+      // sluice.offload. The GIL is let go while the engine waits for the weights and taken
+      // again for fn.
+      .def("lease",
+           [](sluice::OffloadedModel& m, int64_t i, const py::function& fn) {
+             py::object out;
+             {
+               py::gil_scoped_release nogil;
+               m.call(i, [&](const at::Tensor& w, const at::Tensor& b) {
+                 py::gil_scoped_acquire gil;
+                 out = fn(w, b.defined() ? py::cast(b) : py::none());
+                 return at::Tensor();
+               });
+             }
+             return out;
+           },
+           py::arg("index"), py::arg("fn"))
       .def("layers", &sluice::OffloadedModel::layers)
       .def("stored_dtype", &sluice::OffloadedModel::stored_dtype, py::arg("index"))
       .def("stored_layer", &sluice::OffloadedModel::stored_layer, py::arg("index"), release_gil())

@@ -113,10 +113,6 @@ def test_misuse_gets_one_clear_error():
     meta = toy().to("meta")
     with pytest.raises(sluice.InvalidArgument, match="'proj_in.weight' is on meta"):
         sluice.offload(meta)
-    mixed = toy()
-    mixed.proj_out.float()
-    with pytest.raises(sluice.InvalidArgument, match="several dtypes"):
-        sluice.offload(mixed)
     with pytest.raises(sluice.InvalidArgument, match="storage"):
         sluice.offload(toy(), storage="int4")
 
@@ -227,13 +223,15 @@ def test_a_failing_offload_leaves_the_module_untouched(monkeypatch):
         m.blocks[1].weight[3, 5] = float("nan")
     m.norm.weight.requires_grad_(True)
     snap = snapshot(m)
-    # Refused by the C++ side while it stores the layers.
+    # Refused by the C++ side while it stores the layers. The layers before it were handed
+    # over (their originals freed) one at a time: they come back bit for bit, in new memory.
     with pytest.raises(sluice.InvalidArgument, match="blocks.1"):
         offload(m, storage="float8_e4m3fn")
-    assert_restored(m, snap, same_memory=True)
+    assert_restored(m, snap)
+    assert m.blocks[2].weight.data_ptr() == snap["blocks.2.weight"].ptr  # never handed over: untouched
     assert "_sluice_offload" not in m.__dict__
     # Failing after the C++ model was made (writing the originals): undone as well.
-    impl = __import__("sys").modules["sluice.offload"]
+    impl = __import__("sys").modules["sluice._offload_layers"]
 
     def full_disk(self, t):
         raise OSError(28, "No space left on device")
@@ -241,11 +239,11 @@ def test_a_failing_offload_leaves_the_module_untouched(monkeypatch):
     with torch.no_grad():
         m.blocks[1].weight[3, 5] = 0.5
     snap = snapshot(m)
-    monkeypatch.setattr(impl._Spill, "write", full_disk)
+    monkeypatch.setattr(impl.Spill, "write", full_disk)
     with pytest.raises(OSError, match="No space left"):
         offload(m, storage="float8_e4m3fn")
     monkeypatch.undo()
-    assert_restored(m, snap, same_memory=True)
+    assert_restored(m, snap)  # proj_in (kept in bf16 by the default skip list) was handed over first
     handle = offload(m, storage="float8_e4m3fn")  # and it offloads as any module
     handle.remove()
     assert_restored(m, snap)
@@ -439,7 +437,7 @@ def test_forwards_from_several_threads_take_turns():
     assert results == [True] * 15
 
 
-def test_a_linear_subclass_keeps_its_own_forward():
+def test_a_linear_subclass_streams_running_its_own_forward():
     class Scaled(torch.nn.Linear):
         def forward(self, x):
             return super().forward(x) * 2
@@ -452,8 +450,9 @@ def test_a_linear_subclass_keeps_its_own_forward():
     with torch.no_grad():
         assert torch.equal(m(on_device(x)).cpu(), want)
     assert "forward" not in m.proj_out.__dict__
-    assert handle.stats()["model"]["layers"] == 5  # proj_in, three blocks, extra: not the subclass
+    assert handle.stats()["model"]["layers"] == 6  # proj_in, three blocks, extra and the subclass
     handle.remove()
+    assert "_call_impl" not in m.proj_out.__dict__
 
 
 # --- layers other than Linear, one cache for several modules, traces ------------------------

@@ -1,0 +1,171 @@
+"""What offload() attaches to a module and its layers, and how each is taken off again.
+
+Note [leased calls]
+~~~~~~~~~~~~~~~~~~~
+A streamed layer keeps its own forward. offload() sets one instance attribute on it,
+`_call_impl` (what nn.Module.__call__ runs: the forward pre-hooks, self.forward, the forward
+hooks), to a wrapper that runs the layer's own _call_impl with its weights leased for the
+call: the engine hands out the layer's weights on the device in its compute dtype
+(OffloadedModel.lease), Parameters holding them stand in for the placeholders (Note
+[placeholders]) in the module's own parameter table, the call runs, and the placeholders
+are back, also when the call raised. (Not the placeholder objects re-pointed at the leased
+memory: an autograd graph from before offload() that still holds a Parameter makes torch
+refuse to re-point it across devices.) So whatever a frontend
+attached runs as it would without sluice, whenever it attached it:
+  - an instance `forward` patched before or after offload() (InvokeAI's ControlNet-LLLite,
+    accelerate's add_hook_to_module, a regional-prompt patch);
+  - torch's forward pre- and post-hooks, which also see the real weights;
+  - a subclass's forward (comfy.ops' Linear casting its weight to the input's dtype).
+One shortcut: a plain nn.Embedding with nothing attached looks its rows up in the engine
+(OffloadedModel.embedding), which upcasts only those rows of an fp8 table (Note
+[embedding rows] in offload/layer.h) instead of the whole table.
+
+The module's own forward is wrapped (functools.wraps: its signature stays what
+inspect.signature reads, as transformers' generate() does to pass logits_to_keep) so that
+each call is one sluice forward: the engine records the order the layers ran in and copies
+the next ones ahead.
+
+Every attribute offload() sets is recorded with what was there before (a value, or
+nothing) and put back by remove(), unless the frontend has replaced it since (then its own
+value stays). Nothing the frontend set is deleted.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List
+
+import torch
+
+from . import _logging
+from ._C import InvalidArgument
+
+_ABSENT = object()
+MARK = "_sluice_offloaded_in"  # on every module of an offloaded module: the offloaded module's name
+
+
+class Attached:
+    """The instance attributes offload() set, to be put back as they were."""
+
+    def __init__(self):
+        self._set: List[tuple] = []  # (module, attribute, value set, value before or _ABSENT)
+        self._hooks: list = []
+
+    def set(self, m: torch.nn.Module, attr: str, value) -> None:
+        self._set.append((m, attr, value, m.__dict__.get(attr, _ABSENT)))
+        m.__dict__[attr] = value
+
+    def hook(self, handle) -> None:
+        self._hooks.append(handle)
+
+    def undo(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for m, attr, value, before in reversed(self._set):
+            if m.__dict__.get(attr, _ABSENT) is not value:
+                continue  # replaced by someone else since: theirs stays
+            if before is _ABSENT:
+                del m.__dict__[attr]
+            else:
+                m.__dict__[attr] = before
+        self._set = []
+
+
+def _plain_embedding(m: torch.nn.Module) -> bool:
+    """A torch.nn.Embedding with nothing attached: its rows can come from the engine."""
+    mod = torch.nn.modules.module
+    return (type(m) is torch.nn.Embedding and "forward" not in m.__dict__ and not m._forward_hooks
+            and not m._forward_pre_hooks and not mod._global_forward_hooks and not mod._global_forward_pre_hooks)
+
+
+def attach_layer(attached: Attached, model, layer) -> None:
+    """Layer `layer` (_offload_layers.Layer) runs its own call with its weights leased."""
+    m = layer.module
+    index = layer.index
+    has_bias = len(layer.kept) > 1
+    own = m.__dict__.get("_call_impl", _ABSENT)
+    embedding = layer.kind == "embedding"
+    params = m._parameters
+
+    def call_impl(*args, **kwargs):
+        if embedding and len(args) == 1 and not kwargs and _plain_embedding(m):
+            return model.embedding(index, args[0])
+        inner = own if own is not _ABSENT else functools.partial(type(m)._call_impl, m)
+
+        def run(w, b):
+            # The leased weights stand in for the placeholders in the module's own
+            # parameter table for the call, and the placeholders go back after it.
+            saved_w, saved_b = params["weight"], params.get("bias")
+            params["weight"] = torch.nn.Parameter(w, requires_grad=False)
+            if has_bias:
+                params["bias"] = torch.nn.Parameter(b, requires_grad=False)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                params["weight"] = saved_w
+                if has_bias:
+                    params["bias"] = saved_b
+
+        return model.lease(index, run)
+
+    attached.set(m, "_call_impl", call_impl)
+
+
+def wrap_forward(attached: Attached, module: torch.nn.Module, model, kind: str) -> None:
+    """Each call of the module's forward is one sluice forward."""
+    inner = module.forward  # the instance's own forward if it had one, else its class's
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        _logging.sync_level()  # the `sluice` logger's level now (sluice/_logging.py)
+        model.begin_forward(kind)
+        try:
+            out = inner(*args, **kwargs)
+        except BaseException:
+            model.end_forward(True)
+            _logging.flush()
+            raise
+        model.end_forward(False)
+        _logging.flush()
+        return out
+
+    attached.set(module, "forward", forward)
+
+
+def guard(attached: Attached, module: torch.nn.Module, layers: List[torch.nn.Module], name: str) -> None:
+    """While offloaded: no state_dict() of the placeholders, no load_state_dict() into them,
+    no .to()/.cuda()/.half() moving them (nn.Module._apply, shadowed in each module's own
+    dict), and a mark on every module, so that no part of it is offloaded a second time."""
+
+    def no_state_dict(*_):
+        raise InvalidArgument("offload: state_dict() of an offloaded module; remove() it first")
+
+    def no_load_state_dict(*_):
+        raise InvalidArgument("offload: load_state_dict() into an offloaded module; remove() it first")
+
+    def no_apply(*_, **__):
+        raise InvalidArgument("offload: .to()/.cuda()/.half()/... of an offloaded module would move its "
+                              "placeholders; remove() it first")
+
+    attached.hook(module.register_load_state_dict_pre_hook(no_load_state_dict))
+    for m in [module] + layers:
+        attached.hook(m.register_state_dict_pre_hook(no_state_dict))
+    for m in module.modules():
+        attached.set(m, "_apply", no_apply)
+        attached.set(m, MARK, name)
+
+
+def refuse_nested(module: torch.nn.Module) -> None:
+    """One InvalidArgument when the module, a module inside it, or a module it is part of is
+    already offloaded: sluice streams a layer for one offloaded module only."""
+    for n, m in module.named_modules():
+        if MARK in m.__dict__:
+            where = "the module" if not n else f"its submodule '{n}'"
+            raise InvalidArgument(f"offload: {where} is already offloaded (in '{m.__dict__[MARK]}'); remove() that "
+                                  "first: a module inside an offloaded one, or around one, is not offloaded again")
+
+
+def refuse_compiled(module: torch.nn.Module) -> None:
+    if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+        raise InvalidArgument("offload: the module is torch.compile()'s wrapper (OptimizedModule); offload the "
+                              "module itself (its _orig_mod), then compile")
