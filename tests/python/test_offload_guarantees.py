@@ -7,6 +7,7 @@ reaches no budget's output; remove() puts back exactly the attributes that were 
 wrapped forward keeps its signature; a budget too small names working_memory=; and
 offload()/remove() hand the layers over one at a time, so host memory peaks near the
 module's own bytes. On the CPU device (plain and strict) and the torch test accelerator."""
+import ctypes
 import functools
 import inspect
 import logging
@@ -286,18 +287,21 @@ def _rss():
 def test_offload_and_remove_peak_near_the_modules_own_bytes(storage):
     if DEVICE != "cpu":
         pytest.skip("on the test accelerator its device memory is host memory too")
+    ctypes.CDLL(None).malloc_trim(0)  # what earlier tests freed, out of the base (glibc)
+    base = _rss()  # the process without the model
     torch.manual_seed(0)
-    m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(16)]).to(torch.bfloat16)
+    m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16) for _ in range(16)])
     model_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     layer_bytes = model_bytes // 16
-    base = _rss() - model_bytes  # the process without the model
     _reset_peak()
     h = offload(m, storage=storage, max_resident=0.0, pin_memory="off")
     peak_offload = _peak_rss_since_reset() - base
     _reset_peak()
     h.remove()
     peak_remove = _peak_rss_since_reset() - base
-    # Before issue 37 every layer was taken at once: 2x (bf16) to 4x (fp8) the module.
+    # The target: 1.1x the module plus one layer's stored copy; 16 MiB more for the staging ring,
+    # which on the CPU device is host memory too. Before issue 37 every layer was taken at
+    # once: 2x (bf16) and 1.5x (fp8) here.
     for what, peak in (("offload()", peak_offload), ("remove()", peak_remove)):
-        assert peak <= 1.1 * model_bytes + 2 * layer_bytes + (32 << 20), \
+        assert peak <= 1.1 * model_bytes + layer_bytes + (16 << 20), \
             f"{what} peaked at {peak / model_bytes:.2f}x the module's {model_bytes >> 20} MiB"
