@@ -71,7 +71,13 @@ void ModelRecords::collect(torch::nn::Module& model, const std::string& model_na
     if (!managed_impls.count(item.value().unsafeGetTensorImpl())) add_extra(item.key(), item.value());
   }
   for (const auto& item : model.named_buffers(/*recurse=*/true)) add_extra(item.key(), item.value());
-  for (const auto& r : layers_) scratch_bytes_ = std::max(scratch_bytes_, r.scratch_bytes);
+  // The planned scratch: the largest upcast a forward makes. An embedding's lookup upcasts
+  // only its rows (Note [embedding rows] in layer.h), so its table is not planned for; a
+  // host that leases a table whole (an embedding of its own kind) gets a buffer beyond the
+  // plan for it (Note [upcast scratch] in forward_buffers.h).
+  for (const auto& r : layers_) {
+    if (r.layer->kind() != LayerKind::embedding) scratch_bytes_ = std::max(scratch_bytes_, r.scratch_bytes);
+  }
 }
 
 void ModelRecords::place_extras(DeviceBackend& device, const std::shared_ptr<MemoryLedger>& budget) {

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <iterator>
 #include <optional>
 #include <utility>
 
@@ -79,16 +80,34 @@ void ResidencyApplier::pin_host(std::vector<LayerRecord>& layers) {
     groups.push_back({r.host_w, r.host_b, r.host_s});
   }
   if (todo.empty()) return;
-  const PinnedArena::Placed placed = options_.arena->place(device_, groups);
-  for (size_t i = 0; i < placed.groups; ++i) {
-    // The arena's copy replaces the pageable one (not kept anywhere else: host RAM is not doubled).
-    LayerRecord& r = *todo[i];
-    r.host_w = groups[i][0];
-    r.host_b = groups[i][1];
-    r.host_s = groups[i][2];
-    r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
-    r.layer->set_weight_scale(r.host_s);
-    adopt(r);
+  // One chunk's run of layers at a time (Note [pinned arena]): each run's pageable copies are
+  // let go as soon as the arena holds them, so that pinning a model holds one chunk twice at
+  // most, not the whole model.
+  PinnedArena::Placed placed;
+  for (size_t first = 0; first < todo.size();) {
+    size_t last = first;
+    uint64_t bytes = 0;
+    while (last < todo.size() && (bytes == 0 || bytes + todo[last]->stored_bytes <= PinnedArena::kChunkBytes)) {
+      bytes += todo[last++]->stored_bytes;
+    }
+    std::vector<PinnedArena::Group> run(std::make_move_iterator(groups.begin() + static_cast<std::ptrdiff_t>(first)),
+                                        std::make_move_iterator(groups.begin() + static_cast<std::ptrdiff_t>(last)));
+    const PinnedArena::Placed done = options_.arena->place(device_, run);
+    for (size_t i = 0; i < done.groups; ++i) {
+      // The arena's copy replaces the pageable one (not kept anywhere else: host RAM is not doubled).
+      LayerRecord& r = *todo[first + i];
+      r.host_w = run[i][0];
+      r.host_b = run[i][1];
+      r.host_s = run[i][2];
+      r.layer->set_stored(r.host_w, r.host_b.defined() ? std::optional<at::Tensor>(r.host_b) : std::nullopt);
+      r.layer->set_weight_scale(r.host_s);
+      adopt(r);
+    }
+    placed.groups = first + done.groups;
+    placed.failed = done.failed;
+    placed.limited = done.limited;
+    if (done.groups < run.size()) break;  // the limit, or a failed allocation: the rest stay pageable
+    first = last;
   }
   if (placed.failed) {
     if (!pin_warned_) {

@@ -590,7 +590,7 @@ def attn_net():
 def test_a_fused_qkv_forward_gets_one_clear_error():
     """A parent module's forward that concatenates its streamed layers' weights: sluice
     cannot lease them there, so it raises sluice.InvalidArgument naming the layer and
-    skip= (today it computes with zeros); the module stays usable."""
+    exclude= (today it computes with zeros); the module stays usable."""
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     m = attn_net()
     want = m(x)
@@ -620,7 +620,7 @@ def placeholder_reads():
 def test_a_streamed_weight_outside_its_call_is_metadata_only(read):
     """Outside its layer's call a streamed weight keeps what code reads without its values
     (.shape, .dtype, .device: the sluice device, .requires_grad); reading its values raises
-    sluice.InvalidArgument naming the layer and skip=. remove() gives the values back."""
+    sluice.InvalidArgument naming the layer and exclude=. remove() gives the values back."""
     m = attn_net()
     lin = m.blocks[0].self_attn.k_proj
     x = on_device(torch.randn(2, 32, dtype=torch.bfloat16))

@@ -305,3 +305,96 @@ def test_offload_and_remove_peak_near_the_modules_own_bytes(storage):
     for what, peak in (("offload()", peak_offload), ("remove()", peak_remove)):
         assert peak <= 1.1 * model_bytes + layer_bytes + (16 << 20), \
             f"{what} peaked at {peak / model_bytes:.2f}x the module's {model_bytes >> 20} MiB"
+
+
+# --- what the stats and the log say -----------------------------------------------------------
+
+def test_reloads_in_a_shared_cache_are_bytes_moved_and_parts_are_the_modules_own():
+    a, b = net(), net()
+    x = x_in()
+    want = ref(a, x), ref(b, x)
+    size = sum(t.numel() * t.element_size() for t in a.state_dict().values())
+    mib = 1 << 20
+    # Room for one module and a half beside the working memory: each forward takes the device
+    # from the other module, which then loads its layers again at its next forward.
+    cache = sluice.ModelCache(device=DEVICE, vram_budget=str(mib + size * 3 // 2), working_memory=str(mib))
+    ha = sluice.offload(a, cache=cache, name="a", storage="bfloat16")
+    hb = sluice.offload(b, cache=cache, name="b", storage="bfloat16")
+    for _ in range(3):
+        assert torch.equal(run(a, x), want[0])
+        assert torch.equal(run(b, x), want[1])
+    forwards = ha.stats()["forwards"]
+    assert len(forwards) == 3
+    # Each forward after the first found its layers gone: what it loaded is counted.
+    assert all(f["bytes_loaded"] + f["bytes_streamed"] > 0 for f in forwards[1:])
+    assert sum(f["bytes_loaded"] for f in forwards[1:]) > 0
+    model = ha.stats()["model"]
+    assert "streamed_bytes_by_forward" not in model  # Anima's dit/adapter split is not this module's
+    assert set(model["streamed_bytes_by_part"]) <= {"blocks", "head"}
+    ha.remove()
+    hb.remove()
+
+
+def test_sluice_log_lines_reach_pythons_logging_at_a_level_that_can_change(caplog):
+    log = logging.getLogger("sluice")
+    before = log.level
+    x = x_in()
+    try:
+        log.setLevel(logging.INFO)
+        with caplog.at_level(logging.INFO, logger="sluice"):
+            h = offload(net(), storage="bfloat16", name="logged")
+            h.remove()
+        engine = [r for r in caplog.records if r.name == "sluice" and "'logged'" in r.getMessage()]
+        assert engine and all(r.levelno == logging.INFO for r in engine)  # the engine's own lines, from C++
+        caplog.clear()
+        log.setLevel(logging.WARNING)  # changed at run time: the next calls log at that level
+        with caplog.at_level(logging.WARNING, logger="sluice"):
+            m = net()
+            h = offload(m, storage="bfloat16", name="quiet")
+            run(m, x)
+            h.remove()
+        assert not [r for r in caplog.records if r.name == "sluice" and r.levelno < logging.WARNING]
+    finally:
+        log.setLevel(before)
+
+
+def test_an_fp8_embedding_looks_up_rows_without_upcasting_its_table():
+    torch.manual_seed(2)
+    emb = torch.nn.Sequential(torch.nn.Embedding(4096, 256), torch.nn.Linear(256, 8)).to(torch.bfloat16)
+    ids = torch.tensor([[1, 4095, 7, 7, 300]])
+    table = emb[0].weight.detach().clone()
+    want = torch.nn.functional.linear(
+        torch.nn.functional.embedding(ids, table.to(torch.float8_e4m3fn).to(torch.bfloat16)),
+        emb[1].weight.detach().to(torch.float8_e4m3fn).to(torch.bfloat16),
+        emb[1].bias.detach().to(torch.float8_e4m3fn).to(torch.bfloat16))
+    for resident in (0.0, 1.0):
+        h = offload(emb, storage="float8_e4m3fn", skip=[], max_resident=resident)
+        assert torch.equal(run(emb, ids), want)
+        scratch = h.stats()["device"]["by_kind"]["scratch"]["peak"]
+        h.remove()
+        # The whole table upcast would be 4096 x 256 bf16 = 2 MiB of scratch; the rows are 2.5 KiB.
+        assert scratch < table.numel() * 2 // 4, scratch
+
+
+def test_a_layer_called_twice_per_forward_is_prefetched_for_each_call():
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64)
+            self.shared = torch.nn.Linear(64, 64)
+            self.b = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.b(self.shared(torch.relu(self.shared(self.a(x)))))
+
+    torch.manual_seed(4)
+    m = Twice().to(torch.bfloat16)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    want = ref(m, x)
+    h = offload(m, storage="bfloat16", max_resident=0.0)
+    for _ in range(4):
+        assert torch.equal(run(m, x), want)
+    last = h.stats()["forwards"][-1]
+    h.remove()
+    assert last["copies"] == 4 and last["demand_copies"] == 0 and not last["diverged"]
+    assert last["bytes_streamed"] == last["planned_bytes"]
