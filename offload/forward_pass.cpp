@@ -175,6 +175,15 @@ ForwardPass::Ended ForwardPass::end(bool aborted) {
   const bool measured = recorder_.close(rec, !aborted && !ended.diverged && !ended.overflow);
   last_kind_ = kind_;
   if (ended.diverged && !aborted) {
+    // Said once per model at INFO (each forward record says it too: "diverged"): a host
+    // whose layers run in another order each call (a conditional branch) copies on demand.
+    if (!diverge_logged_) {
+      diverge_logged_ = true;
+      log::info("model '" + residency_.model_name() + "': forward " + std::to_string(rec.index) + " ('" + kind_ +
+                "') called its layers in another order than the one recorded (" + std::to_string(rec.demand_copies) +
+                " copies on demand); its order is recorded for the next one (said once; each forward's stats "
+                "record says 'diverged')");
+    }
     // The prefetches made for the next forward followed the old order: drop them (counted
     // as wasted) so the next forward runs on the new order with a clean ring.
     if (StagingRing* ring = residency_.buffers().ring()) {

@@ -147,6 +147,7 @@ class ForwardPass {
   uint64_t mismatched_ = 0;       // forwards whose streamed bytes were not the streamed layers' bytes
   uint64_t loaded_before_ = 0;    // residency bytes made resident up to the last forward (ForwardRecord::bytes_loaded)
   bool waste_warned_ = false;
+  bool diverge_logged_ = false;  // the first forward off its recorded order was logged
   // Note [measured working memory]
   std::unordered_set<std::string> measured_kinds_;
   bool measuring_ = false;         // the open forward is measured

@@ -398,3 +398,65 @@ def test_a_layer_called_twice_per_forward_is_prefetched_for_each_call():
     h.remove()
     assert last["copies"] == 4 and last["demand_copies"] == 0 and not last["diverged"]
     assert last["bytes_streamed"] == last["planned_bytes"]
+
+
+def test_a_forward_off_the_recorded_order_says_so(caplog):
+    class Either(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(32, 32)
+            self.b = torch.nn.Linear(32, 32)
+
+        def forward(self, x, swap=False):
+            first, second = (self.b, self.a) if swap else (self.a, self.b)
+            return second(torch.tanh(first(x)))
+
+    torch.manual_seed(5)
+    m = Either().to(torch.bfloat16)
+    x = x_in()
+    want = ref(m, x, swap=True)
+    log = logging.getLogger("sluice")
+    before = log.level
+    try:
+        log.setLevel(logging.INFO)
+        with caplog.at_level(logging.INFO, logger="sluice"):
+            h = offload(m, storage="bfloat16", max_resident=0.0, name="either")
+            run(m, x)
+            run(m, x)
+            assert torch.equal(run(m, x, swap=True), want)
+        records = h.stats()["forwards"]
+        h.remove()
+    finally:
+        log.setLevel(before)
+    assert [f["diverged"] for f in records] == [False, False, True]
+    lines = [r.getMessage() for r in caplog.records if "another order than the one recorded" in r.getMessage()]
+    assert len(lines) == 1 and "model 'either': forward 2" in lines[0]
+
+
+def test_the_working_memory_of_an_offloaded_module_is_measured_and_grown():
+    if DEVICE == "cpu":
+        pytest.skip("the CPU device counts sluice's own bytes only: a module's activations are torch's host "
+                    "tensors there (measured on the test accelerator and on a GPU)")
+
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(1024, 1024)
+            self.b = torch.nn.Linear(1024, 1024)
+
+        def forward(self, x):
+            h = self.a(x)
+            wide = h.repeat(1, 12)  # 4096 x 12288 bf16: 96 MiB of activations
+            return self.b(h) + wide[:, :1024]
+
+    m = Wide().to(torch.bfloat16)
+    x = torch.randn(4096, 1024, dtype=torch.bfloat16)
+    h = offload(m, storage="bfloat16", working_memory="64MiB")
+    run(m, x)
+    run(m, x)
+    st = h.stats()
+    h.remove()
+    # Note [measured working memory]: the first forward measures what it used beyond sluice's
+    # own bytes, and the cache's working memory grows to it (plus an eighth).
+    assert st["budget"]["measured_working_memory_bytes"] >= 96 << 20
+    assert st["cache"]["working_memory_bytes"] >= st["budget"]["measured_working_memory_bytes"]
