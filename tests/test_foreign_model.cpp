@@ -71,6 +71,21 @@ EngineOptions streaming_options(ForeignModel& fm, const std::shared_ptr<DeviceBa
   return o;
 }
 
+// fn(engine) with `fm` attached to an engine that streams every layer (max_resident 0), then to
+// one that keeps every layer resident (max_resident 1).
+template <typename Fn>
+void streamed_then_resident(ForeignModel& fm, const std::shared_ptr<DeviceBackend>& dev, Fn fn) {
+  for (double resident : {0.0, 1.0}) {
+    EngineOptions o = streaming_options(fm, dev);
+    o.max_resident = resident;
+    o.budget_bytes += static_cast<uint64_t>(fm.stored_bytes());
+    StreamingEngine engine(o);
+    engine.attach(fm.module(), "caller");
+    fn(engine);
+    engine.detach();
+  }
+}
+
 }  // namespace
 
 TEST_CASE("foreign model: bf16 storage streams the caller's layers bit for bit and gives its tensors back") {
@@ -183,16 +198,8 @@ TEST_CASE("foreign model: a layer already in its storage dtype is sluice's own c
     m.layers[i].weight.mul_(2);  // the caller writes to its own tensors in place
     CHECK_FALSE(fm.host_copy(i).weight.data_ptr() == m.layers[i].weight.data_ptr());
   }
-  auto dev = sluice::testing::test_device_or_cpu();
-  for (double resident : {0.0, 1.0}) {
-    EngineOptions o = streaming_options(fm, dev);
-    o.max_resident = resident;
-    o.budget_bytes += static_cast<uint64_t>(fm.stored_bytes());
-    StreamingEngine engine(o);
-    engine.attach(fm.module(), "caller");
-    CHECK(at::equal(run_foreign(fm, engine, x).cpu(), want));
-    engine.detach();
-  }
+  streamed_then_resident(fm, sluice::testing::test_device_or_cpu(),
+                         [&](StreamingEngine& engine) { CHECK(at::equal(run_foreign(fm, engine, x).cpu(), want)); });
 }
 
 TEST_CASE("foreign model: each layer computes in its own dtype; a skipped layer in its weight's") {
@@ -274,20 +281,10 @@ TEST_CASE("foreign model: an fp8 embedding looks up its rows and upcasts only th
   }
   CHECK(at::equal(fm.embedding(0, ids.to(at::kInt)), want));  // no provider: the stored table itself
   auto dev = sluice::testing::test_device_or_cpu();
-  for (double resident : {0.0, 1.0}) {
-    EngineOptions o = streaming_options(fm, dev);
-    o.max_resident = resident;
-    o.budget_bytes += static_cast<uint64_t>(fm.stored_bytes());
-    StreamingEngine engine(o);
-    engine.attach(fm.module(), "caller");
-    at::Tensor y;
-    {
-      ForwardScope scope(engine, "dit");
-      y = fm.embedding(0, ids.to(dev->device())).cpu();
-    }
-    CHECK(at::equal(y, want));
-    engine.detach();
-  }
+  streamed_then_resident(fm, dev, [&](StreamingEngine& engine) {
+    ForwardScope scope(engine, "dit");
+    CHECK(at::equal(fm.embedding(0, ids.to(dev->device())).cpu(), want));
+  });
 }
 
 TEST_CASE("foreign model: a layer called twice per forward is two calls, each prefetched (Note [repeated calls])") {

@@ -43,6 +43,17 @@ class Kept(types.SimpleNamespace):
     """One tensor of a module as it was: the object itself, its bytes (on the host), where."""
 
 
+def status_bytes(field):
+    """A byte count of /proc/self/status ("VmRSS", "VmHWM"); the test is skipped where there is none."""
+    import pytest
+
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    pytest.skip(f"no {field} in /proc/self/status here")
+
+
 def bits(t):
     """A tensor's bytes, on the host: equal bits, not equal values (-0.0 is not 0.0)."""
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)

@@ -19,7 +19,7 @@ import torch
 
 import sluice
 from offload_helpers import (COSMOS_CONFIG, DEVICE, DIFFUSERS_DEFAULT_SKIPS, assert_restored, bits, offload, on_device,
-                             snapshot)
+                             snapshot, status_bytes)
 
 torch.set_num_threads(1)
 
@@ -120,11 +120,7 @@ def test_misuse_gets_one_clear_error():
 # --- host memory: the originals freed while offloaded (issue 31) ---------------------------
 
 def rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    pytest.skip("no /proc/self/status VmRSS here")
+    return status_bytes("VmRSS")
 
 
 def assert_placeholder(p, dtype, shape):

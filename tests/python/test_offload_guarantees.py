@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import sluice
-from offload_helpers import DEVICE, assert_restored, offload, on_device, snapshot
+from offload_helpers import DEVICE, assert_restored, offload, on_device, snapshot, status_bytes
 
 torch.set_num_threads(1)
 
@@ -259,14 +259,6 @@ def test_a_mixed_dtype_module_needs_no_compute_and_each_layer_computes_in_its_ow
 
 # --- host memory at the peak (Note [handover]) -------------------------------------------------
 
-def _peak_rss_since_reset():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    pytest.skip("no VmHWM here")
-
-
 def _reset_peak():
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -275,30 +267,22 @@ def _reset_peak():
         pytest.skip("cannot reset the peak RSS here")
 
 
-def _rss():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    pytest.skip("no VmRSS here")
-
-
 @pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
 def test_offload_and_remove_peak_near_the_modules_own_bytes(storage):
     if DEVICE != "cpu":
         pytest.skip("on the test accelerator its device memory is host memory too")
     ctypes.CDLL(None).malloc_trim(0)  # what earlier tests freed, out of the base (glibc)
-    base = _rss()  # the process without the model
+    base = status_bytes("VmRSS")  # the process without the model
     torch.manual_seed(0)
     m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16) for _ in range(16)])
     model_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     layer_bytes = model_bytes // 16
     _reset_peak()
     h = offload(m, storage=storage, max_resident=0.0, pin_memory="off")
-    peak_offload = _peak_rss_since_reset() - base
+    peak_offload = status_bytes("VmHWM") - base
     _reset_peak()
     h.remove()
-    peak_remove = _peak_rss_since_reset() - base
+    peak_remove = status_bytes("VmHWM") - base
     # The target: 1.1x the module plus one layer's stored copy; 16 MiB more for the staging ring,
     # which on the CPU device is host memory too. Before issue 37 every layer was taken at
     # once: 2x (bf16) and 1.5x (fp8) here.
