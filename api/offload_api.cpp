@@ -14,6 +14,7 @@
 #include "offload/foreign_model.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
+#include "runtime/host_memory.h"
 #include "runtime/logging.h"
 #include "sluice/sluice.hpp"
 
@@ -177,6 +178,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> OffloadedModel::stored_layer(in
 void OffloadedModel::release_layer(int64_t i) {
   if (!removed()) throw InvalidArgument("offload: a layer's stored tensors are freed after remove()");
   state_->model->release_host(layer_index(i));
+  return_freed_host_memory();  // the layer's pages back to the system before the host takes the next
 }
 
 bool OffloadedModel::removed() const { return state_->removed; }

@@ -6,6 +6,7 @@
 
 #include "runtime/error.h"
 #include "runtime/fp8.h"
+#include "runtime/host_memory.h"
 #include "runtime/skip_patterns.h"
 
 namespace sluice::offload {
@@ -94,14 +95,14 @@ void ForeignModel::store(const ForeignLayer& l) {
   // A layer kept in its own dtype computes in it, as without sluice; another in the one named.
   const at::ScalarType compute = skipped && !at::isFloat8Type(w.scalar_type()) ? w.scalar_type()
                                                                                : l.compute.value_or(options_.compute);
-  // Always sluice's own memory, never the caller's (Note [foreign layers]).
-  auto own = [](const at::Tensor& src, at::Tensor stored) {
-    stored = stored.contiguous();
-    return stored.is_alias_of(src) ? stored.clone() : stored;
-  };
-  at::Tensor stored = own(w, cast_to_storage(w.detach(), storage, l.name).stored);
+  // Always sluice's own memory, never the caller's (Note [foreign layers]), and from
+  // host_empty(): a large layer in a mapping of its own, given back to the system the moment
+  // it is freed (pinning moves it into the arena; remove() frees it layer by layer), not
+  // kept in the C library's heap.
+  auto own = [](const at::Tensor& stored) { return to_host_owned(stored, stored.scalar_type()); };
+  at::Tensor stored = own(cast_to_storage(w.detach(), storage, l.name).stored);
   std::optional<at::Tensor> bias;  // stored as the weight is, as diffusers' layerwise casting does
-  if (l.bias) bias = own(*l.bias, cast_to_storage(l.bias->detach(), storage, l.name + ".bias").stored);
+  if (l.bias) bias = own(cast_to_storage(l.bias->detach(), storage, l.name + ".bias").stored);
   const at::TensorOptions built = at::TensorOptions().dtype(compute).device(at::kCPU);
   std::shared_ptr<ManagedLayerImpl> layer;
   switch (l.kind) {

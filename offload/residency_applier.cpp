@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "runtime/error.h"
+#include "runtime/host_memory.h"
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
 
@@ -106,6 +107,7 @@ void ResidencyApplier::pin_host(std::vector<LayerRecord>& layers) {
     placed.groups = first + done.groups;
     placed.failed = done.failed;
     placed.limited = done.limited;
+    return_freed_host_memory();  // the run's pageable copies back to the system before the next run
     if (done.groups < run.size()) break;  // the limit, or a failed allocation: the rest stay pageable
     first = last;
   }

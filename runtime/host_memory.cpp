@@ -4,6 +4,9 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/DispatchKeySet.h>
 #include <mimalloc.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -209,6 +212,13 @@ at::Tensor to_host_owned(const at::Tensor& t, at::ScalarType dtype) {
   at::Tensor out = host_empty(t.sizes(), dtype);
   out.copy_(t);
   return out;
+}
+
+void return_freed_host_memory() {
+  mi_collect(/*force=*/true);
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
 }
 
 }  // namespace sluice

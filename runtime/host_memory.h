@@ -64,6 +64,12 @@ at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 // kernel says EINVAL and the pages fault in as they are written.
 void populate_pages(void* p, uint64_t n);
 
+// Gives the pages of freed host_empty() blocks back to the system now: mimalloc keeps the
+// pages of small blocks it freed for a while (its purge delay), so a model freed layer by
+// layer (sluice.offload's remove()) would otherwise keep its freed small layers in the RSS.
+// Also glibc's malloc_trim(0), for the blocks the C library's heap keeps.
+void return_freed_host_memory();
+
 // Copies `t` (any device, any strides, e.g. a zero-copy view on a mapped checkpoint)
 // into a new contiguous host_empty() tensor of `dtype`, converting if needed. Always
 // copies, so the result never aliases `t`.

@@ -25,6 +25,20 @@ the original becomes a placeholder, freeing its memory, before layer k+1 is take
 memory then peaks at the module's own bytes plus one layer's stored copy, not at the module
 plus the whole stored copy (issue 37: at most 1.1x the original bytes plus one layer).
 remove() goes the same way in reverse (_offload_removal.py).
+
+Note [mapped checkpoints]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A model loaded with from_pretrained from safetensors holds views of the checkpoint file's
+mapping: every tensor keeps the whole mapping alive, and its pages count in the process's
+RSS while it is (file-backed, reclaimable, but counted). sluice keeps the module's other
+tensors (norms, buffers) as they are while offloaded, so one of them alone would keep the
+whole file resident. offload() therefore copies those of them that live in a mapped file
+into memory of their own first (they are small), and the mapping goes with the last
+streamed layer's original. Each streamed layer's pages of the file are handed back to the
+kernel as the layer is handed over (madvise(MADV_PAGEOUT), Linux 5.4: a clean file page is
+dropped from the process and read again from the file if anyone still reads it; a page
+written in place is kept or swapped, never lost; MADV_DONTNEED would lose such a write), so
+that the file does not stay resident beside the stored copy until the last layer.
 """
 from __future__ import annotations
 
@@ -177,8 +191,58 @@ class Spill:
         self._file.close()
 
 
+def file_mappings() -> List[Tuple[int, int]]:
+    """The process's mappings of files ([start, end) addresses), from /proc/self/maps; none
+    where there is no such file."""
+    out: List[Tuple[int, int]] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    out.append((start, end))
+    except OSError:
+        pass
+    return out
+
+
+def own_mapped(tensors, repoint) -> int:
+    """Note [mapped checkpoints]: each host tensor whose memory is in a mapped file is copied
+    into memory of its own (the same object, re-pointed); returns how many were."""
+    maps = file_mappings()
+    copied = 0
+    for t in tensors:
+        p = t.data_ptr()
+        if t.device.type == "cpu" and t.numel() and any(a <= p < b for a, b in maps):
+            repoint(t, t.detach().clone())
+            copied += 1
+    return copied
+
+
+_madvise = None
+_MADV_PAGEOUT = 21
+_PAGE = 4096
+
+
+def page_out(ptr: int, nbytes: int) -> None:
+    """madvise(MADV_PAGEOUT) on the whole pages of [ptr, ptr + nbytes) (Note [mapped
+    checkpoints]); nothing where the C library or the kernel does not have it."""
+    global _madvise
+    if _madvise is None:
+        try:
+            _madvise = ctypes.CDLL(None, use_errno=True).madvise
+            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _madvise = False
+    start = (ptr + _PAGE - 1) // _PAGE * _PAGE
+    end = (ptr + nbytes) // _PAGE * _PAGE
+    if _madvise and end > start:
+        _madvise(start, end - start, _MADV_PAGEOUT)  # a hint: EINVAL on an older kernel is fine
+
+
 def hand_over(model, layer: Layer, compute: Optional[str], originals: str, spill: Optional[Spill],
-              placeholders) -> None:
+              placeholders, mapped: List[Tuple[int, int]]) -> None:
     """Layer `layer` into the C++ model `model` (Note [handover]): its stored copy made, its
     lossy originals kept as `originals` says, its tensors turned into placeholders."""
     m = layer.module
@@ -186,8 +250,11 @@ def hand_over(model, layer: Layer, compute: Optional[str], originals: str, spill
     if m._parameters.get("bias") is not None:
         params.append((True, m._parameters["bias"]))
     host = {}
+    in_file = []  # (address, bytes) of originals in a mapped checkpoint (Note [mapped checkpoints])
     for is_bias, p in params:
         host[is_bias] = p.detach() if p.device.type == "cpu" else p.detach().to("cpu")
+        if p.device.type == "cpu" and any(a <= p.data_ptr() < b for a, b in mapped):
+            in_file.append((p.data_ptr(), p.numel() * p.element_size()))
     own_dtype = params[0][1].dtype
     layer.index = model.add_layer(layer.name, host[False], host.get(True), layer.kind,
                                   compute or str(own_dtype).replace("torch.", ""))
@@ -205,3 +272,5 @@ def hand_over(model, layer: Layer, compute: Optional[str], originals: str, spill
         placeholders.make(k.param, layer.name + (".bias" if k.is_bias else ".weight"), k.home)
     layer.kept = kept
     return_freed_host_memory()  # the original's pages back to the system before the next layer
+    for ptr, nbytes in in_file:
+        page_out(ptr, nbytes)

@@ -17,7 +17,6 @@ from typing import List, Optional
 import torch
 
 from . import _placeholders as ph
-from ._host_memory import return_freed_host_memory
 from ._offload_layers import Layer, Spill
 
 
@@ -50,6 +49,5 @@ def give_back(model, layers: List[Layer], spill: Optional[Spill]) -> None:
             ph.restore(k.param, src if k.home.type == "cpu" else src.to(k.home))
             k.value = None
         stored = None
-        model.release_layer(layer.index)
+        model.release_layer(layer.index)  # sluice's copy of the layer, back to the system before the next
         layer.kept = []
-        return_freed_host_memory()  # sluice's copy of the layer back to the system before the next

@@ -63,7 +63,7 @@ from . import _logging
 from . import _offload_hooks as hooks
 from ._C import InvalidArgument, ResourceError
 from ._offload_config import OffloadConfig
-from ._offload_layers import Layer, Spill, choose, hand_over
+from ._offload_layers import Layer, Spill, choose, file_mappings, hand_over, own_mapped
 from ._host_memory import return_freed_host_memory
 from ._offload_removal import give_back
 from ._placeholders import Placeholders, repoint
@@ -276,6 +276,9 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage="flo
     try:
         for t in grads:
             t.requires_grad_(False)
+        # The other tensors that live in a mapped checkpoint file get memory of their own
+        # (Note [mapped checkpoints]), so that the mapping goes with the streamed originals.
+        own_mapped([t for _, t in extras], repoint)
         if cfg.originals == "disk":
             spill = Spill(cfg.spill_dir)
         with _naming_working_memory(cfg):
@@ -284,8 +287,9 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage="flo
                                       skip=cfg.skip, max_resident=cfg.max_resident, device=cfg.device,
                                       vram_budget=cfg.vram_budget, working_memory=cfg.working_memory,
                                       pin_memory=cfg.pin_memory, prefetch=cfg.prefetch, trace=cfg.trace)
+        mapped = file_mappings()
         for layer in layers:  # one at a time (Note [handover])
-            hand_over(model, layer, cfg.compute, cfg.originals, spill, placeholders)
+            hand_over(model, layer, cfg.compute, cfg.originals, spill, placeholders, mapped)
         # The other tensors of a module on the device come to the host (the C++ model takes
         # host tensors), and their device copies are freed before sluice claims device memory.
         for _, t in extras:

@@ -444,3 +444,25 @@ def test_the_working_memory_of_an_offloaded_module_is_measured_and_grown():
     # own bytes, and the cache's working memory grows to it (plus an eighth).
     assert st["budget"]["measured_working_memory_bytes"] >= 96 << 20
     assert st["cache"]["working_memory_bytes"] >= st["budget"]["measured_working_memory_bytes"]
+
+
+def test_a_checkpoint_loaded_mapped_is_unmapped_once_offloaded(tmp_path):
+    """Note [mapped checkpoints]: from_pretrained maps the safetensors file and its tensors are
+    views of it; none of them may keep the whole file resident while sluice holds the copy."""
+    diffusers = pytest.importorskip("diffusers")
+    from offload_helpers import COSMOS_CONFIG
+
+    torch.manual_seed(0)
+    diffusers.CosmosTransformer3DModel(**COSMOS_CONFIG).to(torch.bfloat16).save_pretrained(tmp_path)
+    m = diffusers.CosmosTransformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+
+    def mapped():
+        with open("/proc/self/maps") as f:
+            return [line for line in f if str(tmp_path) in line]
+
+    assert mapped(), "from_pretrained did not map the checkpoint: nothing to check here"
+    snap = snapshot(m)
+    h = offload(m, storage="bfloat16", max_resident=0.0)
+    assert not mapped()
+    h.remove()
+    assert_restored(m, snap)
