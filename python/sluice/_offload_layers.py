@@ -119,10 +119,11 @@ def choose(module: torch.nn.Module, exclude: List[str]) -> Tuple[List[Layer], Li
             why = f"its weight has {w.dim()} dims"
         elif any(matches(p, name) for p in exclude):
             why = "exclude= names it"
+        # The module itself may be the layer (offload(a_linear)): it is named by its class.
         if why:
             resident.append((name or type(m).__name__, why))
         else:
-            streamed.append(Layer(name, m, kind))
+            streamed.append(Layer(name or type(m).__name__, m, kind))
     return streamed, resident
 
 

@@ -466,3 +466,18 @@ def test_a_checkpoint_loaded_mapped_is_unmapped_once_offloaded(tmp_path):
     assert not mapped()
     h.remove()
     assert_restored(m, snap)
+
+
+def test_a_module_that_is_itself_one_layer_streams():
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    x = x_in()
+    want = ref(lin, x)
+    snap = snapshot(lin)
+    h = offload(lin, storage="bfloat16", max_resident=0.0)
+    assert torch.equal(run(lin, x), want)
+    assert h.stats()["model"]["layers"] == 1
+    with pytest.raises(sluice.InvalidArgument, match=r"'Linear\.weight' is streamed"):
+        lin.weight.sum()
+    h.remove()
+    assert_restored(lin, snap)
