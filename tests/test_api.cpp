@@ -784,3 +784,36 @@ TEST_CASE("api: handles outlive the cache and the trace is written") {
   CHECK(copy);
   CHECK(compute);
 }
+
+TEST_CASE("api: log lines go to an embedder's sink at the level it sets, and to stderr again without one") {
+  const sluice::LogLevel before = sluice::log_level();
+  std::vector<std::pair<sluice::LogLevel, std::string>> got;
+  sluice::set_log_level(sluice::LogLevel::info);
+  sluice::set_log_sink([&](sluice::LogLevel level, const std::string& line) { got.emplace_back(level, line); });
+  {
+    sluice::ModelCache cache(cpu());
+    sluice::Model model = cache.load("anima-tiny");
+  }
+  const size_t at_info = got.size();
+  CHECK(at_info > 0);
+  bool loaded = false;
+  for (const auto& [level, line] : got) loaded = loaded || (level == sluice::LogLevel::info && line.find("'anima-tiny'") != std::string::npos);
+  CHECK(loaded);
+  sluice::set_log_level(sluice::LogLevel::warn);  // the level still filters what reaches the sink
+  {
+    sluice::ModelCache cache(cpu());
+    sluice::Model model = cache.load("anima-tiny");
+  }
+  CHECK(got.size() == at_info);
+  sluice::set_log_sink(nullptr);
+  sluice::set_log_level(sluice::LogLevel::info);
+  {
+    TempDir dir;
+    StderrCapture err(dir.file("log.txt"));
+    sluice::ModelCache cache(cpu());
+    sluice::Model model = cache.load("anima-tiny");
+    CHECK(err.finish().find("'anima-tiny'") != std::string::npos);  // stderr again
+  }
+  CHECK(got.size() == at_info);
+  sluice::set_log_level(before);
+}
