@@ -50,7 +50,7 @@ ForeignModel::ForeignModel(std::vector<ForeignLayer> layers, std::vector<std::pa
 }
 
 ForeignModel::ForeignModel(ForeignOptions options)
-    : options_(std::move(options)), root_(std::make_shared<torch::nn::Module>("ForeignModel")) {
+    : options_(std::move(options)), skip_(options_.skip), root_(std::make_shared<torch::nn::Module>("ForeignModel")) {
   if (!at::isFloatingType(options_.compute)) {
     throw InvalidArgument(std::string("offload: compute dtype must be floating, got ") + c10::toString(options_.compute));
   }
@@ -90,7 +90,7 @@ void ForeignModel::store(const ForeignLayer& l) {
     throw InvalidArgument(std::string("offload: layer '") + l.name + "' has compute dtype " + c10::toString(*l.compute) +
                           ", not floating");
   }
-  const bool skipped = SkipList(options_.skip).matches(l.name).has_value() || at::isFloat8Type(w.scalar_type());
+  const bool skipped = skip_.matches(l.name).has_value() || at::isFloat8Type(w.scalar_type());
   const at::ScalarType storage = skipped ? w.scalar_type() : options_.storage;
   // A layer kept in its own dtype computes in it, as without sluice; another in the one named.
   const at::ScalarType compute = skipped && !at::isFloat8Type(w.scalar_type()) ? w.scalar_type()

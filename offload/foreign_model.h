@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "offload/layer.h"
+#include "runtime/skip_patterns.h"
 #include "runtime/dtype_policy.h"
 
 namespace sluice::offload {
@@ -130,6 +131,7 @@ class ForeignModel {
   ManagedLayerImpl& layer(size_t i, LayerKind kind, const char* what) const;  // and of that kind
 
   ForeignOptions options_;
+  SkipList skip_;  // options_.skip, its patterns compiled once
   std::shared_ptr<torch::nn::Module> root_;
   std::vector<std::shared_ptr<ManagedLayerImpl>> layers_;
   std::map<std::string, std::shared_ptr<torch::nn::Module>> made_;  // parent modules by dotted path

@@ -97,10 +97,11 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) {
   {
     WeightLease lease(*this, WeightLease::Form::stored);  // Note [embedding rows]
     const LayerWeights& w = lease.weights();
-    const at::Tensor flat = ids.to(at::kLong).reshape({-1});
+    const at::Tensor idx = ids.to(at::kLong);
     if (!w.stored || (w.weight.scalar_type() == compute_dtype() && !w.scale.defined())) {
-      y = at::embedding(w.weight, ids.to(at::kLong));
+      y = at::embedding(w.weight, idx);
     } else {
+      const at::Tensor flat = idx.reshape({-1});
       // The rows' bytes (gathered as integers of the same width: index_select need not know
       // fp8), then their upcast.
       const at::Tensor& table = w.weight;
