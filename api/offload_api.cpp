@@ -3,6 +3,7 @@
 // in cache/model_cache.h), the host's or one of its own.
 #include "sluice/offload.hpp"
 
+#include <ATen/core/grad_mode.h>
 #include <atomic>
 #include <mutex>
 #include <optional>

@@ -2,14 +2,48 @@
 # files; on machines without them, point CMAKE_PREFIX_PATH at an unpacked copy.
 
 # libtorch: from the PyPI wheel (CMAKE_PREFIX_PATH = torch.utils.cmake_prefix_path,
-# which scripts/setup.sh passes) or any libtorch >= 2.11 through Torch_DIR.
+# which scripts/setup.sh passes; under pip, the torch of the Python that runs the build) or
+# any libtorch through Torch_DIR. Supported: torch 2.7.1 to 2.15.x, the range frontends pin
+# (InvokeAI 6.14: 2.7.1 for CUDA, 2.10 for ROCm; ComfyUI: the newest). What differs between
+# them stays in runtime/torch_compat.cpp (Note [torch compat]).
+set(SLUICE_TORCH_OLDEST 2.7.1)
+set(SLUICE_TORCH_NEWER_THAN_SUPPORTED 2.16)
+set(_sluice_torch_range "sluice builds against torch ${SLUICE_TORCH_OLDEST} to 2.15.x")
+function(sluice_check_torch_version version where)
+  if(version VERSION_LESS SLUICE_TORCH_OLDEST OR NOT version VERSION_LESS SLUICE_TORCH_NEWER_THAN_SUPPORTED)
+    message(FATAL_ERROR "sluice: found torch ${version} (${where}); ${_sluice_torch_range}")
+  endif()
+endfunction()
+if(_sluice_pip AND NOT Torch_DIR)
+  # pip install --no-build-isolation: the environment's own torch, checked before CMake
+  # reads its package (whose errors for an unsupported torch say nothing about the range).
+  execute_process(COMMAND "${Python_EXECUTABLE}" -W ignore -c
+                          "import torch, torch.utils; print(torch.__version__.split('+')[0]); print(torch.utils.cmake_prefix_path)"
+                  OUTPUT_VARIABLE _sluice_torch_out RESULT_VARIABLE _sluice_torch_rc ERROR_QUIET
+                  OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT _sluice_torch_rc EQUAL 0)
+    message(FATAL_ERROR "sluice: no torch in ${Python_EXECUTABLE}: install torch first (${_sluice_torch_range}), "
+                        "then pip install --no-build-isolation")
+  endif()
+  string(REPLACE "\n" ";" _sluice_torch_out "${_sluice_torch_out}")
+  list(GET _sluice_torch_out 0 _sluice_torch_found)
+  list(GET _sluice_torch_out 1 _sluice_torch_prefix)
+  sluice_check_torch_version("${_sluice_torch_found}" "${Python_EXECUTABLE}")
+  list(PREPEND CMAKE_PREFIX_PATH "${_sluice_torch_prefix}")
+endif()
 # A CUDA libtorch turns TORCH_CUDA_ARCH_LIST into -gencode flags in CMAKE_CUDA_FLAGS and
 # forces CMAKE_CUDA_ARCHITECTURES off. Unset, it probes the GPU and, with none (CI), picks a
 # list starting at sm_50, which nvcc 13 refuses. So sluice names its architectures here.
 if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
   set(TORCH_CUDA_ARCH_LIST "8.0;8.6;8.9;9.0+PTX")
 endif()
-find_package(Torch 2.11 REQUIRED)
+# torch 2.7's package looks for NVTX3 in its own source tree unless told to take the CUDA
+# toolkit's, then falls back to libnvToolsExt, which CUDA 12.9 and later no longer ship.
+if(NOT DEFINED USE_SYSTEM_NVTX)
+  set(USE_SYSTEM_NVTX ON)
+endif()
+find_package(Torch REQUIRED)
+sluice_check_torch_version("${Torch_VERSION}" "${Torch_DIR}")
 if(NOT TARGET torch)
   message(FATAL_ERROR "find_package(Torch) did not define the 'torch' target")
 endif()

@@ -7,7 +7,9 @@ get_property(_sluice_targets GLOBAL PROPERTY SLUICE_EXPORTED_TARGETS)
 install(TARGETS ${_sluice_targets} sluice EXPORT sluiceTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
-install(TARGETS sluice_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+if(TARGET sluice_cli)
+  install(TARGETS sluice_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
 foreach(dir runtime offload cache models)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir} DESTINATION include/sluice
           FILES_MATCHING PATTERN "*.h")

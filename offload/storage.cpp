@@ -1,5 +1,6 @@
 #include "offload/storage.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 

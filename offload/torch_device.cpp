@@ -3,15 +3,12 @@
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <c10/core/Allocator.h>
-#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
-
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +17,7 @@
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/logging.h"
+#include "runtime/torch_compat.h"
 
 namespace sluice::offload {
 
@@ -37,20 +35,6 @@ struct HostAllocApi {
 };
 constexpr unsigned kHostAllocPortable = 1;  // cudaHostAllocPortable == hipHostMallocPortable: pinned for every context
 
-void* find_symbol(const char* symbol) {
-  if (void* p = dlsym(RTLD_DEFAULT, symbol)) return p;
-  // Loaded with RTLD_LOCAL (a Python extension's dependencies): look in the runtime itself.
-  for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so",
-                          "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so"}) {
-    if (void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD)) {
-      void* p = dlsym(h, symbol);
-      dlclose(h);  // RTLD_NOLOAD took a reference; the library stays loaded by its owner
-      if (p) return p;
-    }
-  }
-  return nullptr;
-}
-
 const HostAllocApi& host_alloc_api() {
   static const HostAllocApi api = [] {
     HostAllocApi a;
@@ -59,12 +43,12 @@ const HostAllocApi& host_alloc_api() {
                                {"hipHostMalloc", "hipHostFree", "hipGetLastError"},
                                {"hipHostAlloc", "hipHostFree", "hipGetLastError"}};
     for (const auto& n : names) {
-      void* alloc = find_symbol(n[0]);
-      void* free = find_symbol(n[1]);
+      void* alloc = torch_compat::find_runtime_symbol(n[0]);
+      void* free = torch_compat::find_runtime_symbol(n[1]);
       if (!alloc || !free) continue;
       a.alloc = reinterpret_cast<int (*)(void**, size_t, unsigned)>(alloc);
       a.free = reinterpret_cast<int (*)(void*)>(free);
-      a.clear_error = reinterpret_cast<int (*)()>(find_symbol(n[2]));
+      a.clear_error = reinterpret_cast<int (*)()>(torch_compat::find_runtime_symbol(n[2]));
       a.alloc_name = n[0];
       break;
     }
@@ -121,14 +105,15 @@ class TorchDevice final : public DeviceBackend {
   }
 
   c10::Device device() const override { return device_; }
-  // Through torch's device-generic accelerator API (CUDA and ROCm alike, nvcc or not).
+  // Through torch's device-generic accelerator API (CUDA and ROCm alike, nvcc or not; before
+  // torch 2.10, Note [torch compat]).
   // It serves the build's one accelerator: any other device type has no numbers.
   DeviceMemoryInfo memory_info() const override {
     DeviceMemoryInfo info;
     if (is_accelerator()) {
       try {
         c10::DeviceGuard guard(device_);
-        const auto [free_bytes, total_bytes] = at::accelerator::getMemoryInfo(device_.index());
+        const auto [free_bytes, total_bytes] = torch_compat::memory_info(device_);
         info = {static_cast<int64_t>(free_bytes), static_cast<int64_t>(total_bytes)};
       } catch (const c10::Error& e) {
         warn_once(memory_warned_, "memory query", e);
@@ -144,13 +129,12 @@ class TorchDevice final : public DeviceBackend {
   AllocatorStats allocator_stats() const override {
     if (!is_accelerator()) return {};
     try {
-      const auto s = at::accelerator::getDeviceStats(device_.index());
-      constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+      const torch_compat::AllocatorCounters s = torch_compat::device_stats(device_);
       AllocatorStats out;
       out.available = true;
-      out.current_bytes = s.allocated_bytes[all].current;
-      out.peak_bytes = s.allocated_bytes[all].peak;
-      out.reserved_bytes = s.reserved_bytes[all].current;
+      out.current_bytes = s.current_bytes;
+      out.peak_bytes = s.peak_bytes;
+      out.reserved_bytes = s.reserved_bytes;
       return out;
     } catch (const c10::Error& e) {
       warn_once(stats_warned_, "allocator statistics", e);
@@ -161,7 +145,7 @@ class TorchDevice final : public DeviceBackend {
   void reset_allocator_peak() override {
     if (!is_accelerator()) return;
     try {
-      at::accelerator::resetPeakStats(device_.index());
+      torch_compat::reset_peak_stats(device_);
     } catch (const c10::Error& e) {
       warn_once(stats_warned_, "allocator statistics", e);
     }
@@ -170,7 +154,7 @@ class TorchDevice final : public DeviceBackend {
   void release_cached_memory() override {
     if (!is_accelerator()) return;
     try {
-      at::accelerator::emptyCache();
+      torch_compat::empty_cache(device_);
     } catch (const c10::Error& e) {
       warn_once(empty_warned_, "emptyCache", e);
     }
@@ -269,7 +253,7 @@ class TorchDevice final : public DeviceBackend {
   // Note [stream-safe frees]: the caching allocator's own recordStream, on the raw block
   // (the tensor allocate() returns wraps it in a context the allocator does not know).
   void record_stream(const c10::DataPtr& raw, StreamKind stream) override {
-    c10::getDeviceAllocator(device_.type())->recordStream(raw, stream_of(stream));
+    torch_compat::record_stream(raw, stream_of(stream));
   }
 
  private:

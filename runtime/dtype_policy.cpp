@@ -1,5 +1,6 @@
 #include "runtime/dtype_policy.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
 

@@ -1,5 +1,6 @@
 #include "runtime/fp8.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>

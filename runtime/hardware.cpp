@@ -1,8 +1,6 @@
 #include "runtime/hardware.h"
 
 #include <ATen/Context.h>
-#include <ATen/DeviceAccelerator.h>
-#include <ATen/cpu/Utils.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/DeviceGuard.h>
 
@@ -14,28 +12,25 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string_view>
 #include <thread>
 
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
+#include "runtime/torch_compat.h"
 
 namespace sluice {
 namespace {
 
 // The vector and matrix extensions worth naming beside a number, in the order printed;
-// torch's capability map has these keys (at::cpu::get_cpu_capabilities()).
+// torch's capability map has these keys (torch_compat::cpu_capabilities()).
 constexpr const char* kVectorKeys[] = {
     "avx", "avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_cd", "avx512_dq", "avx512_vl",
     "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "avx_ne_convert", "avx10_1", "avx10_2",
     "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
     // Arm
     "neon", "dot", "i8mm", "fp16_arith", "bf16", "sve", "sve2", "sve_bf16", "sme", "sme2"};
-
-bool has(const std::unordered_map<std::string, c10::IValue>& caps, const char* key) {
-  const auto it = caps.find(key);
-  return it != caps.end() && it->second.isBool() && it->second.toBool();
-}
 
 // "family 25, model 17" from /proc/cpuinfo (x86 Linux); empty elsewhere. cpuinfo's package
 // name hides the generation on many cloud machines ("AMD EPYC"), the family does not.
@@ -58,17 +53,14 @@ std::string x86_family_model() {
 
 CpuDescription describe_cpu() {
   CpuDescription d;
-  const auto caps = at::cpu::get_cpu_capabilities();
-  if (const auto it = caps.find("cpu_name"); it != caps.end() && it->second.isString())
-    d.model = it->second.toStringRef();
-  if (d.model.empty()) d.model = "unknown CPU";
-  if (const auto it = caps.find("architecture"); it != caps.end() && it->second.isString())
-    d.architecture = it->second.toStringRef();
+  const torch_compat::CpuCapabilities caps = torch_compat::cpu_capabilities();
+  d.model = caps.name.empty() ? "unknown CPU" : caps.name;
+  d.architecture = caps.architecture;
   if (d.architecture == "x86_64")
     if (const std::string fm = x86_family_model(); !fm.empty()) d.model += " (" + fm + ")";
   d.cores = static_cast<int>(std::thread::hardware_concurrency());
   for (const char* key : kVectorKeys)
-    if (has(caps, key)) d.vector_extensions.emplace_back(key);
+    if (caps.has(key)) d.vector_extensions.emplace_back(key);
   return d;
 }
 
@@ -167,14 +159,13 @@ NativeAnswer native_matmul(at::Device device, at::ScalarType dtype) {
   if (device.is_cpu()) return cpu_native(dtype);
   if (device.is_cuda()) return cuda_native(device, dtype);
   try {
-    const c10::DeviceCapability cap = at::accelerator::getDeviceCapability(device.has_index() ? device.index() : 0);
-    const bool ok = dtype == at::kBFloat16 ? cap.capability_data.supported_scalar_types.has_BFloat16
-                                           : cap.capability_data.supported_scalar_types.has_Half;
-    return {ok, std::string(device.str()) + (ok ? " reports " : " does not report ") + c10::toString(dtype) +
-                    " among its supported dtypes"};
+    if (const std::optional<bool> ok = torch_compat::reports_dtype(device, dtype)) {
+      return {*ok, std::string(device.str()) + (*ok ? " reports " : " does not report ") + c10::toString(dtype) +
+                       " among its supported dtypes"};
+    }
   } catch (const std::exception&) {
-    return {true, device.str() + " does not report its dtypes; taken to compute it"};
   }
+  return {true, device.str() + " does not report its dtypes; taken to compute it"};
 }
 
 bool apply_cpu_onednn_env() {

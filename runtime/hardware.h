@@ -15,11 +15,12 @@
 //    Arm; for fp16 avx512_fp16 or amx_fp16. Otherwise torch falls back to a generic kernel:
 //    0.5 GFLOP/s in bf16 against 65 GFLOP/s in fp32 on a 2-core AVX2-only AMD EPYC
 //    (torch 2.11; 1.3 against 230 on a 2-core AVX-512 AMD EPYC with oneDNN switched off).
-//    The CPU flags are read with at::cpu::get_cpu_capabilities() (torch's cpuinfo).
+//    The CPU flags come from torch_compat::cpu_capabilities(): torch's cpuinfo from torch 2.11,
+//    /proc/cpuinfo before it (Note [torch compat]).
 //  - CUDA: bf16 tensor cores from compute capability 8.0 (Ampere); fp16 from 7.0 (Volta),
 //    and fp16 runs on every CUDA GPU torch supports. ROCm builds report bf16 supported, as
 //    torch.cuda.is_bf16_supported() does.
-//  - Any other backend: at::accelerator::getDeviceCapability(); one that does not answer
+//  - Any other backend: its reported dtypes (torch_compat::reports_dtype, torch >= 2.10); one that does not answer
 //    is taken to compute bf16.
 // SLUICE_CPU_ONEDNN=off switches oneDNN off in torch (as torch.backends.mkldnn.enabled =
 // False) when a ModelCache is made, which reproduces a CPU without native bf16 on one

@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# Builds and installs the sluice Python package (python/) against an installed sluice and
-# the project venv's torch.
+# Builds and installs the sluice Python package against the project venv's torch, through
+# the same command a frontend's environment uses (README, "Installing into an environment
+# you already have"): `pip install --no-build-isolation <checkout>`, here over the
+# project's own build folder (-C build-dir), so nothing setup.sh built is compiled again.
 #
 #   bash scripts/python_install.sh              # into the project venv (.venv)
 #   bash scripts/python_install.sh --target DIR # into DIR (tests import it from there)
-#
-# Steps: `cmake --install` the C++ package from the build folder into a prefix, then
-# `pip install --no-build-isolation ./python`, which runs CMake through scikit-build-core
-# and compiles only the bindings (torch is never downloaded a second time).
 #
 # scikit-build-core (the build backend) comes from, in this order:
 #   1. the python itself, when it imports it;
@@ -15,21 +13,18 @@
 #      scikit-build-core, packaging and pathspec in .gpu/buildwhl): installed with
 #      `pip install --no-index --no-deps` into a temporary folder put on PYTHONPATH, never
 #      into the python's own site-packages;
-#   3. with SLUICE_OFFLINE=1: nowhere. The bindings are then built with plain CMake, no pip
-#      (python/CMakeLists.txt configured, built and installed into the target, the package's
-#      .py files copied beside _C); the same module, without pip's metadata (dist-info);
+#   3. with SLUICE_OFFLINE=1: nowhere. The module is then built with plain CMake, no pip
+#      (the build folder's _C target, copied beside the package's .py files); the same
+#      module, without pip's metadata (dist-info);
 #   4. otherwise the package index (`pip install scikit-build-core`, which needs a network).
 # SLUICE_PY_BUILD=cmake takes path 3 whatever is installed.
 #
-#   SLUICE_BUILD_DIR       build folder (default: build)
-#   SLUICE_INSTALL_PREFIX  where the C++ package goes (default: $SLUICE_BUILD_DIR/install)
+#   SLUICE_BUILD_DIR       build folder (default: build), configured by scripts/setup.sh
 #   SLUICE_PYTHON          the python (default: .venv/bin/python)
 #   SLUICE_WHEELHOUSE      see 2. above; SLUICE_OFFLINE=1: never reach a package index
-#   CMAKE_PREFIX_PATH      (colon-separated) where sluice's own dependencies are, if not in /usr
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${SLUICE_BUILD_DIR:-$ROOT/build}"
-PREFIX="${SLUICE_INSTALL_PREFIX:-$BUILD_DIR/install}"
 PY="${SLUICE_PYTHON:-$ROOT/.venv/bin/python}"
 OFFLINE="${SLUICE_OFFLINE:-0}"
 TARGET_DIR=""
@@ -63,22 +58,20 @@ if [ "$BACKEND" = pip ] && ! "$PY" -c "import scikit_build_core" 2>/dev/null; th
 fi
 [ "$OFFLINE" = 1 ] && export PIP_NO_INDEX=1  # whatever pip does below, it reaches no index
 
-cmake --install "$BUILD_DIR" --prefix "$PREFIX" >/dev/null
-export CMAKE_PREFIX_PATH="$PREFIX${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
 if [ "$BACKEND" = pip ]; then
-  "$PY" -m pip install -q --no-build-isolation --no-deps "${TARGET[@]}" "$ROOT/python"
+  # The build folder is setup.sh's: pip reconfigures it with the python's own values (the
+  # same ones) and builds what is not built yet, then installs the python component.
+  "$PY" -m pip install -q --no-build-isolation --no-deps "${TARGET[@]}" -C build-dir="$BUILD_DIR" \
+    -C cmake.define.SLUICE_BUILD_PYTHON=ON "$ROOT"
   exit 0
 fi
 
 # Plain CMake: what scikit-build-core would run, without it.
 DEST="$TARGET_DIR"
 [ -n "$DEST" ] || DEST="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')"
-PYBUILD="$BUILD_DIR/python-cmake"
-GEN=()
-command -v ninja >/dev/null && GEN=(-G Ninja)
-cmake -S "$ROOT/python" -B "$PYBUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DPython_EXECUTABLE="$PY" -DCMAKE_PREFIX_PATH="${CMAKE_PREFIX_PATH//:/;}" >/dev/null
-cmake --build "$PYBUILD"
-cmake --install "$PYBUILD" --prefix "$DEST" >/dev/null
+cmake "$BUILD_DIR" -DSLUICE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" >/dev/null
+cmake --build "$BUILD_DIR" --target _C
+cmake --install "$BUILD_DIR" --component python --prefix "$DEST" >/dev/null
+mkdir -p "$DEST/sluice"
 cp "$ROOT"/python/sluice/*.py "$DEST/sluice/"
 echo "python_install.sh: built with plain CMake into $DEST/sluice"

@@ -92,7 +92,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   log "configuring $BUILD_DIR"
   # shellcheck disable=SC2086
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${TORCH_ARGS[@]}" \
-    -DSLUICE_PYTHON="$VENV/bin/python" ${SLUICE_CMAKE_ARGS:-} >/dev/null
+    -DSLUICE_PYTHON="$VENV/bin/python" -DSLUICE_BUILD_PYTHON=ON ${SLUICE_CMAKE_ARGS:-} >/dev/null
 fi
 if [ "$FOR" = run ]; then
   log "building the sluice command in $BUILD_DIR"
