@@ -46,7 +46,7 @@ def one(storage: str, pin: str) -> str:
     size = sum(p.numel() * p.element_size() for p in m.parameters())
     reset_peak()
     t0 = time.perf_counter()
-    h = sluice.offload(m, storage=storage, max_resident=0.0, pin_memory=pin)
+    h = sluice.offload(m, device="cpu", storage=storage, max_resident=0.0, pin_memory=pin)
     t_off = time.perf_counter() - t0
     peak_off = status("VmHWM") - base
     rest = status("VmRSS") - base

@@ -8,7 +8,12 @@
     cache.stats()   # {"cache": counters, "models": [--stats-json document of every cached model]}
 
 Tensors are passed zero-copy as torch tensors. Errors are sluice.Error subclasses
-(FileError, CheckpointError, InvalidArgument, ResourceError) carrying the C++ message.
+(FileError, CheckpointError, InvalidArgument, ResourceError) carrying the C++ message;
+InvalidArgument is a ValueError too. Arguments follow PyTorch's conventions: a dtype is a
+torch.dtype or its name, a device a torch.device, a name ("cuda", "cuda:1", "cpu") or an
+index of the current accelerator (default: sluice.default_device(), the current
+accelerator, "cpu" only when there is none), a size an int (bytes) or a string ("6GiB",
+"50%").
 The GIL is released while sluice loads, locks and runs forwards. Ctrl-C stops a forward
 called on the main thread at its next layer (KeyboardInterrupt), leaving the model as it was.
 """
@@ -22,10 +27,13 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 from ._C import CheckpointError, Error, FileError, InvalidArgument, ResourceError
 from . import _logging
+from ._arguments import dtype_name, size_bytes, size_text
+from ._devices import default_device, device_name
 from .offload import Offloaded, offload
 
 __all__ = [
     "ModelCache", "Runtime", "Model", "LockedModel", "Lora", "inspect", "version", "offload", "Offloaded",
+    "default_device",
     "Error", "FileError", "CheckpointError", "InvalidArgument", "ResourceError",
 ]
 __version__ = _C.version()
@@ -177,11 +185,15 @@ class Model:
     def write_trace(self, path: str) -> None:
         self._model.write_trace(path)
 
-    def partial_load(self, nbytes: int) -> int:
-        return self._model.partial_load(nbytes)
+    def partial_load(self, nbytes) -> int:
+        """Makes about `nbytes` more of the model resident (an int, or a size string such as
+        "512MiB"); returns the bytes it made resident."""
+        return self._model.partial_load(size_bytes(nbytes, "nbytes", "partial_load"))
 
-    def partial_unload(self, nbytes: int) -> int:
-        return self._model.partial_unload(nbytes)
+    def partial_unload(self, nbytes) -> int:
+        """Gives back about `nbytes` of the model's device memory (an int, or a size string);
+        returns the bytes given back."""
+        return self._model.partial_unload(size_bytes(nbytes, "nbytes", "partial_unload"))
 
     def full_load(self) -> int:
         return self._model.full_load()
@@ -196,13 +208,18 @@ class Model:
 class ModelCache:
     """Models in RAM (fp8 storage by default) on one device under one VRAM budget.
 
-    Keyword arguments are the fields of the C++ RuntimeOptions: device ("cpu" plays the
-    device for tests), vram_budget ("50%" of total device memory, "6GiB", or "auto": free
-    memory minus vram_headroom), vram_headroom, working_memory, resolution, ram_limit,
+    Keyword arguments are the fields of the C++ RuntimeOptions: device (a torch.device, a
+    name such as "cuda", "cuda:1" or "cpu", which plays the device for tests, or an index of
+    the current accelerator; default: sluice.default_device(), the current accelerator, "cpu"
+    only when there is none), vram_budget ("50%" of total device memory, "6GiB", or "auto":
+    free memory minus vram_headroom), vram_headroom, working_memory, resolution, ram_limit,
     prefetch ("auto" or a number of layers), pin_memory ("auto"|"on"|"off"),
     pin_memory_limit (page-locked bytes of all models, "25%" of RAM),
     policy ("balanced"|"spread"|"front-first"), timing, trace,
     device_memory, cpu_copy_gbps, load_threads (threads that read a checkpoint; 0: every core).
+    Every size (vram_budget, vram_headroom, working_memory, ram_limit, pin_memory_limit,
+    device_memory) is an int (bytes) or a size string; a bool, a float or a negative int is
+    one InvalidArgument naming it.
 
     Torch modules a frontend already has go in with sluice.offload(module, cache=cache):
     they share the budget with the cache's other models, are listed in
@@ -210,18 +227,38 @@ class ModelCache:
     offload() returned).
     """
 
-    def __init__(self, device: str = "cpu", vram_budget: str = "", **options):
+    def __init__(self, device=None, vram_budget="", **options):
         _logging.sync_level()
-        self._cache = _C.ModelCache(_C.RuntimeOptions(device=device, vram_budget=str(vram_budget), **options))
+        device = device_name(device, "ModelCache")
+        vram_budget = size_text(vram_budget, "vram_budget", "ModelCache") or ""  # None, "": all of it
+        for key in _SIZE_OPTIONS:
+            if key in options:
+                options[key] = size_text(options[key], key, "ModelCache") or ""  # None, "": the default
+        if options.get("device_memory", 0) is None:
+            del options["device_memory"]
+        elif "device_memory" in options:
+            options["device_memory"] = size_bytes(options["device_memory"], "device_memory", "ModelCache")
+        self._cache = _C.ModelCache(_C.RuntimeOptions(device=device, vram_budget=vram_budget, **options))
         self._device = device  # sluice.offload(module, cache=self) checks the module's tensors against it
 
-    def load(self, path_or_preset: str, storage: str = "float8_e4m3fn", compute: str = "auto",
+    @property
+    def device(self) -> str:
+        """The device the cache runs on, as sluice names it ("cuda", "cuda:1", "cpu")."""
+        return self._device
+
+    def load(self, path_or_preset: str, storage="float8_e4m3fn", compute="auto",
              extra_skips: Iterable[str] = (), use_default_skips: bool = True, use_model_skips: bool = True,
              max_resident: Optional[float] = None, config: str = "", seed: int = 0, name: str = "") -> Model:
         """A checkpoint (.safetensors), a preset name ("anima-small", generated from `seed`) or a JSON config.
 
+        storage: the stored dtype of the Linear/Embedding weights (a torch.dtype or its name).
         compute: "auto" (bfloat16 where the device computes it natively, else float32; the
-        choice and its reason are in stats()["model"]["compute"]), "bfloat16", "float16" or "float32"."""
+        choice and its reason are in stats()["model"]["compute"]), or a torch.dtype or its
+        name: bfloat16, float16 or float32."""
+        storage = dtype_name(storage, "storage", "load")
+        compute = dtype_name(compute, "compute", "load")
+        if storage is None or compute is None:
+            raise InvalidArgument("load: storage= and compute= take a torch.dtype or its name, not None")
         opts = _C.LoadOptions(storage=storage, compute=compute, extra_skips=list(extra_skips),
                               use_default_skips=use_default_skips, use_model_skips=use_model_skips,
                               max_resident=max_resident, config=config, seed=seed, name=name)
@@ -230,8 +267,9 @@ class ModelCache:
     def drop(self, model: Model) -> None:
         self._cache.drop(model._model)
 
-    def set_vram_budget(self, budget: str) -> None:
-        self._cache.set_vram_budget(str(budget))
+    def set_vram_budget(self, budget) -> None:
+        """A new budget for the whole cache: an int (bytes) or a size string ("6GiB", "50%", "auto")."""
+        self._cache.set_vram_budget(size_text(budget, "budget", "set_vram_budget"))
 
     def models(self) -> List[Model]:
         """Handles on every model the cache holds (also those whose handles were dropped, and
@@ -258,9 +296,12 @@ class ModelCache:
 
 
 Runtime = ModelCache
+# ModelCache's size options besides vram_budget, given to the C++ options as text.
+_SIZE_OPTIONS = ("vram_headroom", "working_memory", "ram_limit", "pin_memory_limit")
 
 
-def inspect(path_or_preset: str, storage: str = "") -> dict:
+def inspect(path_or_preset: str, storage="") -> dict:
     """What `sluice inspect --json` prints for a checkpoint (or, for a preset name, its
-    shape-only build): tensors, parameters, bytes by dtype, groups, config, param_size_mib."""
-    return json.loads(_C.inspect_json(str(path_or_preset), storage))
+    shape-only build): tensors, parameters, bytes by dtype, groups, config, param_size_mib.
+    storage: a torch.dtype or its name ("" : the checkpoint's own)."""
+    return json.loads(_C.inspect_json(str(path_or_preset), dtype_name(storage, "storage", "inspect") or ""))

@@ -25,22 +25,13 @@ from typing import Iterable, List, Optional
 import torch
 
 from ._C import InvalidArgument
+from ._arguments import dtype_name, size_text
+from ._devices import device_name
 
 ORIGINALS = ("disk", "ram")
 # diffusers hooks/layerwise_casting.py DEFAULT_SKIP_MODULES_PATTERN.
 DIFFUSERS_DEFAULT_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
 _REGEX = re.compile(r"[\\^$*+?()\[\]{}|]")
-
-
-def dtype_name(d, what: str) -> Optional[str]:
-    """A dtype argument (torch.dtype or its name) as sluice's name of it; None stays None."""
-    if d is None:
-        return None
-    if isinstance(d, torch.dtype):
-        return str(d).replace("torch.", "")
-    if isinstance(d, str):
-        return d
-    raise InvalidArgument(f"offload: {what}= takes a torch.dtype or its name, got {type(d).__name__}")
 
 
 def _searched(p: str) -> str:
@@ -102,12 +93,14 @@ class OffloadConfig:
         if isinstance(exclude, str):
             raise InvalidArgument(f"offload: exclude= takes a list of patterns, got the string {exclude!r}")
         storage = dtype_name(storage, "storage")
-        where = cache._device if cache is not None else device if device is not None else "cpu"
-        if isinstance(where, torch.device):
-            where = str(where)
+        if storage is None:
+            raise InvalidArgument("offload: storage= takes a torch.dtype or its name, got None")
+        # Note [default device] in _devices.py: no cache and no device= is the current accelerator.
+        where = cache._device if cache is not None else device_name(device, "offload")
         return cls(name=name or type(module).__name__, storage=storage, compute=dtype_name(compute, "compute"),
                    skip=skip_patterns(module, skip, storage), exclude=list(exclude or ()), max_resident=max_resident,
                    originals=originals, spill_dir=spill_dir, cache=cache,
-                   device=None if device is None else str(device), vram_budget=vram_budget,
-                   working_memory=working_memory, pin_memory=pin_memory, prefetch=prefetch, trace=trace,
-                   where=str(where))
+                   device=None if cache is not None else where,
+                   vram_budget=size_text(vram_budget, "vram_budget", "offload"),
+                   working_memory=size_text(working_memory, "working_memory", "offload"), pin_memory=pin_memory,
+                   prefetch=prefetch, trace=trace, where=where)

@@ -12,6 +12,16 @@
     te = sluice.offload(pipe.text_encoder, cache=cache, storage="bfloat16")
     tr = sluice.offload(pipe.transformer, cache=cache)
 
+    # PyTorch's conventions: torch dtypes and devices, sizes in bytes, a with block.
+    with sluice.offload(pipe.transformer, device=torch.device("cuda", 0), vram_budget=6 << 30,
+                        storage=torch.float8_e4m3fn) as handle:
+        image = pipe(...)        # removed when the block ends, also when it raises
+
+    # torch.compile after offload(): the streamed layers' calls are boundaries Dynamo does
+    # not trace (Note [compiled callers] in _offload_hooks.py); the code between them compiles.
+    handle = sluice.offload(pipe.transformer)
+    pipe.transformer = torch.compile(pipe.transformer)
+
 In place, as diffusers' apply_group_offloading does. Every torch.nn.Linear, Embedding and
 Conv1d/2d/3d of the module, subclasses included, streams (Note [what streams] in
 _offload_layers.py says which stay ordinary parameters, and why): sluice stores it in the
@@ -42,9 +52,10 @@ device it came from. While offloaded, the streamed layers' placeholders are on t
 device, so the module's .device (its first parameter's, which diffusers reads to place a
 pipeline's inputs) is where it runs, wherever it came from.
 
-Raises sluice.InvalidArgument, naming what is at fault: tensors on another device than the
-host or `device=` (another GPU, meta tensors); a module offloaded twice, a module inside or
-around an offloaded one, torch.compile()'s wrapper; removing twice; state_dict(),
+Raises sluice.InvalidArgument (a ValueError too), naming what is at fault: a bad argument;
+tensors on another device than the host or `device=` (another GPU, meta tensors); a
+module offloaded twice, a module inside or around an offloaded one, torch.compile()'s
+wrapper (offload the module, then compile it); removing twice; state_dict(),
 load_state_dict() and .to()/.cuda()/.half() while offloaded; and reading a streamed weight's
 values outside its layer's call (torch.cat of two weights, a fused QKV, a write in place),
 which names the layer and the fix (exclude=[...] keeps it an ordinary parameter).
@@ -62,6 +73,7 @@ from . import _C
 from . import _logging
 from . import _offload_hooks as hooks
 from ._C import InvalidArgument, ResourceError
+from ._arguments import size_text
 from ._offload_config import OffloadConfig
 from ._offload_layers import Layer, Spill, choose, file_mappings, hand_over, own_mapped
 from ._host_memory import return_freed_host_memory
@@ -74,7 +86,10 @@ log = logging.getLogger("sluice")
 
 class Offloaded:
     """The handle sluice.offload() returns: stats(), trace(), timeline(), set_vram_budget(),
-    remove()."""
+    remove(). A context manager too: `with sluice.offload(m, ...) as handle:` gives the
+    handle and removes the offload when the block ends, also when the block raises (the
+    block's exception is the one that propagates; a remove() that fails then is logged and
+    noted on it). A handle removed inside the block is left as it is."""
 
     def __init__(self, module: torch.nn.Module, model: "_C.OffloadedModel", layers: List[Layer],
                  grads: List[torch.Tensor], moved: List[Tuple[torch.Tensor, torch.device]], spill: Optional[Spill],
@@ -109,10 +124,10 @@ class Offloaded:
         --timeline`); needs trace=True and a forward that ran to its end."""
         self._attached_model().write_timeline_svg(str(path))
 
-    def set_vram_budget(self, budget: str) -> None:
-        """A new budget ("6GiB", "50%") for a module with a cache of its own;
-        sluice.ResourceError when too small. In a shared cache: the cache's set_vram_budget."""
-        self._attached_model().set_vram_budget(str(budget))
+    def set_vram_budget(self, budget) -> None:
+        """A new budget (bytes as an int, or "6GiB", "50%") for a module with a cache of its
+        own; sluice.ResourceError when too small. In a shared cache: the cache's set_vram_budget."""
+        self._attached_model().set_vram_budget(size_text(budget, "budget", "set_vram_budget"))
 
     def _attached_model(self) -> "_C.OffloadedModel":
         if self._model is None:
@@ -122,6 +137,24 @@ class Offloaded:
     @property
     def removed(self) -> bool:
         return self._model is None or self._model.removed()
+
+    def __enter__(self) -> "Offloaded":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.removed:
+            return
+        if exc is None:
+            self.remove()
+            return
+        # The block raised: its exception propagates, whatever remove() does.
+        try:
+            self.remove()
+        except Exception as e:  # noqa: BLE001  (never masks the block's exception)
+            log.warning("offload: remove() at the end of a with block that raised failed too: %s: %s",
+                        type(e).__name__, e)
+            if hasattr(exc, "add_note"):  # Python 3.11
+                exc.add_note(f"sluice: remove() on leaving the with block failed too: {type(e).__name__}: {e}")
 
     def remove(self) -> None:
         """Gives the module back as it was: every attribute offload() set put back as it was,
@@ -202,9 +235,9 @@ def _model_dtype(layers: List[Layer]) -> str:
 
 def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage="float8_e4m3fn", compute=None,
             skip: Optional[Iterable[str]] = None, exclude: Iterable[str] = (), max_resident: Optional[float] = None,
-            originals: str = "disk", spill_dir: Optional[str] = None, device=None,
-            vram_budget: Optional[str] = None, working_memory: Optional[str] = None,
-            pin_memory: Optional[str] = None, prefetch=None, trace: Optional[bool] = None) -> Offloaded:
+            originals: str = "disk", spill_dir: Optional[str] = None, device=None, vram_budget=None,
+            working_memory=None, pin_memory: Optional[str] = None, prefetch=None,
+            trace: Optional[bool] = None) -> Offloaded:
     """Streams `module`'s layers through sluice, in place; returns the handle.
 
     The module's tensors may be on the host or on the sluice device already (a pipeline
@@ -214,17 +247,22 @@ def offload(module: torch.nn.Module, *, cache=None, name: str = "", storage="flo
     budget (its device, budget, working memory, pinning, prefetch and tracing are the
     cache's: giving any of those here too is an InvalidArgument). None: a cache of the
     module's own, made from:
-      device: "cpu" (default; the CPU plays the device), "cuda", "cuda:1", ...
+      device: a torch.device, a name ("cuda", "cuda:1", "cpu": the CPU plays the device) or
+        an int index of the current accelerator. Default: sluice.default_device(), the
+        current accelerator (torch.accelerator; CUDA or ROCm on an older torch), "cpu" only
+        when there is none (Note [default device] in _devices.py).
       vram_budget: what sluice may hold on the device for this module, working_memory (kept
         free for activations, 256MiB by default) included: for a budget smaller than that,
-        lower working_memory too. "" (default) = all device memory.
+        lower working_memory too. Sizes are an int (bytes) or a string ("6GiB", "50%"; a
+        bool, a float or a negative int is an InvalidArgument). "" (default) = all device
+        memory.
       pin_memory: "auto" (default: on for CUDA and ROCm) | "on" | "off".
       prefetch: most streamed layers copied ahead, "auto" (default) or a number.
       trace: record per-layer spans for handle.trace() and handle.timeline().
     name: the module's name in logs and stats; default: its class name.
     storage: the streamed layers' storage dtype (a torch.dtype or its name).
-    compute: the dtype the streamed layers not kept in their own dtype compute in; default:
-      each its own weight's dtype (a mixed model needs none).
+    compute: the dtype the streamed layers not kept in their own dtype compute in (a
+      torch.dtype or its name); default: each its own weight's dtype (a mixed model needs none).
     skip: patterns of layers kept in their own dtype (stored unconverted). Default: the
       model's own patterns, and under fp8 storage diffusers' default list too, so that
       offload(m, storage="float8_e4m3fn") computes what m.enable_layerwise_casting() does

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "runtime/error.h"
+#include "runtime/size_parse.h"
 #include "sluice/inspect.hpp"
 #include "sluice/offload.hpp"
 #include "sluice/sluice.hpp"
@@ -147,7 +148,10 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<sluice::FileError>(m, "FileError", error.ptr());
   py::register_exception<sluice::CheckpointError>(m, "CheckpointError", error.ptr());
   py::register_exception<sluice::ResourceError>(m, "ResourceError", error.ptr());
-  py::register_exception<sluice::InvalidArgument>(m, "InvalidArgument", error.ptr());
+  // A bad argument is a ValueError too, as Python's own are: PyErr_NewException (which
+  // pybind11's exception<T> calls with `base`) takes a tuple of bases.
+  py::register_exception<sluice::InvalidArgument>(m, "InvalidArgument",
+                                                   py::make_tuple(error, py::handle(PyExc_ValueError)));
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -159,6 +163,12 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("version", &sluice::version);
+  // A size the C++ side takes as a number (sluice/_arguments.py size_bytes): "8GiB" as sluice
+  // reads every size (Note [size suffixes]); no percentages. InvalidArgument naming `name`.
+  m.def(
+      "_parse_size",
+      [](const std::string& text, const std::string& name) { return sluice::parse_size(text, std::nullopt, name); },
+      py::arg("text"), py::arg("name"));
   // Note [log sink].
   m.def("_log_to_queue", [](bool on) {
     if (!on) {
