@@ -29,11 +29,31 @@ the next ones ahead.
 Every attribute offload() sets is recorded with what was there before (a value, or
 nothing) and put back by remove(), unless the frontend has replaced it since (then its own
 value stays). Nothing the frontend set is deleted.
+
+Note [compiled callers]
+~~~~~~~~~~~~~~~~~~~~~~~
+torch.compile(module) after offload() compiles the module's own code between its streamed
+layers, and each streamed layer's call is a boundary Dynamo does not trace:
+  - a layer's leased call (the `_call_impl` above, with its Linear/Embedding shortcuts) is
+    torch.compiler.disable'd: Dynamo graph-breaks at the layer's call and runs it as
+    Python, with compilation off inside it (recursive), so the layer's own forward, its
+    hooks and a patched forward run eagerly, exactly as without torch.compile, on the
+    weights the engine leases;
+  - the module's wrapped forward is disabled non-recursively: its own frame (begin_forward,
+    end_forward, the log level and lines: calls into the engine Dynamo cannot trace) runs
+    as Python, and the module's real forward it calls is compiled as usual, in pieces
+    between the layers' calls.
+So a compiled offloaded module computes what the eager one does, its layers bit for bit;
+only the code between them is inductor's (which may round differently from eager, as it
+does for any module). The boundaries hold nothing Dynamo guards on that changes from call
+to call (the leased Parameters are swapped in and out inside the disabled call), so it
+compiles once. torch.compile's wrapper itself (OptimizedModule) is refused by offload():
+offload the module, then compile it.
 """
 from __future__ import annotations
 
 import functools
-from typing import List
+from typing import Callable, List
 
 import torch
 
@@ -70,6 +90,21 @@ class Attached:
             else:
                 m.__dict__[attr] = before
         self._set = []
+
+
+def not_traced(fn: Callable, recursive: bool = True) -> Callable:
+    """`fn` as a boundary Dynamo does not trace (Note [compiled callers]):
+    torch.compiler.disable, there since torch 2.1 (torch._dynamo.disable before it). With
+    recursive=False only `fn`'s own frame runs uncompiled; the frames it calls compile."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is None:
+        from torch import _dynamo
+
+        disable = _dynamo.disable
+    out = disable(fn, recursive=recursive)
+    if out is not fn:
+        functools.update_wrapper(out, fn)  # a wrapper (torch 2.15's non-recursive disable): fn's name and signature
+    return out
 
 
 def _nothing_attached(m: torch.nn.Module, cls: type) -> bool:
@@ -117,28 +152,43 @@ def attach_layer(attached: Attached, model, layer) -> None:
 
         return model.lease(index, run)
 
-    attached.set(m, "_call_impl", call_impl)
+    attached.set(m, "_call_impl", not_traced(call_impl))
+
+
+def _begin_forward(model, kind: str) -> None:
+    _logging.sync_level()  # the `sluice` logger's level now (sluice/_logging.py)
+    model.begin_forward(kind)
+
+
+def _end_forward(model, aborted: bool) -> None:
+    model.end_forward(aborted)
+    _logging.flush()
+
+
+_engine_calls = None  # (begin, end) as not_traced boundaries, made at the first offload()
 
 
 def wrap_forward(attached: Attached, module: torch.nn.Module, model, kind: str) -> None:
     """Each call of the module's forward is one sluice forward."""
+    global _engine_calls
+    if _engine_calls is None:  # not at import: torch.compiler.disable imports torch._dynamo
+        _engine_calls = (not_traced(_begin_forward), not_traced(_end_forward))
+    begin_forward, end_forward = _engine_calls
     inner = module.forward  # the instance's own forward if it had one, else its class's
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        _logging.sync_level()  # the `sluice` logger's level now (sluice/_logging.py)
-        model.begin_forward(kind)
+        begin_forward(model, kind)
         try:
             out = inner(*args, **kwargs)
         except BaseException:
-            model.end_forward(True)
-            _logging.flush()
+            end_forward(model, True)
             raise
-        model.end_forward(False)
-        _logging.flush()
+        end_forward(model, False)
         return out
 
-    attached.set(module, "forward", forward)
+    # Note [compiled callers]: this frame runs as Python, `inner` compiles.
+    attached.set(module, "forward", not_traced(forward, recursive=False))
 
 
 def guard(attached: Attached, module: torch.nn.Module, layers: List[torch.nn.Module], name: str) -> None:
