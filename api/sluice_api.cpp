@@ -25,6 +25,7 @@
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/hardware.h"
+#include "runtime/host_memory_limit.h"
 #include "runtime/logging.h"
 #include "runtime/nonfinite.h"
 #include "runtime/size_parse.h"
@@ -245,16 +246,17 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
                                   "working_memory");
   }
   c.resolution = o.resolution;
-  if (!o.ram_limit.empty()) {
-    const uint64_t ram = offload::physical_ram_bytes();
-    c.ram_limit = parse_size(o.ram_limit, ram ? std::optional<uint64_t>(ram) : std::nullopt, "ram_limit");
-  }
+  // A percentage is of the host's memory as the process's container sees it: min(physical
+  // RAM, cgroup limit) (Note [host memory limit]).
+  const auto ram_percent_of = [] {
+    const uint64_t ram = host_memory_limit().capacity_bytes();
+    return ram ? std::optional<uint64_t>(ram) : std::nullopt;
+  };
+  if (!o.ram_limit.empty()) c.ram_limit = parse_size(o.ram_limit, ram_percent_of(), "ram_limit");
   c.prefetch = offload::parse_prefetch(o.prefetch, "prefetch");
   c.pin = offload::parse_pin_mode(o.pin_memory, "pin_memory");
   if (!o.pin_memory_limit.empty()) {
-    const uint64_t ram = offload::physical_ram_bytes();
-    c.pin_memory_limit = parse_size(o.pin_memory_limit, ram ? std::optional<uint64_t>(ram) : std::nullopt,
-                                    "pin_memory_limit");
+    c.pin_memory_limit = parse_size(o.pin_memory_limit, ram_percent_of(), "pin_memory_limit");
   }
   c.policy = offload::parse_residency_policy(o.policy, "policy");
   c.timing = o.timing;
@@ -313,9 +315,13 @@ CacheStats ModelCache::stats() const {
   o.device_drops = s.device_drops;
   o.models = s.models;
   o.locked = s.locked;
+  o.host_memory_limit_bytes = s.host_memory_limit.bytes;
+  o.host_memory_limit_source = s.host_memory_limit.source;
   o.ram_limit_bytes = s.ram_limit;
+  o.ram_limit_source = s.ram_limit_source;
   o.ram = counter(s.ram);
   o.pin_limit_bytes = s.pin_limit;
+  o.pin_limit_source = s.pin_limit_source;
   o.pinned = counter(s.pinned);
   o.pinned_used_bytes = s.pinned_used;
   o.vram_budget_bytes = s.vram_budget;

@@ -17,6 +17,21 @@ nlohmann::json stat_json(const offload::Stat& s) {
   return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
 }
 
+// The host_memory_limit object of the stats JSON (Note [host memory limit]): the limit the
+// defaults came from, where it came from, and the sources it is the smallest of.
+nlohmann::json host_limit_json(const HostMemoryLimit& h) {
+  const auto opt = [](const std::optional<uint64_t>& v) { return v ? nlohmann::json(*v) : nlohmann::json(); };
+  return {{"bytes", h.bytes},
+          {"source", h.source},
+          {"physical_bytes", h.physical_bytes},
+          {"cgroup_bytes", opt(h.cgroup_bytes)},
+          {"cgroup_source", h.cgroup_bytes ? nlohmann::json(h.cgroup_source) : nlohmann::json()},
+          {"mem_available_bytes", opt(h.mem_available_bytes)},
+          {"sluice_host_bytes", h.sluice_host_bytes}};
+}
+
+std::string source_or_given(const std::string& s) { return s.empty() ? "given" : s; }
+
 // The cache object of the stats JSON: CacheStats with the named parts of Note [stats parts].
 nlohmann::json cache_json(const CacheStats& s) {
   nlohmann::json models = nlohmann::json::array();
@@ -41,10 +56,13 @@ nlohmann::json cache_json(const CacheStats& s) {
           {"device_drops", s.device_drops},
           {"models", s.models},
           {"locked", s.locked},
+          {"host_memory_limit", host_limit_json(s.host_memory_limit)},
           {"ram_limit_bytes", s.ram_limit},
+          {"ram_limit_source", source_or_given(s.ram_limit_source)},
           {"ram", stat_json(s.ram)},
           {"ram_reserved_bytes", s.ram_reserved},
           {"pin_limit_bytes", s.pin_limit},
+          {"pin_limit_source", source_or_given(s.pin_limit_source)},
           {"pinned", stat_json(s.pinned)},
           {"pinned_bytes", s.pinned.current},
           {"pinned_used_bytes", s.pinned_used},
@@ -76,10 +94,13 @@ CacheStats CacheQueries::stats_locked() const {
     s.models += 1;
     if (e->locks > 0) s.locked += 1;
   }
+  s.host_memory_limit = s_.host_limit;
   s.ram_limit = s_.ram_limit;
+  s.ram_limit_source = s_.ram_limit_source;
   s.ram = s_.ram;
   s.ram_reserved = s_.ram_reserved;
   s.pin_limit = s_.pin_arena->limit();
+  s.pin_limit_source = s_.pin_arena->limit_source();
   s.pinned = s_.pin_arena->pinned();
   s.pinned_used = s_.pin_arena->used_bytes();
   s.vram_budget = s_.budget;
@@ -169,6 +190,7 @@ std::string CacheQueries::model_stats_json(const std::shared_ptr<Entry>& e, int 
                            {"automatic", e->spec.compute_reason.rfind("auto:", 0) == 0},
                            {"reason", e->spec.compute_reason.empty() ? "requested" : e->spec.compute_reason}};
   j["hardware"] = hardware_summary(s_.device->device());
+  j["host_memory_limit"] = host_limit_json(s_.host_limit);
   const CacheStats cs = stats_locked();
   {
     // Note [stats parts]: the allocator's device-wide count, split.

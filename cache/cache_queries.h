@@ -38,6 +38,7 @@
 #include "cache/device_shares.h"
 #include "models/anima/config.h"
 #include "offload/stats.h"
+#include "runtime/host_memory_limit.h"
 
 namespace sluice::cache {
 
@@ -58,10 +59,13 @@ struct CacheStats {
   uint64_t device_drops = 0;    // whole models taken off the device to make room
   uint64_t models = 0;          // in RAM
   uint64_t locked = 0;          // in RAM and locked
+  HostMemoryLimit host_memory_limit;  // as read when the cache was made (Note [host memory limit])
   uint64_t ram_limit = 0;       // 0: unlimited
+  std::string ram_limit_source; // how the default was derived; empty: given
   offload::Stat ram;            // host bytes of models in RAM (pinned host copies included)
   uint64_t ram_reserved = 0;    // estimated bytes of models being read, counted against the RAM limit
   uint64_t pin_limit = 0;       // the pinned arena's limit (all models)
+  std::string pin_limit_source; // how the default was derived; empty: given
   offload::Stat pinned;         // page-locked bytes of the pinned arena (its chunks)
   uint64_t pinned_used = 0;     // of which host weights (the rest is alignment padding)
   uint64_t vram_budget = 0;

@@ -27,6 +27,7 @@
 #include "offload/pinned_arena.h"
 #include "offload/stats.h"
 #include "runtime/dtype_policy.h"
+#include "runtime/host_memory_limit.h"
 
 namespace sluice::cache {
 
@@ -39,6 +40,7 @@ struct CacheOptions {
   std::optional<uint64_t> working_memory;          // kept free for activations; none: default_working_memory(budget, resolution)
   int64_t resolution = 1024;                       // image side the default working memory is sized for
   std::optional<uint64_t> ram_limit;               // host bytes for models; 0: unlimited; none: default_ram_limit()
+                                                   // (of the host memory limit, Note [host memory limit])
   uint32_t prefetch = offload::kPrefetchAuto;      // most streamed layers copied ahead (auto: the ring's bytes decide)
   offload::PinMode pin = offload::PinMode::auto_;  // pinned host copies of streamed layers
   std::optional<uint64_t> pin_memory_limit;        // page-locked host bytes of all models together;
@@ -128,6 +130,7 @@ struct CacheState {
   CacheOptions options;
   std::shared_ptr<offload::DeviceBackend> device;
   std::shared_ptr<offload::PinnedArena> pin_arena;  // every engine's pinned host copies, under one limit
+  HostMemoryLimit host_limit;  // read at creation: the defaults of ram_limit and the pin arena's limit come from it
 
   std::list<std::shared_ptr<Entry>> entries;  // every model the cache holds, in creation order
   uint64_t next_id = 0;                       // the last Entry::id given
@@ -135,6 +138,7 @@ struct CacheState {
 
   // The RAM tier (cache/ram_tier.h).
   uint64_t ram_limit = 0;
+  std::string ram_limit_source;  // how the default was derived (default_ram_limit()); empty when given
   bool ram_warned = false;
   offload::Stat ram;
   uint64_t ram_reserved = 0;  // see CacheStats::ram_reserved

@@ -23,9 +23,18 @@ ModelCache::ModelCache(CacheOptions options) : state_(std::move(options)) {
   if (o.resolution <= 0) {
     throw InvalidArgument("resolution must be positive, got " + std::to_string(o.resolution));
   }
-  state_.ram_limit = o.ram_limit ? *o.ram_limit : default_ram_limit();
-  state_.pin_arena = std::make_shared<offload::PinnedArena>(o.pin_memory_limit ? *o.pin_memory_limit
-                                                                               : offload::default_pin_memory_limit());
+  // Note [host memory limit]: read once, here; the defaults below come from it.
+  state_.host_limit = host_memory_limit();
+  if (o.ram_limit) {
+    state_.ram_limit = *o.ram_limit;
+  } else {
+    const RamLimit r = default_ram_limit(state_.host_limit);
+    state_.ram_limit = r.bytes;
+    state_.ram_limit_source = r.source;
+  }
+  state_.pin_arena = o.pin_memory_limit
+                         ? std::make_shared<offload::PinnedArena>(*o.pin_memory_limit)
+                         : std::make_shared<offload::PinnedArena>(offload::default_pin_memory_limit(state_.host_limit));
   set_vram_budget(o.vram_budget);
 }
 

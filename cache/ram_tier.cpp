@@ -88,10 +88,16 @@ anima::AnimaModel read_model(const LoadSpec& spec, const DtypePair& dtypes, cons
 
 }  // namespace
 
-uint64_t default_ram_limit() {
-  const uint64_t ram = offload::physical_ram_bytes();
-  const uint64_t half = ram / 2 > 2 * kGiB ? ram / 2 - 2 * kGiB : 0;
-  return std::max<uint64_t>(4 * kGiB, half);
+uint64_t default_ram_limit(uint64_t host_limit_bytes) {
+  const uint64_t l = host_limit_bytes;
+  const uint64_t half = l / 2 > 2 * kGiB ? l / 2 - 2 * kGiB : 0;
+  const uint64_t invoke = std::max<uint64_t>(4 * kGiB, half);
+  return l ? std::min(l, invoke) : invoke;
+}
+
+RamLimit default_ram_limit(const HostMemoryLimit& host) {
+  return {default_ram_limit(host.bytes),
+          "default min(L, max(4GiB, L / 2 - 2GiB)) of the host memory limit L = " + host.describe()};
 }
 
 SourceKind source_kind(const std::string& source) {
@@ -287,7 +293,9 @@ void RamTier::make_room(uint64_t bytes, const Entry* exclude) {
     }
     if (!victim) {
       if (!s_.ram_warned) {
-        log::warn("RAM limit " + format_mib(s_.ram_limit) + " exceeded: models in use hold " +
+        log::warn("RAM limit " + format_mib(s_.ram_limit) +
+                  (s_.ram_limit_source.empty() ? "" : " (" + s_.ram_limit_source + ")") +
+                  " exceeded: models in use hold " +
                   format_mib(static_cast<uint64_t>(s_.ram.current)) + ", models being read " +
                   format_mib(s_.ram_reserved) + ", and " + format_mib(bytes) + " more are needed");
         s_.ram_warned = true;

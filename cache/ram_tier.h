@@ -22,8 +22,18 @@
 
 namespace sluice::cache {
 
-// InvokeAI's rule: max(4 GiB, 50% of RAM - 2 GiB).
-uint64_t default_ram_limit();
+// InvokeAI's rule, max(4 GiB, 50% of L - 2 GiB), where L is the host memory limit (Note
+// [host memory limit] in runtime/host_memory_limit.h: the smallest of physical RAM, the
+// cgroup's limit and what MemAvailable allows), and never more than L itself: the 4 GiB
+// floor is for small machines, not for containers limited below it. 4 GiB when L is unknown (0).
+uint64_t default_ram_limit(uint64_t host_limit_bytes);
+// The default for `host` and how it was derived, for logs and stats ("default min(L,
+// max(4GiB, L / 2 - 2GiB)) of the host memory limit L = 3.0GiB from cgroup v2 memory.max (...)").
+struct RamLimit {
+  uint64_t bytes = 0;
+  std::string source;
+};
+RamLimit default_ram_limit(const HostMemoryLimit& host);
 
 // Where a model comes from.
 enum class SourceKind { preset, json_config, checkpoint };

@@ -292,6 +292,16 @@ int run(const RunArgs& args) {
               << "\n";
   }
   std::cout << "hardware: " << hardware_summary(device) << "\n";
+  // Note [host memory limit] (runtime/host_memory_limit.h): what the host-side defaults
+  // came from, a container's cgroup limit included.
+  std::cout << "host memory limit: "
+            << (cs0.host_memory_limit_bytes ? format_bytes(cs0.host_memory_limit_bytes) + " from " +
+                                                  cs0.host_memory_limit_source
+                                            : std::string("unknown"))
+            << "; model RAM limit "
+            << (cs0.ram_limit_bytes ? format_bytes(cs0.ram_limit_bytes) : std::string("unlimited"))
+            << ", pinned memory limit " << format_bytes(cs0.pin_limit_bytes)
+            << (cs0.pin_limit_source.empty() ? " (--pin-memory-limit)" : "") << "\n";
   std::cout << "compute " << info.compute_dtype << ": " << info.compute_reason << "\n";
   std::cout << "loaded in " << fmt("%.2f", load_s) << " s: total " << mb(ms0.total_bytes) << ", resident "
             << mb(ms0.resident_bytes) << " ("

@@ -20,6 +20,7 @@
 
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
+#include "runtime/host_memory_limit.h"
 #include "runtime/logging.h"
 
 namespace sluice::offload {
@@ -351,8 +352,18 @@ class CpuDevice final : public DeviceBackend {
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   DeviceMemoryInfo memory_info() const override {
     if (options_.memory_source) return options_.memory_source();
-    const auto total = static_cast<int64_t>(options_.total_memory ? options_.total_memory : physical_ram_bytes());
-    return {std::max<int64_t>(total - memory_stats().total.current, 0), total};
+    const int64_t held = memory_stats().total.current;
+    if (options_.total_memory) {
+      const auto total = static_cast<int64_t>(options_.total_memory);
+      return {std::max<int64_t>(total - held, 0), total};
+    }
+    // Note [host memory limit]: the host's memory as a container sees it, and of that what
+    // is available now (MemAvailable does not count what this device already holds).
+    const HostMemoryLimit host = host_memory_limit();
+    const auto total = static_cast<int64_t>(host.capacity_bytes());
+    int64_t free = std::max<int64_t>(total - held, 0);
+    if (host.mem_available_bytes) free = std::min(free, static_cast<int64_t>(*host.mem_available_bytes));
+    return {free, total};
   }
   // Counted where the memory is handed out, not by the ledgers: on the plain device every
   // block alive (nothing is cached, so reserved = current), on the strict one its caching

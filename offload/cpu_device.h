@@ -73,9 +73,13 @@ namespace sluice::offload {
 bool strict_device_requested();
 
 struct CpuDeviceOptions {
-  uint64_t total_memory = 0;         // reported device memory in bytes; 0: physical RAM
+  uint64_t total_memory = 0;         // reported device memory in bytes; 0: the host's (below)
   // What memory_info() reports. Unset: total = total_memory above, free = total minus
   // what the device's ledger holds. Tests set it to play a device shared with others.
+  // With total_memory 0 too: total = the host's memory as the process's container sees it,
+  // min(physical RAM, cgroup limit), and free = total minus what the device holds, at most
+  // MemAvailable (HostMemoryLimit::capacity_bytes(), Note [host memory limit] in
+  // runtime/host_memory_limit.h), so that `auto` takes no more than is available now.
   std::function<DeviceBackend::DeviceMemoryInfo()> memory_source;
   double copy_latency_us = 0;        // fixed time added to every host->device copy
   double copy_bytes_per_second = 0;  // copy rate cap ("slowed copy"); 0: memcpy speed

@@ -173,13 +173,6 @@ at::Tensor DeviceBackend::pin(const at::Tensor& src) {
   return pinned;
 }
 
-uint64_t physical_ram_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page = sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return 0;
-  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
-}
-
 // Note [device libraries]: SLUICE_DEVICE_LIBRARY names torch backend libraries (':'
 // between several) to load before the first torch device is made, read once. Loading one
 // registers its device type with torch (the test accelerator, tests/accel/, registers

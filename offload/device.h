@@ -210,9 +210,6 @@ class DeviceBackend {
   AllocationFault fault_;
 };
 
-// Physical RAM of this machine (sysconf), 0 if unknown.
-uint64_t physical_ram_bytes();
-
 // Loads the torch backend libraries SLUICE_DEVICE_LIBRARY names (once per process; later
 // calls rethrow a failure as InvalidArgument naming the library). make_device() calls it.
 void load_device_libraries();

@@ -39,8 +39,8 @@ ModelResidency::ModelResidency(std::shared_ptr<DeviceBackend> device, const Engi
   ResidencyApplierOptions applier;
   applier.pin = options_.pin == PinMode::on || (options_.pin == PinMode::auto_ && device_->pins_memory());
   applier.arena = options_.pin_arena ? options_.pin_arena
-                                     : std::make_shared<PinnedArena>(options_.pin_memory_limit ? *options_.pin_memory_limit
-                                                                                              : default_pin_memory_limit());
+                 : options_.pin_memory_limit ? std::make_shared<PinnedArena>(*options_.pin_memory_limit)
+                                             : std::make_shared<PinnedArena>(default_pin_memory_limit());
   applier.ring_slots = options_.ring_slots;
   applier_ = std::make_unique<ResidencyApplier>(*device_, applier);
 }

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <utility>
 
 #include "runtime/fault_injection.h"
 
@@ -13,6 +15,7 @@ namespace sluice::offload {
 struct PinnedArena::Counters {
   mutable std::mutex mutex;
   uint64_t limit = 0;
+  std::string limit_source;
   Stat pinned;  // chunk bytes, reservations of place() calls under way included
   uint64_t used = 0;
   uint64_t chunks = 0;
@@ -61,14 +64,22 @@ uint64_t group_footprint(const PinnedArena::Group& g) {
 
 }  // namespace
 
-uint64_t default_pin_memory_limit() {
-  const uint64_t ram = physical_ram_bytes();
-  if (ram <= 4 * kGiB) return 0;
-  return std::min(ram / 2, ram - 4 * kGiB);
+uint64_t default_pin_memory_limit(uint64_t host_limit_bytes) {
+  const uint64_t l = host_limit_bytes;
+  if (l <= 4 * kGiB) return 0;
+  return std::min(l / 2, l - 4 * kGiB);
 }
 
-PinnedArena::PinnedArena(uint64_t limit_bytes) : counters_(std::make_shared<Counters>()) {
+PinLimit default_pin_memory_limit(const HostMemoryLimit& host) {
+  return {default_pin_memory_limit(host.bytes),
+          "default min(L / 2, L - 4GiB) of the host memory limit L = " + host.describe()};
+}
+
+PinLimit default_pin_memory_limit() { return default_pin_memory_limit(host_memory_limit()); }
+
+PinnedArena::PinnedArena(uint64_t limit_bytes, std::string limit_source) : counters_(std::make_shared<Counters>()) {
   counters_->limit = limit_bytes;
+  counters_->limit_source = std::move(limit_source);
 }
 
 PinnedArena::~PinnedArena() = default;
@@ -95,9 +106,15 @@ uint64_t PinnedArena::limit() const {
   return counters_->limit;
 }
 
-void PinnedArena::set_limit(uint64_t limit_bytes) {
+std::string PinnedArena::limit_source() const {
+  std::lock_guard<std::mutex> lock(counters_->mutex);
+  return counters_->limit_source;
+}
+
+void PinnedArena::set_limit(uint64_t limit_bytes, std::string limit_source) {
   std::lock_guard<std::mutex> lock(counters_->mutex);
   counters_->limit = limit_bytes;
+  counters_->limit_source = std::move(limit_source);
 }
 
 Stat PinnedArena::pinned() const {

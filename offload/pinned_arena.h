@@ -30,30 +30,50 @@
 //    placing at once cannot pass the limit together.
 // default_pin_memory_limit(): page-locked memory cannot be swapped or reclaimed, and the
 // CUDA guide warns that pinning too much degrades the whole system. The default leaves the
-// OS at least half of RAM and at least 4 GiB: min(RAM / 2, RAM - 4 GiB) (0 on machines
-// with 4 GiB or less: nothing is pinned there unless asked).
+// OS at least half of the host memory limit and at least 4 GiB: min(L / 2, L - 4 GiB) (0
+// where L is 4 GiB or less: nothing is pinned there unless asked). L is the host memory
+// limit (runtime/host_memory_limit.h, Note [host memory limit]): the smallest of physical
+// RAM, the cgroup's memory limit (a container's) and what MemAvailable allows, so that a
+// container is never pinned past its own limit. The arena keeps where its limit came from
+// (limit_source()), and the warning of a model that reaches the limit names it.
 // Thread-safe; views may be freed on any thread (the CPU device's copy worker).
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "offload/device.h"
 #include "offload/stats.h"
+#include "runtime/host_memory_limit.h"
 
 namespace sluice::offload {
 
-// min(RAM / 2, RAM - 4 GiB), 0 when RAM is unknown or 4 GiB or less. See Note [pinned arena].
-uint64_t default_pin_memory_limit();
+// A pinned arena's limit and where it came from (empty: given by the caller).
+struct PinLimit {
+  uint64_t bytes = 0;
+  std::string source;
+};
+
+// min(L / 2, L - 4 GiB) for a host memory limit of L bytes, 0 when L is unknown (0) or
+// 4 GiB or less. See Note [pinned arena].
+uint64_t default_pin_memory_limit(uint64_t host_limit_bytes);
+// The default for `host`, with a source naming the rule and the host memory limit's own
+// source ("default min(L / 2, L - 4GiB) of the host memory limit L = 6.0GiB from cgroup v2
+// memory.max (/sys/fs/cgroup/app)").
+PinLimit default_pin_memory_limit(const HostMemoryLimit& host);
+// The same of host_memory_limit() now.
+PinLimit default_pin_memory_limit();
 
 class PinnedArena {
  public:
   static constexpr uint64_t kAlignment = 64;
   static constexpr uint64_t kChunkBytes = uint64_t{64} << 20;
 
-  explicit PinnedArena(uint64_t limit_bytes);
+  explicit PinnedArena(uint64_t limit_bytes, std::string limit_source = {});
+  explicit PinnedArena(const PinLimit& limit) : PinnedArena(limit.bytes, limit.source) {}
   ~PinnedArena();
   PinnedArena(const PinnedArena&) = delete;
   PinnedArena& operator=(const PinnedArena&) = delete;
@@ -80,7 +100,9 @@ class PinnedArena {
   ChunkRef chunk_of(const at::Tensor& t) const;
 
   uint64_t limit() const;
-  void set_limit(uint64_t limit_bytes);
+  // Where the limit came from (default_pin_memory_limit()'s source); empty when given.
+  std::string limit_source() const;
+  void set_limit(uint64_t limit_bytes, std::string limit_source = {});
   Stat pinned() const;          // page-locked chunk bytes (current = held now)
   uint64_t used_bytes() const;  // bytes of the tensors placed in live chunks
   uint64_t chunks() const;      // live chunks

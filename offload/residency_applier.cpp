@@ -121,8 +121,9 @@ void ResidencyApplier::pin_host(std::vector<LayerRecord>& layers) {
   } else if (placed.limited && !limit_warned_) {
     uint64_t pageable = 0;
     for (size_t i = placed.groups; i < todo.size(); ++i) pageable += todo[i]->stored_bytes;
-    log::warn("pinned memory limit of " + format_mib(arena.limit()) + " reached (" +
-              format_mib(static_cast<uint64_t>(arena.pinned().current)) + " pinned by all models): model '" +
+    const std::string source = arena.limit_source();
+    log::warn("pinned memory limit of " + format_mib(arena.limit()) + (source.empty() ? "" : " (" + source + ")") +
+              " reached (" + format_mib(static_cast<uint64_t>(arena.pinned().current)) + " pinned by all models): model '" +
               model_name_ + "' has " + format_mib(static_cast<uint64_t>(pinned_.current)) +
               " of host weights pinned, " + format_mib(pageable) +
               " of streamed layers left in pageable memory (copied through the bounce ring)");

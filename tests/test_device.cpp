@@ -12,6 +12,7 @@
 #include "offload/pinned_arena.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
+#include "runtime/host_memory_limit.h"
 #include "tests/device_env.h"
 
 using namespace sluice::offload;
@@ -161,8 +162,10 @@ TEST_CASE("cpu device: pinning is a no-op and total memory defaults to RAM") {
   CHECK_FALSE(dev->pins_memory());
   at::Tensor t = at::ones({4});
   CHECK(dev->pin(t).data_ptr() == t.data_ptr());
-  CHECK(dev->total_memory() == physical_ram_bytes());
-  CHECK(physical_ram_bytes() > 0);
+  // RAM as the process's container sees it: min(physical RAM, cgroup limit) (Note [host memory limit]).
+  CHECK(dev->total_memory() == sluice::host_memory_limit().capacity_bytes());
+  CHECK(dev->total_memory() <= sluice::physical_ram_bytes());
+  CHECK(sluice::physical_ram_bytes() > 0);
   CpuDeviceOptions opt;
   opt.total_memory = 12345;
   CHECK(make_cpu_device(opt)->total_memory() == 12345);

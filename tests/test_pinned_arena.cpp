@@ -25,6 +25,7 @@
 #include "runtime/fault_injection.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
+#include "tests/fake_cgroup.h"
 #include "tests/single_thread.h"
 #include "tests/toy_model.h"
 
@@ -252,12 +253,21 @@ TEST_CASE("pinned arena: pinned / placed <= 1.01 on model-shaped layers") {
   CHECK(arena.chunks() < 6);  // large chunks, not one per tensor
 }
 
-TEST_CASE("pinned arena: the default limit leaves the OS half of RAM and at least 4 GiB") {
-  const uint64_t ram = physical_ram_bytes();
-  REQUIRE(ram > 0);
-  const uint64_t limit = default_pin_memory_limit();
-  CHECK(limit <= ram / 2);
-  CHECK(ram - limit >= std::min<uint64_t>(ram, uint64_t{4} << 30));
+TEST_CASE("pinned arena: the default limit leaves the OS half of the host memory limit and at least 4 GiB") {
+  constexpr uint64_t GiB = uint64_t{1} << 30;
+  for (const uint64_t l : {uint64_t{0}, 2 * GiB, 4 * GiB, 6 * GiB, 8 * GiB, 16 * GiB, 64 * GiB, 1024 * GiB}) {
+    INFO("host memory limit " << l);
+    const uint64_t limit = default_pin_memory_limit(l);
+    CHECK(limit <= l / 2);
+    CHECK(l - limit >= std::min<uint64_t>(l, 4 * GiB));
+  }
+  // Of the host memory limit (Note [host memory limit]): here physical RAM, 16 GiB, all of it available.
+  sluice::testing::FakeCgroupRoot root;
+  root.meminfo(16 * GiB, 16 * GiB);
+  const PinLimit pin = default_pin_memory_limit();
+  CHECK(pin.bytes == 8 * GiB);
+  CHECK(pin.source == "default min(L / 2, L - 4GiB) of the host memory limit L = 16.0GiB from physical RAM");
+  CHECK(PinnedArena(pin).limit_source() == pin.source);
 }
 
 TEST_CASE("pinned arena: engine stats report pinned / streamed <= 1.01, plain and strict, same output") {

@@ -13,6 +13,7 @@
 #include "offload/stats.h"
 #include "offload/vram_budget.h"
 #include "runtime/error.h"
+#include "runtime/host_memory_limit.h"
 
 using namespace sluice::offload;
 using Memory = DeviceBackend::DeviceMemoryInfo;
@@ -154,8 +155,9 @@ TEST_CASE("cpu device: without a memory source, free memory is the total minus w
   CHECK(resolve_vram_budget(*dev, "auto", "10%").bytes == static_cast<uint64_t>(90 * MiB));
   t = at::Tensor();
   CHECK(dev->memory_info().free_bytes == 100 * MiB);
-  // Defaults to physical RAM.
-  CHECK(make_cpu_device()->memory_info().total_bytes == static_cast<int64_t>(physical_ram_bytes()));
+  // Defaults to RAM as the process's container sees it (Note [host memory limit]).
+  CHECK(make_cpu_device()->memory_info().total_bytes ==
+        static_cast<int64_t>(sluice::host_memory_limit().capacity_bytes()));
   // An empty budget is "all of the device", and refuses a headroom.
   CHECK(resolve_vram_budget(*dev, "", "").bytes == 0);
   CHECK_THROWS_AS(resolve_vram_budget(*dev, "", "1GiB"), sluice::InvalidArgument);

@@ -79,7 +79,9 @@ typedef struct sluice_cache_options {
                                 "auto": free memory minus vram_headroom); default: all */
   const char* working_memory; /* part of the budget kept for activations; default: sized for resolution */
   int64_t resolution;        /* image side the default working memory is sized for; default 1024 */
-  const char* ram_limit;     /* host bytes for cached models, LRU eviction; "0": unlimited */
+  const char* ram_limit;     /* host bytes for cached models, LRU eviction; "0": unlimited; default
+                                min(L, max(4GiB, 50% of L - 2GiB)), L the host memory limit (the smallest of
+                                RAM, the cgroup memory limit and what MemAvailable allows) */
   uint32_t prefetch;         /* most streamed layers copied ahead of compute, 0..65536, or
                                 SLUICE_PREFETCH_AUTO (the default): as far as the ring's bytes allow */
   const char* pin_memory;    /* "auto" | "on" | "off"; default "auto" */
@@ -89,7 +91,7 @@ typedef struct sluice_cache_options {
   uint64_t device_memory;    /* device memory to assume for percentages; 0: ask the device */
   const char* vram_headroom; /* vram_budget "auto" only: memory left free ("10%" of total); default max(512MiB, 5%) */
   const char* pin_memory_limit; /* page-locked host bytes for all models ("25%" of RAM); streamed layers past it
-                                   stay pageable; default min(50% of RAM, RAM - 4GiB) */
+                                   stay pageable; default min(50% of L, L - 4GiB), L as for ram_limit */
   int load_threads;          /* threads that read (and cast) a checkpoint; 0 (default): every core */
 } sluice_cache_options;
 

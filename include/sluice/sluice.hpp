@@ -68,14 +68,14 @@ struct RuntimeOptions {
   std::string vram_headroom;            // "auto" only: device memory left free ("10%" of TOTAL memory); empty: max(512MiB, 5% of total)
   std::string working_memory;           // part of the budget kept free for activations ("10%" of the budget); empty: 1GiB x (resolution/1024)^2, at least 256MiB, at most 25% of the budget
   int64_t resolution = 1024;            // image side (pixels) the default working memory is sized for
-  std::string ram_limit;                // host bytes for cached models ("50%" of RAM), LRU eviction; "0": unlimited; empty: max(4GiB, 50% of RAM - 2GiB)
+  std::string ram_limit;                // host bytes for cached models ("50%" of RAM), LRU eviction; "0": unlimited; empty: min(L, max(4GiB, 50% of L - 2GiB)), L the host memory limit (CacheStats::host_memory_limit_bytes)
   std::string prefetch = "auto";        // most streamed layers copied ahead of compute: "auto" (as far as the staging ring's bytes allow) or "0".."65536"
   std::string pin_memory = "auto";      // page-locked host copies of streamed layers: "auto" (on for CUDA and ROCm), "on", "off" (turn off on ROCm if it stalls)
-  std::string pin_memory_limit;         // page-locked host bytes for all models together ("25%" of RAM); streamed layers past it stay pageable; empty: min(50% of RAM, RAM - 4GiB)
+  std::string pin_memory_limit;         // page-locked host bytes for all models together ("25%" of RAM); streamed layers past it stay pageable; empty: min(50% of L, L - 4GiB), L the host memory limit
   std::string policy = "balanced";      // residency plan: "balanced" (minimises the predicted step from measured costs), "spread" or "front-first"
   bool timing = true;                   // device-timed stall/upcast/copy numbers per forward (a few events per layer)
   bool trace = false;                   // record per-layer spans for Model::write_trace (implies timing)
-  uint64_t device_memory = 0;           // device memory to assume (the 100% of "50%"); 0: ask the device (CPU: physical RAM)
+  uint64_t device_memory = 0;           // device memory to assume (the 100% of "50%"); 0: ask the device (CPU: min(physical RAM, cgroup limit))
   double cpu_copy_gbps = 0;             // CPU device only: modelled host->device bandwidth in GB/s (1e9 B/s); 0: memcpy speed
   double cpu_copy_latency_us = 0;       // CPU device only: modelled fixed cost of each host->device copy
   int load_threads = 0;                 // threads that read (and cast) a checkpoint; 0: every core
@@ -114,9 +114,17 @@ struct CacheStats {
   uint64_t device_drops = 0;            // models taken off the device entirely to make room
   uint64_t models = 0;                  // models in RAM now
   uint64_t locked = 0;                  // of which locked (in use)
+  // The host memory limit the defaults of ram_limit and pin_memory_limit came from, read when
+  // the cache was made: the smallest of physical RAM, the cgroup memory limit of the process's
+  // own cgroup (a container's; v2 memory.max, v1 memory.limit_in_bytes, its ancestors' too)
+  // and what MemAvailable allows. "RAM" in a percentage means min(physical RAM, cgroup limit).
+  uint64_t host_memory_limit_bytes = 0;
+  std::string host_memory_limit_source;  // "physical RAM", "cgroup v2 memory.max (/sys/fs/cgroup/...)", "cgroup v1 memory.limit_in_bytes (...)", "MemAvailable (/proc/meminfo)"
   uint64_t ram_limit_bytes = 0;         // 0: unlimited
+  std::string ram_limit_source;         // how the default was derived from the host memory limit; empty: given
   Counter ram;                          // host bytes of cached models' weights (pinned ones included)
   uint64_t pin_limit_bytes = 0;         // page-locked host bytes all models may hold (pin_memory_limit)
+  std::string pin_limit_source;         // how the default was derived from the host memory limit; empty: given
   Counter pinned;                       // page-locked host bytes they hold (the pinned arena's chunks)
   uint64_t pinned_used_bytes = 0;       // of which weights (the rest: alignment padding)
   uint64_t vram_budget_bytes = 0;       // the device budget
