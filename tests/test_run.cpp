@@ -22,6 +22,7 @@
 #include "models/sampling.h"
 #include "runtime/safetensors.h"
 #include "tests/cli_runner.h"
+#include "tests/fake_cgroup.h"
 #include "tests/overflow_checkpoint.h"
 
 using namespace sluice::testing;
@@ -663,6 +664,50 @@ TEST_CASE("run: with pinning on, pinned bytes / streamed bytes <= 1.01 in the st
       CHECK(j.at("pin_limit_bytes").get<uint64_t>() == 1024 * 1024);
     }
   }
+}
+
+TEST_CASE("run: prints the host memory limit and where it came from, a container's cgroup limit included") {
+  constexpr uint64_t GiB = uint64_t{1} << 30;
+  TempDir dir;
+  const std::string stats = dir / "stats.json";
+  {
+    // Note [host memory limit]: a fake cgroup v2 tree (SLUICE_CGROUP_ROOT, inherited by the run)
+    // limits the container to 6 GiB on a host of 16 GiB with 12 GiB available.
+    FakeCgroupRoot root;
+    root.meminfo(16 * GiB, 12 * GiB);
+    root.write("proc/self/cgroup", "0::/ci.slice/job\n");
+    root.write("sys/fs/cgroup/ci.slice/job/memory.max", "max\n");
+    root.write("sys/fs/cgroup/ci.slice/memory.max", "6442450944\n");
+    const std::string cg = "cgroup v2 memory.max (" + root / "sys/fs/cgroup/ci.slice" + ")";
+    Result r = run_ok(small_run({"--stats-json", stats}));
+    INFO(r.out);
+    // The RAM tier's default is max(4GiB, L/2 - 2GiB) of L = 6 GiB; the pinned arena's min(L/2, L - 4GiB).
+    CHECK(r.out.find("\nhost memory limit: 6.0GiB from " + cg + "; model RAM limit 4.0GiB, pinned memory limit 2.0GiB\n") !=
+          std::string::npos);
+    const nlohmann::json j = read_json(stats);
+    CHECK(j.at("host_memory_limit").at("bytes").get<uint64_t>() == 6 * GiB);
+    CHECK(j.at("host_memory_limit").at("source").get<std::string>() == cg);
+    CHECK(j.at("host_memory_limit").at("physical_bytes").get<uint64_t>() == 16 * GiB);
+    CHECK(j.at("host_memory_limit").at("mem_available_bytes").get<uint64_t>() == 12 * GiB);
+    CHECK(j.at("cache").at("host_memory_limit") == j.at("host_memory_limit"));
+    CHECK(j.at("cache").at("ram_limit_bytes").get<uint64_t>() == 4 * GiB);
+    CHECK(j.at("cache").at("ram_limit_source").get<std::string>().find(cg) != std::string::npos);
+    CHECK(j.at("cache").at("pin_limit_source").get<std::string>().find(cg) != std::string::npos);
+
+    // A limit given is named as given.
+    r = run_ok(small_run({"--pin-memory-limit", "1MiB"}));
+    CHECK(r.out.find("; model RAM limit 4.0GiB, pinned memory limit 1.0MiB (--pin-memory-limit)\n") != std::string::npos);
+
+    // cgroup v1 (a Docker host without cgroup v2): its memory controller's limit.
+    root.write("proc/self/cgroup", "4:memory:/docker/abc\n");
+    root.write("sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", "5368709120\n");
+    r = run_ok(small_run({}));
+    CHECK(r.out.find("\nhost memory limit: 5.0GiB from cgroup v1 memory.limit_in_bytes (" +
+                     root / "sys/fs/cgroup/memory/docker/abc" + "); ") != std::string::npos);
+  }
+  // The machine's own: whichever of its sources is the smallest, named.
+  const Result r = run_ok(small_run({}));
+  CHECK(std::regex_search(r.out, std::regex(R"(\nhost memory limit: \d+\.\dGiB from (physical RAM|cgroup v[12] memory\.(max|limit_in_bytes) \(/sys/fs/cgroup[^)]*\)|MemAvailable \(/proc/meminfo\)[^;]*); model RAM limit \d+\.\dGiB, pinned memory limit \d+(\.\d[KMGT]i)?B\n)")));
 }
 
 TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
