@@ -16,6 +16,19 @@ resource.getrusage's ru_maxrss, is its own):
                     compute= and no skip= (each layer computes in its own dtype; the model's own
                     and diffusers' default skip lists apply). Before issue 37 offload() refused
                     such a model ("give compute="); its row shows that it runs.
+With --compiled, a row more for each of sluice bf16 and sluice fp8 among --modes (issue 38;
+not in the default run: inductor compiles for 20 to 40 s a row on a 2-core CPU):
+  sluice bf16 compiled  sluice bf16, then torch.compile(module) (inductor, the default
+  sluice fp8 compiled   backend); likewise for fp8. The first call (compilation) is
+                        timed apart and not among the steps; the timed steps must not
+                        compile again (torch._dynamo's error_on_recompile). Each streamed
+                        layer's call is a boundary Dynamo does not trace (Note [compiled
+                        callers] in python/sluice/_offload_hooks.py): inductor compiles the
+                        code between the layers. The line "compiled vs eager offloaded"
+                        below the table gives each compiled row's step time over its eager
+                        row's, measured in the same run, and its output against the eager
+                        offloaded output of the same process (the module called without the
+                        compiled wrapper once the timed steps are done).
 
 The mixed model: the bf16 transformer built as above, saved with save_pretrained to a
 temporary folder (kept until the process ends) and loaded back with
@@ -131,6 +144,7 @@ line gives the pinned bytes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -143,6 +157,7 @@ import time
 import types
 
 MODES = ["baseline", "diffusers-group", "diffusers-group-stream", "sluice-bf16", "sluice-fp8", "sluice-fp8-mixed"]
+COMPILED_MODES = ["sluice-bf16-compiled", "sluice-fp8-compiled"]  # --compiled
 LABELS = {
     "baseline": "baseline (no offloading)",
     "diffusers-group": "diffusers group offload (block_level, 1 block/group)",
@@ -150,6 +165,8 @@ LABELS = {
     "sluice-bf16": "sluice.offload storage=bfloat16",
     "sluice-fp8": "sluice.offload storage=float8_e4m3fn",
     "sluice-fp8-mixed": "sluice.offload storage=float8_e4m3fn, mixed bf16/fp32 model (no compute=, no skip=)",
+    "sluice-bf16-compiled": "sluice.offload storage=bfloat16 + torch.compile",
+    "sluice-fp8-compiled": "sluice.offload storage=float8_e4m3fn + torch.compile",
 }
 # The modules the mixed model keeps in fp32, besides CosmosTransformer3DModel's own
 # _keep_in_fp32_modules (module docstring: "The mixed model").
@@ -180,7 +197,12 @@ def parse_args(argv=None):
     p.add_argument("--pin-memory", choices=("on", "off", "auto"), default=None,
                    help="sluice's pin_memory for the sluice rows (default: not given, sluice's default auto: off on "
                         "the CPU device); on the CPU device 'on' keeps the streamed layers in a pinned arena")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated subset of " + ",".join(MODES + COMPILED_MODES))
+    p.add_argument("--compiled", action="store_true",
+                   help="also a torch.compile row for each of sluice-bf16 and sluice-fp8 among --modes (" +
+                        ", ".join(COMPILED_MODES) + ") and its ratio to that eager row (inductor: 20 to 40 s of "
+                        "compilation per row on a 2-core CPU)")
     p.add_argument("--quick", action="store_true", help="--steps 5 --warmup 4 (about 20 s on a 2-core CPU)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode's subprocess")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -190,9 +212,12 @@ def parse_args(argv=None):
     if a.quick:
         a.steps, a.warmup = 5, 4
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if a.compiled:  # the compiled twin of each eager sluice row asked for
+        a.modes += [m + "-compiled" for m in ("sluice-bf16", "sluice-fp8")
+                    if m in a.modes and m + "-compiled" not in a.modes]
     for m in a.modes:
-        if m not in MODES:
-            p.error(f"unknown mode {m!r}; one of {', '.join(MODES)}")
+        if m not in MODES + COMPILED_MODES:
+            p.error(f"unknown mode {m!r}; one of {', '.join(MODES + COMPILED_MODES)}")
     return a
 
 
@@ -535,7 +560,7 @@ def child(a) -> dict:
         else:
             import sluice
 
-            storage = "bfloat16" if a.child == "sluice-bf16" else "float8_e4m3fn"
+            storage = "bfloat16" if a.child.startswith("sluice-bf16") else "float8_e4m3fn"
             budget = sluice_budget(a, model, storage)
             res["vram_budget"] = budget
             # No compute= and no skip= for any row: each layer computes in its own dtype, the
@@ -555,29 +580,50 @@ def child(a) -> dict:
             res["largest_layer_bytes"], res["largest_layer"] = largest_stored_layer(handle)
             res["skip"] = st["skip"]
             res["compute"] = st["model"].get("compute")
+            res["sluice_hardware"] = st.get("hardware")
         kw = inputs(a, dev)
+        compiled = a.child.endswith("-compiled")
+        run = model
+        first_timed = a.warmup  # the index of the first timed sluice forward
+        if compiled:
+            # torch.compile after offload() (module docstring: --compiled); the first call
+            # compiles and is timed apart.
+            from torch._dynamo.utils import counters
+
+            run = torch.compile(model)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                run(**kw)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            res["compile_s"] = time.perf_counter() - t0
+            res["graphs_compiled"] = counters["stats"]["unique_graphs"]
+            first_timed += 1
         if cuda:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         times = []
         out = None
-        with torch.no_grad():
+        no_recompile = torch._dynamo.config.patch(error_on_recompile=True) if compiled else contextlib.nullcontext()
+        with torch.no_grad(), no_recompile:
             for i in range(a.warmup + a.steps):
                 if i == a.warmup:
                     moved["bytes"] = 0
                 t0 = time.perf_counter()
-                out = model(**kw)[0]
+                out = run(**kw)[0]
                 if cuda:
                     torch.cuda.synchronize(dev)
                 if i >= a.warmup:
                     times.append((time.perf_counter() - t0) * 1e3)
+        if compiled:
+            res["graphs_after_steps"] = counters["stats"]["unique_graphs"]
         times.sort()
         res["step_ms"] = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
         res["min_ms"], res["max_ms"] = times[0], times[-1]
         res["torch_peak_bytes"] = torch.cuda.max_memory_allocated(dev) if cuda else None
         if handle is not None:
             st = handle.stats()
-            timed = [f for f in st["forwards"] if f["index"] >= a.warmup]
+            timed = [f for f in st["forwards"] if f["index"] >= first_timed]
             bs = sorted(f["bytes_streamed"] for f in timed)
             res["bytes_per_step"] = bs[len(bs) // 2] if bs else None
             res["bytes_per_step_range"] = [bs[0], bs[-1]] if bs else None
@@ -612,6 +658,12 @@ def child(a) -> dict:
             else:
                 rel = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                 res["vs_baseline"] = f"rel L2 {rel:.2e}"
+        if compiled:
+            # The same offloaded module called without the compiled wrapper: the eager output.
+            with torch.no_grad():
+                eager = model(**kw)[0].float().cpu()
+            rel = ((out - eager).norm() / eager.norm().clamp_min(1e-30)).item()
+            res["vs_eager_offloaded"] = "bit-identical" if torch.equal(out, eager) else f"rel L2 {rel:.2e}"
         if handle is not None:
             del kw
             peaks.reset()
@@ -849,6 +901,21 @@ def main(argv=None) -> int:
         over = rss - r["rss_imports_kib"] * 1024
         print(f"| {label} | {r['step_ms']:.2f} | {ratio} | {h2d} | {dev} | {mib(rss)} | {mib(over)} | "
               f"{ram_over_stored(r, cuda)} | {r.get('vs_baseline', 'reference' if r['mode'] == 'baseline' else 'n/a')} |")
+    by_mode = {r["mode"]: r for r in results}
+    hw = next((r["sluice_hardware"] for r in results if r.get("sluice_hardware")), None)
+    if hw or any(r["mode"].endswith("-compiled") for r in results):
+        print()
+    if hw:
+        print(f"sluice's hardware line (an offload handle's stats()['hardware']): {hw}")
+    for r in results:
+        if r["mode"].endswith("-compiled") and "step_ms" in r:
+            e = by_mode.get(r["mode"][: -len("-compiled")])
+            ratio = f"{r['step_ms'] / e['step_ms']:.2f}x" if e and "step_ms" in e else "n/a (its eager row did not run)"
+            eager_ms = f"{e['step_ms']:.2f} ms" if e and "step_ms" in e else "n/a"
+            print(f"compiled vs eager offloaded: {LABELS[r['mode']]} {r['step_ms']:.2f} ms vs {eager_ms} "
+                  f"({LABELS[r['mode'][: -len('-compiled')]]}, same run): {ratio}; first call (compiling) "
+                  f"{r['compile_s']:.1f} s, {r['graphs_compiled']} graphs, {r['graphs_after_steps']} after the timed "
+                  f"steps (no recompilation); output vs the eager offloaded module: {r['vs_eager_offloaded']}")
     print()
     for r in results:
         if r["mode"].startswith("sluice") and "model" in r:

@@ -27,6 +27,11 @@
 #                hidden 2048, ~1 GB of bf16), with each mode's host
 #                RAM over the model it stores (issue 31)
 #                                                -> offload.md
+#   compiled     (optional) the same bench's eager sluice rows and      ~4 min    420 s
+#                their torch.compile twins (--compiled, inductor): the
+#                compiled-and-offloaded step time against the eager
+#                offloaded one, same run, same model (issue 38)
+#                                                -> compiled.md
 # The expected times are estimates (no GPU machine has run this yet); each phase stops
 # itself at its cap, which leaves a margin under 9 minutes. Every call also writes env.txt
 # (nvidia-smi, torch, nvcc, cmake, cores, python modules) and summary.txt.
@@ -36,7 +41,8 @@
 #   bash bench/gpu/device_all.sh --phase pipeline       #   on the same (warm) machine
 #   bash bench/gpu/device_all.sh --phase compare
 #   bash bench/gpu/device_all.sh --phase offload        #   (optional, any time after build-tests)
-#   bash bench/gpu/device_all.sh --phase all            # the four in order (~15 min: not one call)
+#   bash bench/gpu/device_all.sh --phase compiled       #   (optional, any time after build-tests)
+#   bash bench/gpu/device_all.sh --phase all            # the five in order (~19 min: not one call)
 #   bash bench/gpu/device_all.sh --dry-run-cpu          # here: the same phases on the CPU device
 #
 # Status of a phase: pass, fail, or "not run": cut by its time cap, skipped for lack of
@@ -47,7 +53,8 @@
 # summary.txt lists every phase, this call's and earlier calls' (a copy is kept in the
 # state folder, by default in the build folder); its last line counts them:
 #   phases: 2 passed, 0 failed, 1 not run
-# The optional phase (offload) is counted there once it has run; until then its line says so.
+# The optional phases (offload, compiled) are counted there once they ran; until then their
+# lines say so.
 # Running build-tests again forgets the later phases' results (they ran on the older build).
 # Exit code: 0 when every phase this call was asked for passed, 1 otherwise, 2 on a usage
 # error.
@@ -59,7 +66,8 @@
 # "not run" (bench/gpu/check_device_all_cut.sh).
 #
 # Options and environment:
-#   --phase P            build-tests, pipeline, compare, offload or all (required on a GPU)
+#   --phase P            build-tests, pipeline, compare, offload, compiled or all (required on
+#                        a GPU)
 #   --dry-run-cpu        see above
 #   --build-dir DIR      build folder (env SLUICE_BUILD_DIR; default: build-device-all on a
 #                        GPU, build with --dry-run-cpu)
@@ -85,14 +93,14 @@ SELF="$ROOT/bench/gpu/device_all.sh"
 
 PHASE_ORDER=(build-tests pipeline compare)
 # Optional phases: run by name and by --phase all, counted in the summary once they ran.
-OPTIONAL_PHASES=(offload)
-declare -A CAP_GPU=([build-tests]=480 [pipeline]=420 [compare]=420 [offload]=300)
+OPTIONAL_PHASES=(offload compiled)  # names of at most 12 characters (the summary's column)
+declare -A CAP_GPU=([build-tests]=480 [pipeline]=420 [compare]=420 [offload]=300 [compiled]=420)
 # GPU: estimates (never run on one yet). CPU: measured here, 2 cores (see README).
 declare -A EXPECT_GPU=([build-tests]="~6 min on 16 cores (estimate)" [pipeline]="~4 min (estimate)" [compare]="~3 min (estimate)"
-                       [offload]="~2 min (estimate)")
-declare -A CAP_CPU=([build-tests]=240 [pipeline]=150 [compare]=240 [offload]=150)
+                       [offload]="~2 min (estimate)" [compiled]="~4 min (estimate)")
+declare -A CAP_CPU=([build-tests]=240 [pipeline]=150 [compare]=240 [offload]=150 [compiled]=240)
 declare -A EXPECT_CPU=([build-tests]="~5 s on 2 cores" [pipeline]="~5 s on 2 cores" [compare]="~15 s on 2 cores"
-                       [offload]="~40 s on 2 cores")
+                       [offload]="~40 s on 2 cores" [compiled]="~70 s on 2 cores")
 
 MODE=gpu
 PHASE=""
@@ -114,7 +122,7 @@ while (($#)); do
   esac
 done
 if [ -z "$PHASE" ]; then
-  [ "$MODE" = cpu ] || usage_error "name a phase: --phase build-tests, then pipeline, then compare, then offload (one call each), or all"
+  [ "$MODE" = cpu ] || usage_error "name a phase: --phase build-tests, then pipeline, then compare, then offload and compiled (one call each), or all"
   PHASE=all
 fi
 case " ${PHASE_ORDER[*]} ${OPTIONAL_PHASES[*]} all " in *" $PHASE "*) ;; *) usage_error "unknown phase '$PHASE'" ;; esac
@@ -279,7 +287,7 @@ save_block() {
 
 # A new build-tests makes the later phases' results stale: they ran on the previous build.
 if [ "$PHASE" = build-tests ]; then
-  rm -f "$STATE/pipeline.txt" "$STATE/compare.txt" "$STATE/offload.txt"
+  rm -f "$STATE/pipeline.txt" "$STATE/compare.txt" "$STATE/offload.txt" "$STATE/compiled.txt"
 fi
 
 # --- Python, the carried packages ----------------------------------------------------------
@@ -780,11 +788,57 @@ phase_offload() {
   fi
 }
 
+# --- phase compiled (optional) -----------------------------------------------------------
+# bench/offload_vs_diffusers.py --compiled: sluice's bf16 and fp8 rows, each eager and under
+# torch.compile (inductor, the first call's compilation timed apart), on phase offload's model.
+# Pass: each compiled row timed, and its "compiled vs eager offloaded" line printed with the
+# ratio to its eager row (the timed steps compile nothing again: the bench refuses that).
+phase_compiled() {
+  if ! build_ready; then
+    step compiled "not run" "(not run: $WHY)"
+    return
+  fi
+  : >"$OUT/compiled.md"
+  python_side "$OUT/compiled.md"
+  if ! bindings_ready; then
+    step compiled "not run" "(the Python bindings are not in $PYINSTALL)"
+    return
+  fi
+  if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("diffusers") is None)' 2>/dev/null; then
+    step compiled fail "(diffusers is not importable and no wheel was carried: bash bench/gpu/prepare_carry.sh, carry .gpu)"
+    return
+  fi
+  local args
+  if [ "$MODE" = gpu ]; then
+    # phase offload's model; baseline, sluice bf16 and fp8, eager and compiled.
+    args=(--device cuda --layers 8 --heads 16 --head-dim 128 --latent 64 --steps 10 --warmup 3 --timeout 150
+      --modes sluice-bf16,sluice-fp8 --compiled)
+  else
+    args=(--device cpu --quick --timeout 150 --modes sluice-fp8 --compiled)
+  fi
+  if ! allot 400 60; then
+    no_time compiled
+    return
+  fi
+  local o0=$SECONDS rc
+  PYTHONPATH="$PYINSTALL${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn \
+    run_for "$T" "$PY" bench/offload_vs_diffusers.py "${args[@]}" 2>&1 | tee -a "$OUT/compiled.md"
+  rc=${PIPESTATUS[0]}
+  if ((rc == 0)) && ! { grep -qE '^\| sluice\.offload storage=float8_e4m3fn \+ torch\.compile \| [0-9.]+ \|' "$OUT/compiled.md" &&
+    grep -qE '^compiled vs eager offloaded: .*: [0-9.]+x;' "$OUT/compiled.md"; }; then
+    step compiled fail "(a compiled row or its ratio to the eager row is missing; compiled.md)"
+  else
+    step_rc compiled "$rc" "($((SECONDS - o0)) s; compiled-and-offloaded against eager-offloaded step time; compiled.md)"
+  fi
+}
+
 case "$PHASE" in
   build-tests) phase_build_tests ;;
   pipeline) phase_pipeline ;;
   compare) phase_compare ;;
   offload) phase_offload ;;
+  compiled) phase_compiled ;;
 esac
 FINAL=1
 save_block
