@@ -38,7 +38,12 @@ layers, and each streamed layer's call is a boundary Dynamo does not trace:
     torch.compiler.disable'd: Dynamo graph-breaks at the layer's call and runs it as
     Python, with compilation off inside it (recursive), so the layer's own forward, its
     hooks and a patched forward run eagerly, exactly as without torch.compile, on the
-    weights the engine leases;
+    weights the engine leases. Dynamo inlines a module call as type(m).__call__, which
+    reads the instance's _call_impl (torch 2.11, 2.15); torch 2.7's Dynamo inlines
+    type(m)._call_impl instead, skipping the instance's, unless the instance's __call__
+    is not nn.Module's own. So offload() also sets an instance `__call__` on each streamed
+    layer: a method that calls the class's __call__ (what m.__call__(x) runs anyway; m(x)
+    never reads it), which sends every Dynamo to the instance's _call_impl;
   - the module's wrapped forward is disabled non-recursively: its own frame (begin_forward,
     end_forward, the log level and lines: calls into the engine Dynamo cannot trace) runs
     as Python, and the module's real forward it calls is compiled as usual, in pieces
@@ -53,6 +58,7 @@ offload the module, then compile it.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Callable, List
 
 import torch
@@ -153,6 +159,20 @@ def attach_layer(attached: Attached, model, layer) -> None:
         return model.lease(index, run)
 
     attached.set(m, "_call_impl", not_traced(call_impl))
+    if "__call__" not in m.__dict__:
+        # Note [compiled callers]: an older Dynamo (torch 2.7) reaches the instance's
+        # _call_impl only when the instance's __call__ is not nn.Module's own.
+        attached.set(m, "__call__", types.MethodType(_class_call(type(m)), m))
+
+
+def _class_call(cls: type) -> Callable:
+    """`cls.__call__` as a function of the instance: what `m.__call__(x)` runs anyway."""
+    call = cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        return call(self, *args, **kwargs)
+
+    return __call__
 
 
 def _begin_forward(model, kind: str) -> None:
