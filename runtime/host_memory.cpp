@@ -1,5 +1,6 @@
 #include "runtime/host_memory.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/DispatchKeySet.h>

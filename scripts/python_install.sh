@@ -63,6 +63,8 @@ if [ "$BACKEND" = pip ]; then
   # same ones) and builds what is not built yet, then installs the python component.
   "$PY" -m pip install -q --no-build-isolation --no-deps "${TARGET[@]}" -C build-dir="$BUILD_DIR" \
     -C cmake.define.SLUICE_BUILD_PYTHON=ON "$ROOT"
+  # pip's configure left SKBUILD* in the cache: without them the folder is setup.sh's again.
+  cmake -U 'SKBUILD*' "$BUILD_DIR" >/dev/null
   exit 0
 fi
 

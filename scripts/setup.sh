@@ -8,7 +8,7 @@
 #                      Anima), and build only the `sluice` command and its libraries. The build folder
 #                      is configured the same way, so a later test setup reuses it.
 #   SLUICE_BUILD_DIR   build folder (default: build)
-#   Torch_DIR          use this libtorch (>= 2.11, CPU, CUDA or ROCm) instead of the venv's
+#   Torch_DIR          use this libtorch (2.7.1 to 2.15.x, CPU, CUDA or ROCm) instead of the venv's
 #   SLUICE_CMAKE_ARGS  extra arguments for the CMake configure step
 #   SLUICE_SETUP_ONLY  1: install packages and the venv, then stop (no configure/build);
 #                      scripts/fuzz.sh and scripts/sanitize.sh configure their own build dirs
