@@ -100,7 +100,7 @@ class Attached:
 
 def not_traced(fn: Callable, recursive: bool = True) -> Callable:
     """`fn` as a boundary Dynamo does not trace (Note [compiled callers]):
-    torch.compiler.disable, there since torch 2.1 (torch._dynamo.disable before it). With
+    torch.compiler.disable (torch._dynamo.disable on a torch without it). With
     recursive=False only `fn`'s own frame runs uncompiled; the frames it calls compile."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     if disable is None:
@@ -109,7 +109,7 @@ def not_traced(fn: Callable, recursive: bool = True) -> Callable:
         disable = _dynamo.disable
     out = disable(fn, recursive=recursive)
     if out is not fn:
-        functools.update_wrapper(out, fn)  # a wrapper (torch 2.15's non-recursive disable): fn's name and signature
+        functools.update_wrapper(out, fn)  # a wrapper (2.11's non-recursive disable too): fn's name, signature
     return out
 
 
