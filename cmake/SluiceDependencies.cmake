@@ -46,6 +46,16 @@ if(NOT DEFINED USE_SYSTEM_NVTX)
 endif()
 find_package(Torch REQUIRED)
 sluice_check_torch_version("${Torch_VERSION}" "${Torch_DIR}")
+# A torch wheel's CUDA libraries come from the nvidia-* wheels beside it, found at run time
+# through libtorch's own RPATH. Linking an executable, ld looks for them in the -rpath
+# folders first, where a CUDA toolkit's older copies (libnccl.so.2 in /usr/local/cuda/lib)
+# lack symbols the wheel's libtorch_cuda needs (torch 2.15): point it at the wheels' first.
+file(GLOB _sluice_wheel_cuda_libs LIST_DIRECTORIES true "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
+foreach(_dir IN LISTS _sluice_wheel_cuda_libs)
+  if(IS_DIRECTORY "${_dir}")
+    add_link_options("LINKER:-rpath-link,${_dir}")
+  endif()
+endforeach()
 if(NOT TARGET torch)
   message(FATAL_ERROR "find_package(Torch) did not define the 'torch' target")
 endif()

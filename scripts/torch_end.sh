@@ -30,6 +30,9 @@ DIR="${SLUICE_ENDS_DIR:-$ROOT/build/torch-ends}/$VERSION"
 VENV="$DIR/venv"
 PY="$VENV/bin/python"
 BUILD="$DIR/build"
+# The venv's own build tools (PyPI's cmake, ninja) for every step, as pip used them: a
+# folder configured by one CMake and reconfigured by another is rebuilt whole.
+export PATH="$VENV/bin:$PATH"
 log() { printf '[torch %s %s] %s\n' "$VERSION" "$STEP" "$*"; }
 # Reconfigures the end's build folder; torch's CMake package warns at length (kineto,
 # nvrtc's hash): the output goes to a log, shown only when the step fails.
@@ -38,67 +41,72 @@ configure() {
 }
 torch_of() { "$PY" -m pip list --format freeze 2>/dev/null | grep -E '^(torch|nvidia-[a-z0-9-]+)==' | sort; }
 
-case "$STEP" in
-install)
-  rm -rf "$DIR"
-  mkdir -p "$DIR"
-  log "fresh venv $VENV with torch==$VERSION from PyPI"
-  "${SLUICE_PYTHON:-python3}" -m venv "$VENV"
-  "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q "torch==$VERSION"
-  # The build tools from PyPI; what the tests need (torchvision without dependencies: it
-  # pins a torch).
-  "$PY" -m pip install -q "scikit-build-core>=0.10" "cmake>=3.25" ninja pytest numpy einops safetensors \
-    "diffusers==0.42.1" "accelerate==1.15.0" "transformers==5.25.0"
-  "$PY" -m pip install -q --no-deps "torchvision==$VISION"
-  torch_of >"$DIR/torch-before.txt"
-  grep -q "^torch==$VERSION" "$DIR/torch-before.txt" || { log "the venv has no torch==$VERSION"; exit 1; }
-  log "pip install --no-build-isolation $ROOT (build folder $BUILD)"
-  start=$(date +%s)
-  "$PY" -m pip install --no-build-isolation -C build-dir="$BUILD" "$ROOT" >"$DIR/pip-install.log" 2>&1 ||
-    { tail -n 40 "$DIR/pip-install.log"; log "pip install failed (whole log: $DIR/pip-install.log)"; exit 1; }
-  log "built and installed in $(($(date +%s) - start)) s"
-  torch_of >"$DIR/torch-after.txt"
-  if ! diff -u "$DIR/torch-before.txt" "$DIR/torch-after.txt"; then
-    log "installing sluice changed the venv's torch (above)"
-    exit 1
-  fi
-  # Imported from outside the checkout, so that it is the installed package.
-  (cd "$DIR" && "$PY" -c "import sluice, torch; print('sluice', sluice.version(), 'on torch', torch.__version__, 'from', sluice.__file__)")
-  ;;
-cpp)
-  [ -f "$BUILD/CMakeCache.txt" ] || { log "no build in $BUILD: run the install step first"; exit 1; }
-  # The same build folder pip used, now with the tests: only the libraries' users are built.
-  configure -DSLUICE_BUILD_TESTS=ON -DSLUICE_BUILD_CLI=ON -DSLUICE_PYTHON="$PY" -DSLUICE_TORCH_ENDS=
-  cmake --build "$BUILD" --target sluice_test_engine sluice_test_model_cache
-  (cd "$BUILD" && OMP_WAIT_POLICY=passive ctest --output-on-failure -j "$(nproc)" -R '^(strict )?(engine|model_cache):')
-  # The C++ library alone, as a host project takes it: cmake --install, then
-  # find_package(sluice) from examples/cpp against the same torch, built and run.
-  log "examples/cpp against the installed package (find_package(sluice))"
-  SLUICE_BUILD_DIR="$BUILD" SLUICE_PYTHON="$PY" SLUICE_LOG_LEVEL=warn bash "$ROOT/scripts/build_example.sh" |
-    grep "residency blocks: "
-  ;;
-python)
-  [ -x "$PY" ] || { log "no venv in $VENV: run the install step first"; exit 1; }
-  CLI="$BUILD/cli/sluice"
-  if [ ! -x "$CLI" ]; then  # test_bindings.py makes its checkpoints with the sluice command
-    configure -DSLUICE_BUILD_CLI=ON
-    cmake --build "$BUILD" --target sluice_cli >/dev/null
-  fi
-  cd "$DIR"  # not the checkout: `import sluice` must find the installed package
-  files=(test_bindings.py test_offload.py test_offload_pipeline.py test_offload_guarantees.py)
-  [ -f "$ROOT/tests/python/test_python_conventions.py" ] && files+=(test_python_conventions.py)
-  paths=()
-  for f in "${files[@]}"; do paths+=("$ROOT/tests/python/$f"); done
-  export PYTHONPATH="$ROOT/tests/python" SLUICE_CLI="$CLI" SLUICE_LOG_LEVEL=warn PYTHONDONTWRITEBYTECODE=1 \
-    OMP_NUM_THREADS=1
-  log "the CPU device"
-  "$PY" -m pytest -q -p no:cacheprovider "${paths[@]}"
-  log "the strict CPU device"
-  SLUICE_STRICT_DEVICE=1 "$PY" -m pytest -q -p no:cacheprovider "${paths[@]}"
-  ;;
-*)
-  echo "torch_end.sh: STEP '$STEP': expected install, cpp or python" >&2
-  exit 2
-  ;;
-esac
+# One function, read whole before it runs: the script may be edited while a step runs.
+run_step() {
+  case "$STEP" in
+  install)
+    rm -rf "$DIR"
+    mkdir -p "$DIR"
+    log "fresh venv $VENV with torch==$VERSION from PyPI"
+    "${SLUICE_PYTHON:-python3}" -m venv "$VENV"
+    "$PY" -m pip install -q --upgrade pip
+    "$PY" -m pip install -q "torch==$VERSION"
+    # The build tools from PyPI; what the tests need (torchvision without dependencies: it
+    # pins a torch).
+    "$PY" -m pip install -q "scikit-build-core>=0.10" "cmake>=3.25" ninja pytest numpy einops safetensors \
+      "diffusers==0.42.1" "accelerate==1.15.0" "transformers==5.25.0"
+    "$PY" -m pip install -q --no-deps "torchvision==$VISION"
+    torch_of >"$DIR/torch-before.txt"
+    grep -q "^torch==$VERSION" "$DIR/torch-before.txt" || { log "the venv has no torch==$VERSION"; exit 1; }
+    log "pip install --no-build-isolation $ROOT (build folder $BUILD)"
+    start=$(date +%s)
+    "$PY" -m pip install --no-build-isolation -C build-dir="$BUILD" "$ROOT" >"$DIR/pip-install.log" 2>&1 ||
+      { tail -n 40 "$DIR/pip-install.log"; log "pip install failed (whole log: $DIR/pip-install.log)"; exit 1; }
+    log "built and installed in $(($(date +%s) - start)) s"
+    torch_of >"$DIR/torch-after.txt"
+    if ! diff -u "$DIR/torch-before.txt" "$DIR/torch-after.txt"; then
+      log "installing sluice changed the venv's torch (above)"
+      exit 1
+    fi
+    # Imported from outside the checkout, so that it is the installed package.
+    (cd "$DIR" && "$PY" -c "import sluice, torch; print('sluice', sluice.version(), 'on torch', torch.__version__, 'from', sluice.__file__)")
+    ;;
+  cpp)
+    [ -f "$BUILD/CMakeCache.txt" ] || { log "no build in $BUILD: run the install step first"; exit 1; }
+    # The same build folder pip used, now with the tests: only the libraries' users are built.
+    configure -DSLUICE_BUILD_TESTS=ON -DSLUICE_BUILD_CLI=ON -DSLUICE_PYTHON="$PY" -DSLUICE_TORCH_ENDS=
+    cmake --build "$BUILD" --target sluice_test_engine sluice_test_model_cache
+    (cd "$BUILD" && OMP_WAIT_POLICY=passive ctest --output-on-failure -j "$(nproc)" -R '^(strict )?(engine|model_cache):')
+    # The C++ library alone, as a host project takes it: cmake --install, then
+    # find_package(sluice) from examples/cpp against the same torch, built and run.
+    log "examples/cpp against the installed package (find_package(sluice))"
+    SLUICE_BUILD_DIR="$BUILD" SLUICE_PYTHON="$PY" SLUICE_LOG_LEVEL=warn bash "$ROOT/scripts/build_example.sh" |
+      grep "residency blocks: "
+    ;;
+  python)
+    [ -x "$PY" ] || { log "no venv in $VENV: run the install step first"; exit 1; }
+    CLI="$BUILD/cli/sluice"
+    if [ ! -x "$CLI" ]; then  # test_bindings.py makes its checkpoints with the sluice command
+      configure -DSLUICE_BUILD_CLI=ON
+      cmake --build "$BUILD" --target sluice_cli >/dev/null
+    fi
+    cd "$DIR"  # not the checkout: `import sluice` must find the installed package
+    files=(test_bindings.py test_offload.py test_offload_pipeline.py test_offload_guarantees.py)
+    # PyTorch's conventions and torch.compile over an offloaded module, on each end.
+    files+=(test_python_conventions.py test_offload_compile.py)
+    paths=()
+    for f in "${files[@]}"; do paths+=("$ROOT/tests/python/$f"); done
+    export PYTHONPATH="$ROOT/tests/python" SLUICE_CLI="$CLI" SLUICE_LOG_LEVEL=warn PYTHONDONTWRITEBYTECODE=1 \
+      OMP_NUM_THREADS=1
+    log "the CPU device"
+    "$PY" -m pytest -q -p no:cacheprovider "${paths[@]}"
+    log "the strict CPU device"
+    SLUICE_STRICT_DEVICE=1 "$PY" -m pytest -q -p no:cacheprovider "${paths[@]}"
+    ;;
+  *)
+    echo "torch_end.sh: STEP '$STEP': expected install, cpp or python" >&2
+    exit 2
+    ;;
+  esac
+}
+run_step; exit $?

@@ -776,16 +776,25 @@ phase_offload() {
     return
   fi
   local o0=$SECONDS rc
-  PYTHONPATH="$PYINSTALL${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-    OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn \
-    run_for "$T" "$PY" bench/offload_vs_diffusers.py "${args[@]}" 2>&1 | tee -a "$OUT/offload.md"
-  rc=${PIPESTATUS[0]}
+  offload_bench offload.md "${args[@]}"
+  rc=$BENCH_RC
   if ((rc == 0)) && ! { grep -qE '^\| sluice\.offload storage=bfloat16 \| [0-9.]+ \|' "$OUT/offload.md" &&
     grep -qE '^\| sluice\.offload storage=float8_e4m3fn \| [0-9.]+ \|' "$OUT/offload.md"; }; then
     step offload fail "(a sluice row was not timed; offload.md)"
   else
     step_rc offload "$rc" "($((SECONDS - o0)) s; each mode's host RAM over the model it stores; offload.md)"
   fi
+}
+
+# bench/offload_vs_diffusers.py with ARGS, under the phase's allotment T, the bindings on
+# PYTHONPATH, its output appended to $OUT/FILE; its exit code in BENCH_RC.
+offload_bench() {  # FILE ARGS...
+  local file="$1"
+  shift
+  PYTHONPATH="$PYINSTALL${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn \
+    run_for "$T" "$PY" bench/offload_vs_diffusers.py "$@" 2>&1 | tee -a "$OUT/$file"
+  BENCH_RC=${PIPESTATUS[0]}
 }
 
 # --- phase compiled (optional) -----------------------------------------------------------
@@ -821,10 +830,8 @@ phase_compiled() {
     return
   fi
   local o0=$SECONDS rc
-  PYTHONPATH="$PYINSTALL${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-    OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn \
-    run_for "$T" "$PY" bench/offload_vs_diffusers.py "${args[@]}" 2>&1 | tee -a "$OUT/compiled.md"
-  rc=${PIPESTATUS[0]}
+  offload_bench compiled.md "${args[@]}"
+  rc=$BENCH_RC
   if ((rc == 0)) && ! { grep -qE '^\| sluice\.offload storage=float8_e4m3fn \+ torch\.compile \| [0-9.]+ \|' "$OUT/compiled.md" &&
     grep -qE '^compiled vs eager offloaded: .*: [0-9.]+x;' "$OUT/compiled.md"; }; then
     step compiled fail "(a compiled row or its ratio to the eager row is missing; compiled.md)"
