@@ -20,9 +20,9 @@ VERSION="${1:-}"
 STEP="${2:-}"
 case "$VERSION" in
   2.7.1) VISION=0.22.1 ;;
-  # No torchvision for 2.15 on PyPI yet: 0.29.2 (built for 2.14), without its dependencies.
-  # Its compiled ops do not load into 2.15; the tensor transforms diffusers' Cosmos
-  # transformer uses (resize of the padding mask) are torch code and run.
+  # No torchvision for 2.15 on PyPI yet: 0.29.2 (built for 2.14, which it pins), without its
+  # dependencies. It loads into 2.15 and runs (diffusers' Cosmos transformer resizes its
+  # padding mask with it; its compiled ops, such as nms, work too).
   2.15.0) VISION=0.29.2 ;;
   *) echo "torch_end.sh: VERSION '$VERSION': expected 2.7.1 or 2.15.0" >&2; exit 2 ;;
 esac
