@@ -59,21 +59,7 @@ bool CpuCapabilities::has(std::string_view key) const {
   return std::find(flags.begin(), flags.end(), key) != flags.end();
 }
 
-#if SLUICE_TORCH_CPU_CAPABILITIES
-
-CpuCapabilities cpu_capabilities() {
-  CpuCapabilities out;
-  for (const auto& [key, value] : at::cpu::get_cpu_capabilities()) {
-    if (key == "cpu_name" && value.isString()) out.name = value.toStringRef();
-    if (key == "architecture" && value.isString()) out.architecture = value.toStringRef();
-    if (value.isBool() && value.toBool()) out.flags.push_back(key);
-  }
-  return out;
-}
-
-#else  // torch before 2.11: /proc/cpuinfo, named as torch's map names them
-
-CpuCapabilities cpu_capabilities() {
+CpuCapabilities cpu_capabilities_from(const std::string& cpuinfo_path) {
   // Linux's flag (x86 "flags", Arm "Features") -> torch's key.
   static constexpr std::pair<const char*, const char*> kNames[] = {
       {"avx", "avx"},           {"avx2", "avx2"},           {"fma", "fma3"},
@@ -89,7 +75,7 @@ CpuCapabilities cpu_capabilities() {
   CpuCapabilities out;
   utsname u{};
   if (uname(&u) == 0) out.architecture = u.machine;
-  std::ifstream in("/proc/cpuinfo");
+  std::ifstream in(cpuinfo_path);
   std::string line;
   bool flags_read = false;
   while (std::getline(in, line)) {
@@ -110,6 +96,22 @@ CpuCapabilities cpu_capabilities() {
   }
   return out;
 }
+
+#if SLUICE_TORCH_CPU_CAPABILITIES
+
+CpuCapabilities cpu_capabilities() {
+  CpuCapabilities out;
+  for (const auto& [key, value] : at::cpu::get_cpu_capabilities()) {
+    if (key == "cpu_name" && value.isString()) out.name = value.toStringRef();
+    if (key == "architecture" && value.isString()) out.architecture = value.toStringRef();
+    if (value.isBool() && value.toBool()) out.flags.push_back(key);
+  }
+  return out;
+}
+
+#else  // torch before 2.11: /proc/cpuinfo, named as torch's map names them
+
+CpuCapabilities cpu_capabilities() { return cpu_capabilities_from("/proc/cpuinfo"); }
 
 #endif
 

@@ -71,6 +71,9 @@ struct CpuCapabilities {
   bool has(std::string_view key) const;
 };
 CpuCapabilities cpu_capabilities();
+// The same from a cpuinfo file (x86 "flags", Arm "Features"), what cpu_capabilities()
+// reads before torch 2.11; compiled on every torch, so that its tests run on each.
+CpuCapabilities cpu_capabilities_from(const std::string& cpuinfo_path);
 
 // Whether the device reports `dtype` among the ones it computes; nullopt when it reports
 // nothing (an older torch, or a backend without the query).

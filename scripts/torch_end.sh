@@ -7,8 +7,9 @@
 #   bash scripts/torch_end.sh VERSION install  # fresh venv + torch==VERSION, then
 #                                               # pip install --no-build-isolation <checkout>;
 #                                               # fails if that changed the venv's torch
-#   bash scripts/torch_end.sh VERSION cpp      # the C++ engine and model-cache tests, built
-#                                               # against that torch, plain and strict; then
+#   bash scripts/torch_end.sh VERSION cpp      # the C++ engine and model-cache tests (plain
+#                                               # and strict) and torch_compat's, built
+#                                               # against that torch; then
 #                                               # examples/cpp against the installed package
 #   bash scripts/torch_end.sh VERSION python   # the Python suite against the installed package
 #
@@ -75,8 +76,8 @@ run_step() {
     [ -f "$BUILD/CMakeCache.txt" ] || { log "no build in $BUILD: run the install step first"; exit 1; }
     # The same build folder pip used, now with the tests: only the libraries' users are built.
     configure -DSLUICE_BUILD_TESTS=ON -DSLUICE_BUILD_CLI=ON -DSLUICE_PYTHON="$PY" -DSLUICE_TORCH_ENDS=
-    cmake --build "$BUILD" --target sluice_test_engine sluice_test_model_cache
-    (cd "$BUILD" && OMP_WAIT_POLICY=passive ctest --output-on-failure -j "$(nproc)" -R '^(strict )?(engine|model_cache):')
+    cmake --build "$BUILD" --target sluice_test_engine sluice_test_model_cache sluice_test_torch_compat
+    (cd "$BUILD" && OMP_WAIT_POLICY=passive ctest --output-on-failure -j "$(nproc)" -R '^(strict )?(engine|model_cache):|^torch_compat:')
     # The C++ library alone, as a host project takes it: cmake --install, then
     # find_package(sluice) from examples/cpp against the same torch, built and run.
     log "examples/cpp against the installed package (find_package(sluice))"

@@ -742,26 +742,34 @@ phase_compare() {
   step_rc compare "$rc" "($((SECONDS - c0)) s; every contender within 5e-2 rel-L2 of sluice fully resident; compare.md, compare.json)"
 }
 
+# Whether phase NAME can run bench/offload_vs_diffusers.py: the build, the bindings and
+# diffusers are there. Starts $OUT/NAME.md with the Python side's versions; otherwise records
+# the step (not run, or failed when diffusers is missing) and returns 1.
+offload_bench_ready() {  # NAME
+  local name="$1"
+  if ! build_ready; then
+    step "$name" "not run" "(not run: $WHY)"
+    return 1
+  fi
+  : >"$OUT/$name.md"
+  python_side "$OUT/$name.md"
+  if ! bindings_ready; then
+    step "$name" "not run" "(the Python bindings are not in $PYINSTALL)"
+    return 1
+  fi
+  if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("diffusers") is None)' 2>/dev/null; then
+    step "$name" fail "(diffusers is not importable and no wheel was carried: bash bench/gpu/prepare_carry.sh, carry .gpu)"
+    return 1
+  fi
+}
+
 # --- phase offload (optional) ------------------------------------------------------------
 # bench/offload_vs_diffusers.py: sluice.offload(module) against diffusers' group offloading,
 # each mode in a fresh process, on the diffusers the python has or the carried wheel (as
 # compare does; the bench has its own stand-in for torchvision). Pass: the table printed
 # with sluice's bf16 and fp8 rows timed (what the ctest entry checks on the CPU device).
 phase_offload() {
-  if ! build_ready; then
-    step offload "not run" "(not run: $WHY)"
-    return
-  fi
-  : >"$OUT/offload.md"
-  python_side "$OUT/offload.md"
-  if ! bindings_ready; then
-    step offload "not run" "(the Python bindings are not in $PYINSTALL)"
-    return
-  fi
-  if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("diffusers") is None)' 2>/dev/null; then
-    step offload fail "(diffusers is not importable and no wheel was carried: bash bench/gpu/prepare_carry.sh, carry .gpu)"
-    return
-  fi
+  offload_bench_ready offload || return 0
   local args
   if [ "$MODE" = gpu ]; then
     # ~1 GB of bf16 (hidden 2048, 8 blocks), 1024 tokens: sluice's auto budget (its working
@@ -803,20 +811,7 @@ offload_bench() {  # FILE ARGS...
 # Pass: each compiled row timed, and its "compiled vs eager offloaded" line printed with the
 # ratio to its eager row (the timed steps compile nothing again: the bench refuses that).
 phase_compiled() {
-  if ! build_ready; then
-    step compiled "not run" "(not run: $WHY)"
-    return
-  fi
-  : >"$OUT/compiled.md"
-  python_side "$OUT/compiled.md"
-  if ! bindings_ready; then
-    step compiled "not run" "(the Python bindings are not in $PYINSTALL)"
-    return
-  fi
-  if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("diffusers") is None)' 2>/dev/null; then
-    step compiled fail "(diffusers is not importable and no wheel was carried: bash bench/gpu/prepare_carry.sh, carry .gpu)"
-    return
-  fi
+  offload_bench_ready compiled || return 0
   local args
   if [ "$MODE" = gpu ]; then
     # phase offload's model; baseline, sluice bf16 and fp8, eager and compiled.
