@@ -7,7 +7,7 @@
 #include <string>
 
 #include "cache/model_cache.h"
-#include "offload/vram_budget.h"
+#include "offload/engine/vram_budget.h"
 #include "runtime/logging.h"
 #include "runtime/size_parse.h"
 #include "sluice/sluice.hpp"

@@ -15,7 +15,7 @@
 #include "models/anima/anima.h"
 #include "models/anima/checkpoint.h"
 #include "models/anima/config.h"
-#include "offload/storage.h"
+#include "offload/layer/storage.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"

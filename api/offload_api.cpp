@@ -11,8 +11,8 @@
 
 #include "api/cache_impl.h"
 #include "cache/model_cache.h"
-#include "offload/engine.h"
-#include "offload/foreign_model.h"
+#include "offload/engine/engine.h"
+#include "offload/layer/foreign_model.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/host_memory.h"

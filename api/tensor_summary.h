@@ -37,7 +37,7 @@ struct TensorSummary {
 std::string group_of(const std::string& name);
 
 nlohmann::json to_json(const TensorSummary& s);
-// Human-readable table (MiB with two decimals, as DESIGN.md quotes sizes).
+// Human-readable table (MiB with two decimals).
 std::string to_text(const TensorSummary& s);
 
 }  // namespace sluice::api

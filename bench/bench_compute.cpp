@@ -43,7 +43,7 @@
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
 #include "models/anima/generator.h"
-#include "offload/output_observer.h"
+#include "offload/layer/output_observer.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/hardware.h"

@@ -10,7 +10,7 @@
 // copy-bound (0 % resident) to compute-bound (>= 50 %).
 //
 // One intra-op thread: the CPU device's copy worker needs the other core (see
-// offload/cpu_device.h), and a single thread makes the plain/engine ratio steadier.
+// offload/device/cpu_device.h), and a single thread makes the plain/engine ratio steadier.
 //   sluice_bench_engine [--benchmark_filter=...] [--benchmark_min_time=...]
 #include <benchmark/benchmark.h>
 
@@ -23,8 +23,8 @@
 #include <memory>
 #include <string>
 
-#include "offload/cpu_device.h"
-#include "offload/engine.h"
+#include "offload/device/cpu_device.h"
+#include "offload/engine/engine.h"
 #include "runtime/hardware.h"
 #include "runtime/logging.h"
 #include "tests/toy_model.h"

@@ -29,6 +29,7 @@
 // measured, the plan is made, the next warms the ring and the one after is checked.
 //
 // Note [back-to-back forwards]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The forwards of a row run back to back, with one synchronize after the warm-ups and one
 // after the last measured forward, and the step is their mean. A synchronize after every
 // forward (as this bench did up to commit 30b3651) is not what a sampling loop does, and
@@ -42,7 +43,7 @@
 // streaming every streamable byte takes --copy-ratio times the compute (default 1.5:
 // anima-2b at 1024^2 on an H200 over PCIe Gen5 is about 38 ms of copy against 25 ms of
 // compute, from published bus and compute figures). The CPU device uses one intra-op
-// thread, because its copy worker needs the other core (offload/cpu_device.h).
+// thread, because its copy worker needs the other core (offload/device/cpu_device.h).
 //
 //   sluice_bench_pipeline [--device cpu|cuda[:N]] [--presets anima-small,anima-medium]
 //                         [--resolutions 256,...] [--reps N] [--warmup N] [--copy-ratio R]
@@ -66,9 +67,9 @@
 #include "cache/model_cache.h"
 #include "models/anima/anima.h"
 #include "models/anima/generator.h"
-#include "offload/cpu_device.h"
-#include "offload/engine.h"
-#include "offload/storage.h"
+#include "offload/device/cpu_device.h"
+#include "offload/engine/engine.h"
+#include "offload/layer/storage.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/hardware.h"

@@ -1,4 +1,4 @@
-// sluice_bench_predict: what the cost model (Note [cost model] in offload/cost_model.h)
+// sluice_bench_predict: what the cost model (Note [cost model] in offload/plan/cost_model.h)
 // predicts for anima-2b under the residency policies (Note [balanced plan]), on devices
 // described by published throughput figures. Nothing here runs a model or touches a
 // device: every number printed is a model prediction from those figures, not a
@@ -37,8 +37,8 @@
 #include <string>
 #include <vector>
 
-#include "offload/cost_model.h"
-#include "offload/residency_plan.h"
+#include "offload/plan/cost_model.h"
+#include "offload/plan/residency_plan.h"
 #include "runtime/error.h"
 
 using namespace sluice;

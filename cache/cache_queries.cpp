@@ -4,8 +4,8 @@
 
 #include <optional>
 
-#include "offload/timeline_step.h"
-#include "offload/timeline_svg.h"
+#include "offload/report/timeline_step.h"
+#include "offload/report/timeline_svg.h"
 #include "runtime/error.h"
 #include "runtime/hardware.h"
 

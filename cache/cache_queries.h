@@ -37,7 +37,7 @@
 #include "cache/cache_state.h"
 #include "cache/device_shares.h"
 #include "models/anima/config.h"
-#include "offload/stats.h"
+#include "offload/report/stats.h"
 #include "runtime/host_memory_limit.h"
 
 namespace sluice::cache {
@@ -69,7 +69,7 @@ struct CacheStats {
   offload::Stat pinned;         // page-locked bytes of the pinned arena (its chunks)
   uint64_t pinned_used = 0;     // of which host weights (the rest is alignment padding)
   uint64_t vram_budget = 0;
-  uint64_t working_memory = 0;  // grown by measurements (Note [measured working memory] in offload/model_budget.h)
+  uint64_t working_memory = 0;  // grown by measurements (Note [measured working memory] in offload/engine/model_budget.h)
   uint64_t measured_working_memory = 0;  // the most a first forward of a kind of any model used beyond the ledger
   uint64_t vram_limit = 0;      // budget - working memory
   offload::Stat vram;           // the device backend's total (all models); peak since the last budget change

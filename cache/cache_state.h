@@ -22,10 +22,10 @@
 
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
-#include "offload/device.h"
-#include "offload/engine.h"
-#include "offload/pinned_arena.h"
-#include "offload/stats.h"
+#include "offload/device/device.h"
+#include "offload/engine/engine.h"
+#include "offload/device/pinned_arena.h"
+#include "offload/report/stats.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/host_memory_limit.h"
 

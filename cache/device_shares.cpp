@@ -379,7 +379,7 @@ void DeviceShares::set_budget(uint64_t budget_request, bool measured) {
   }
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
   // A budget cut: what the shrunk models freed leaves the process (Note [releasing cached
-  // memory] in offload/device.h). Room made for another model stays cached for it.
+  // memory] in offload/device/device.h). Room made for another model stays cached for it.
   if (!measured && new_limit < old_budget - std::min(old_budget, old_wm)) s_.device->release_cached_memory();
   s_.device->set_memory_limit(new_limit);
   s_.device->reset_memory_peak();  // peaks count under the current budget

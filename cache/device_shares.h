@@ -26,7 +26,7 @@
 
 #include "cache/cache_locking.h"
 #include "cache/cache_state.h"
-#include "offload/engine.h"
+#include "offload/engine/engine.h"
 
 namespace sluice::cache {
 
@@ -82,7 +82,7 @@ class DeviceShares {
   // A new budget in bytes (0: all device memory). `measured`: from grow_working_memory
   // (no budget log line, the allocator's cache is kept).
   void set_budget(uint64_t budget_request, bool measured);
-  // Note [measured working memory] (offload/model_budget.h), for the cache: after a forward whose
+  // Note [measured working memory] (offload/engine/model_budget.h), for the cache: after a forward whose
   // engine measured more working memory than the cache keeps, the working memory grows to
   // the measurement plus an eighth and the shares are fitted under the new limit (as for a
   // budget change, without emptying the allocator's cache: the activations use it), with

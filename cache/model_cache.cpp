@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "offload/cpu_device.h"
+#include "offload/device/cpu_device.h"
 #include "runtime/error.h"
 
 namespace sluice::cache {

@@ -68,10 +68,10 @@
 #include "cache/sidecar_share.h"
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
-#include "offload/device.h"
-#include "offload/engine.h"
-#include "offload/stats.h"
-#include "offload/vram_budget.h"
+#include "offload/device/device.h"
+#include "offload/engine/engine.h"
+#include "offload/report/stats.h"
+#include "offload/engine/vram_budget.h"
 #include "runtime/dtype_policy.h"
 
 namespace sluice {
@@ -121,7 +121,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // public header for the rules.
   void set_vram_budget(uint64_t budget);
   // Resolves a budget string ("6GiB", "50%", "auto", "" = 0: all) on this device now, with
-  // `headroom` for "auto" (offload/vram_budget.h, Note [vram budget]).
+  // `headroom` for "auto" (offload/engine/vram_budget.h, Note [vram budget]).
   offload::ResolvedVramBudget parse_budget(const std::string& text, const std::string& headroom,
                                            const std::string& flag, const std::string& headroom_flag) const;
 
@@ -152,7 +152,7 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   std::string model_stats_json(const std::shared_ptr<Entry>& entry, int indent = 2) const;
   void write_trace(const std::shared_ptr<Entry>& entry, const std::string& path) const;
   // The SVG timeline of one steady-state forward of `entry` (Note [timeline svg] in
-  // offload/timeline_svg.h), from the published trace and stats: InvalidArgument when
+  // offload/report/timeline_svg.h), from the published trace and stats: InvalidArgument when
   // tracing is off or no complete DiT forward was traced, FileError naming `path`.
   void write_timeline_svg(const std::shared_ptr<Entry>& entry, const std::string& path) const;
   // Snapshot of an entry's state; the engine-side fields as last published.

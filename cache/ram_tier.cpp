@@ -11,8 +11,8 @@
 
 #include "models/anima/checkpoint.h"
 #include "models/anima/generator.h"
-#include "offload/layer.h"
-#include "offload/storage.h"
+#include "offload/layer/layer.h"
+#include "offload/layer/storage.h"
 #include "runtime/error.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"
@@ -112,7 +112,7 @@ uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device) {
   const anima::AnimaConfig config = config_of(spec);
   anima::AnimaModel meta(config, anima::BuildOptions{dt.compute, at::kMeta});
   const SkipList skips = SkipList::from_options(spec.storage, anima::declared_fp8_skips());
-  // Note [layerwise storage] (offload/storage.h): unskipped managed layers are stored in
+  // Note [layerwise storage] (offload/layer/storage.h): unskipped managed layers are stored in
   // the storage dtype, everything else stays as built.
   uint64_t bytes = 0;
   std::unordered_set<const c10::TensorImpl*> managed;

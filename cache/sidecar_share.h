@@ -11,7 +11,7 @@
 // Note [sidecar share]
 // ~~~~~~~~~~~~~~~~~~~~
 // LoRA sidecars live on the device beside the weights, inside the model's share (Note
-// [device extras] in offload/model_budget.h). A model's share is sized for its weights, so when
+// [device extras] in offload/engine/model_budget.h). A model's share is sized for its weights, so when
 // sidecars of B bytes are placed (ModelCache::patch), the share first grows by B, as a
 // lock's share does: from the free part of the budget, then by partially unloading other
 // unlocked models, then by taking whole ones off the device; the engine grows its budget
@@ -35,7 +35,7 @@
 #include "cache/cache_state.h"
 #include "cache/device_shares.h"
 #include "models/anima/anima.h"
-#include "offload/engine.h"
+#include "offload/engine/engine.h"
 
 namespace sluice::cache {
 

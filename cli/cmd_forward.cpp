@@ -181,7 +181,7 @@ int run_forward(const ForwardArgs& a) {
     check.check("context", context, {"B", "S", std::to_string(cfg.context_dim)});
     context = context.to(device, dtype);
   }
-  // Timesteps stay fp32: the sinusoid is computed in fp32 (DESIGN.md §1), and rounding
+  // Timesteps stay fp32: the sinusoid is computed in fp32 (models/anima/embedders.h), and rounding
   // sigma to bf16 first would change the embedding.
   const at::Tensor x_in = x.to(device, dtype), t_in = timesteps.to(device, at::kFloat);
   const at::Tensor velocity = model.forward(x_in, t_in, context);

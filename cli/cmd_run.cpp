@@ -242,7 +242,7 @@ int run(const RunArgs& args) {
 
   if (!gpu) {
     // The CPU device's copy stream is a worker thread that needs a core of its own; with
-    // intra-op threads on every core it starves (offload/cpu_device.h).
+    // intra-op threads on every core it starves (offload/device/cpu_device.h).
     const int cores = static_cast<int>(std::thread::hardware_concurrency());
     if (cores > 1 && at::get_num_threads() >= cores) at::set_num_threads(cores - 1);
   }

@@ -13,10 +13,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "offload/device.h"
-#include "offload/prefetch_scheduler.h"
-#include "offload/residency_plan.h"
-#include "offload/vram_budget.h"
+#include "offload/device/device.h"
+#include "offload/plan/prefetch_scheduler.h"
+#include "offload/plan/residency_plan.h"
+#include "offload/engine/vram_budget.h"
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
 
@@ -34,7 +34,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 // Whether `spec` names a device type that a library in SLUICE_DEVICE_LIBRARY registered
-// with torch (Note [device libraries] in offload/device.cpp), e.g. the test accelerator's
+// with torch (Note [device libraries] in offload/device/device.cpp), e.g. the test accelerator's
 // "testaccel:0"; sets `index` (-1 when absent). Throws InvalidArgument naming a library
 // that does not load.
 bool library_device(const std::string& spec, int& index) {

@@ -9,7 +9,7 @@
 #include <map>
 #include <set>
 
-#include "offload/layer.h"
+#include "offload/layer/layer.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/safetensors.h"

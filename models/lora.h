@@ -5,7 +5,7 @@
 //
 // Note [LoRA sidecars]
 // ~~~~~~~~~~~~~~~~~~~~
-// DESIGN.md §2: fp8 has no add, and folding B·A into the weight would destroy the fp8
+// fp8 has no add, and folding B·A into the weight would destroy the fp8
 // storage, so a LoRA is a residual y += scale·(x·Aᵀ)·Bᵀ that offload::LinearImpl adds
 // after its own matmul (offload::LoraSidecar). A LoraScope appends one sidecar per
 // targeted layer and removes exactly its own (by id) when destroyed, so scopes stack in
@@ -61,7 +61,7 @@ LoraAdapter load_lora(const std::string& path, torch::nn::Module& model);
 // Patches `model` with `adapter` at `strength` while alive (Note [LoRA sidecars]).
 // Sidecars are converted to each layer's compute dtype and placed by `placer` when given
 // (the streaming engine running the model: it charges them to its budget and streams more
-// layers to make room, Note [device extras] in offload/model_budget.h; or the model cache's
+// layers to make room, Note [device extras] in offload/engine/model_budget.h; or the model cache's
 // placer, which grows the model's share for them first, Note [sidecar share] in
 // cache/sidecar_share.h; the placer must outlive the scope). Without `placer` or `device`, a
 // model attached to a streaming engine gets its sidecars through that engine all the same

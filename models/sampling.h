@@ -14,7 +14,7 @@
 //
 // Schedule: sigma_i = shift(1 - i/N), i = 0..N, with the SD3-style time shift
 // shift(t) = s*t / (1 + (s-1)*t), which keeps more steps at high noise for s > 1.
-// DESIGN.md records no schedule for Anima; the default s = 3.0 is the shift ComfyUI
+// The model's authors publish no schedule for Anima; the default s = 3.0 is the shift ComfyUI
 // ships for the Anima/Cosmos-Predict2 flow models (not verified against the authors'
 // code); s = 1 is the plain linear schedule.
 //

@@ -1,7 +1,7 @@
 #pragma once
 // Bit-level decode of the four fp8 encodings, written once for host and device.
 //
-// The CUDA upcast kernel (offload/cuda/upcast_cuda.cu) decodes with these functions, and the
+// The CUDA upcast kernel (offload/device/cuda/upcast_cuda.cu) decodes with these functions, and the
 // CPU tests check them against ATen's own conversion for all 256 byte patterns of every
 // format, so the device decode is verified on a machine without a GPU. This header includes
 // neither torch nor CUDA headers, so nvcc compiles it without torch's flags.

@@ -24,6 +24,7 @@ namespace sluice {
 namespace {
 
 // Note [host block prefix]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
 // The deleter must know the block's size to keep the byte counters exact (mimalloc's
 // usable size may be larger than what was asked). Each block therefore starts with one
 // alignment unit holding the requested size; the tensor's data begins right after it, so

@@ -17,7 +17,7 @@
 //    latent after each step; sluice forward: its outputs), so the normal path costs at
 //    most one all-finite check per forward's output. Only when that check fails is the
 //    same forward run again with a per-layer check (LockedModel::locate_nonfinite, Note
-//    [layer output observer] in offload/output_observer.h): a host wait after every
+//    [layer output observer] in offload/layer/output_observer.h): a host wait after every
 //    managed layer and block, to name the first module whose output went non-finite. The
 //    re-run is an ordinary forward of its kind otherwise (stats, prefetch, residency), and
 //    the model's stats JSON keeps its finding under "nonfinite".

@@ -379,6 +379,7 @@ File::~File() = default;
 namespace {
 
 // Note [reading a changing file]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A mapped page past the end of a file that shrank raises SIGBUS when touched, which no
 // error handling can turn into an error message. Loaders therefore read tensor bytes with
 // pread (File::read_into), which reports a short read instead: a checkpoint truncated
@@ -496,6 +497,7 @@ const TensorInfo* File::find(const std::string& name) const {
 }
 
 // Note [safetensors views]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
 // tensor() wraps the mapped bytes with at::from_blob; the deleter owns a shared_ptr to
 // the mapping, so the file stays mapped while any view (or any view of a view) lives,
 // even after the File is gone. Nothing is copied: a 4 GB checkpoint costs page cache

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation test of the engine's fences (Note [strict device]). It finds its own candidates:
 # every call of the device's ordering API -- `wait(`, `record(`, `record_use(`,
-# `synchronize(` -- on a line of offload/*.cpp or cache/*.cpp (comment lines aside, and the
+# `synchronize(` -- on a line of offload/*/*.cpp or cache/*.cpp (comment lines aside, and the
 # files that implement the device API rather than call it, see `implementers` below). Each
 # candidate is removed on its own (its file:line deleted), the test binary named for it is
 # rebuilt (--target only) and that one test runs under the strict CPU device, which must
@@ -52,31 +52,31 @@ declare -A catcher=(
 
 # Unmarked candidates that are fences too: "file|line text (trimmed)" -> test.
 declare -A caught_by=(
-  ["offload/bounce_ring.cpp|device_.record(*s.done, StreamKind::copy);"]="streams: a bounce slot's reuse never waits for compute the device is still running"
-  ["offload/staging_ring.cpp|device_.record(*s.copy_done, StreamKind::copy);"]="streams: streamed forwards through a wrapping ring match the model"
-  ["offload/forward_pass.cpp|device_.record(*last_end_, StreamKind::compute);"]="streams: forwards alternate between two host streams"
-  ["offload/model_records.cpp|device.record_use(e.dev, StreamKind::copy);"]="sluice_test_model_records::model records: an allocation failing after the first extra gives the placed ones back after their copies"
+  ["offload/device/bounce_ring.cpp|device_.record(*s.done, StreamKind::copy);"]="streams: a bounce slot's reuse never waits for compute the device is still running"
+  ["offload/device/staging_ring.cpp|device_.record(*s.copy_done, StreamKind::copy);"]="streams: streamed forwards through a wrapping ring match the model"
+  ["offload/engine/forward_pass.cpp|device_.record(*last_end_, StreamKind::compute);"]="streams: forwards alternate between two host streams"
+  ["offload/engine/model_records.cpp|device.record_use(e.dev, StreamKind::copy);"]="sluice_test_model_records::model records: an allocation failing after the first extra gives the placed ones back after their copies"
 )
 
 # Candidates that are no fence, with the reason.
 declare -A not_fence=(
-  ["offload/bounce_ring.cpp|device_.record(*done, StreamKind::copy);"]="the unpinned fallback: a copy from pageable memory already returns once its source is read (DeviceBackend::is_pinned); compute is ordered by the staging slot's copy_done (F1); this wait only makes the fallback synchronous as documented"
-  ["offload/bounce_ring.cpp|done->synchronize();"]="the same unpinned fallback's wait"
-  ["offload/model_records.cpp|device.synchronize();  // reports a failed parameter copy here (apply_plan's first synchronize orders them)"]="error reporting at attach: apply_plan's synchronize and the applier's F7 order the parameter copies before any forward"
-  ["offload/model_residency.cpp|device_->synchronize();"]="clear (detach) and apply_plan: frees are stream-safe (F4, F5: Note [stream-safe frees]), so these order nothing the tracker checks; they report a failed copy at a defined point, and detach's lets release_cached_memory give back blocks still waiting for a copy (without it \"engine: a budget cut and detaching give freed device memory back to the allocator's driver\" fails: reserved memory stays)"
-  ["offload/forward_recorder.cpp|device_.record(*anchor_->event, StreamKind::compute);"]="timing: the forward's anchor event for elapsed times and the trace"
-  ["offload/forward_recorder.cpp|device_.record(*u.end, StreamKind::compute);"]="timing: the forward's end event, read by resolve()"
-  ["offload/forward_recorder.cpp|device_.record(*e, StreamKind::compute);"]="timing: mark(), a compute-stream timestamp"
-  ["offload/forward_recorder.cpp|u.end->synchronize();"]="timing: resolve() waits before reading a forward's events (elapsed_ms needs them done)"
-  ["offload/forward_recorder.cpp|sp.a->synchronize();"]="timing: resolve() reading a span's events"
-  ["offload/forward_recorder.cpp|sp.b->synchronize();"]="timing: resolve() reading a span's events"
-  ["offload/forward_recorder.cpp|u.acc.marks[i]->synchronize();"]="timing: resolve() reading the calibration marks"
-  ["offload/model_budget.cpp|device.record_use(d, StreamKind::copy);  // freed later without waiting for anything else"]="F9's synchronize already orders the sidecar copies before any free; kept for a backend whose synchronize does not cover the copy stream"
-  ["offload/staging_ring.cpp|if (start) device_.record(*start, StreamKind::copy);"]="timing: the copy span's start event"
-  ["offload/staging_ring.cpp|if (end) device_.record(*end, StreamKind::copy);"]="timing: the copy span's end event"
-  ["offload/staging_ring.cpp|device_.synchronize();"]="end_use's fallback when recording the release throws (reached only through an exception from record())"
-  ["offload/residency_applier.cpp|for (const at::Tensor* t : {&w, &b, &s}) device_.record_use(*t, StreamKind::copy);  // a second guard behind F7"]="apply() synchronizes after the resident copies (F7, and its error path) before anything can free them: no free can meet a copy in flight; kept so that a free does not depend on that synchronize"
-  ["offload/residency_applier.cpp|device_.synchronize();"]="apply()'s error path: waits before undoing a failed residency change (the frees that follow are stream-safe)"
+  ["offload/device/bounce_ring.cpp|device_.record(*done, StreamKind::copy);"]="the unpinned fallback: a copy from pageable memory already returns once its source is read (DeviceBackend::is_pinned); compute is ordered by the staging slot's copy_done (F1); this wait only makes the fallback synchronous as documented"
+  ["offload/device/bounce_ring.cpp|done->synchronize();"]="the same unpinned fallback's wait"
+  ["offload/engine/model_records.cpp|device.synchronize();  // reports a failed parameter copy here (apply_plan's first synchronize orders them)"]="error reporting at attach: apply_plan's synchronize and the applier's F7 order the parameter copies before any forward"
+  ["offload/engine/model_residency.cpp|device_->synchronize();"]="clear (detach) and apply_plan: frees are stream-safe (F4, F5: Note [stream-safe frees]), so these order nothing the tracker checks; they report a failed copy at a defined point, and detach's lets release_cached_memory give back blocks still waiting for a copy (without it \"engine: a budget cut and detaching give freed device memory back to the allocator's driver\" fails: reserved memory stays)"
+  ["offload/engine/forward_recorder.cpp|device_.record(*anchor_->event, StreamKind::compute);"]="timing: the forward's anchor event for elapsed times and the trace"
+  ["offload/engine/forward_recorder.cpp|device_.record(*u.end, StreamKind::compute);"]="timing: the forward's end event, read by resolve()"
+  ["offload/engine/forward_recorder.cpp|device_.record(*e, StreamKind::compute);"]="timing: mark(), a compute-stream timestamp"
+  ["offload/engine/forward_recorder.cpp|u.end->synchronize();"]="timing: resolve() waits before reading a forward's events (elapsed_ms needs them done)"
+  ["offload/engine/forward_recorder.cpp|sp.a->synchronize();"]="timing: resolve() reading a span's events"
+  ["offload/engine/forward_recorder.cpp|sp.b->synchronize();"]="timing: resolve() reading a span's events"
+  ["offload/engine/forward_recorder.cpp|u.acc.marks[i]->synchronize();"]="timing: resolve() reading the calibration marks"
+  ["offload/engine/model_budget.cpp|device.record_use(d, StreamKind::copy);  // freed later without waiting for anything else"]="F9's synchronize already orders the sidecar copies before any free; kept for a backend whose synchronize does not cover the copy stream"
+  ["offload/device/staging_ring.cpp|if (start) device_.record(*start, StreamKind::copy);"]="timing: the copy span's start event"
+  ["offload/device/staging_ring.cpp|if (end) device_.record(*end, StreamKind::copy);"]="timing: the copy span's end event"
+  ["offload/device/staging_ring.cpp|device_.synchronize();"]="end_use's fallback when recording the release throws (reached only through an exception from record())"
+  ["offload/engine/residency_applier.cpp|for (const at::Tensor* t : {&w, &b, &s}) device_.record_use(*t, StreamKind::copy);  // a second guard behind F7"]="apply() synchronizes after the resident copies (F7, and its error path) before anything can free them: no free can meet a copy in flight; kept so that a free does not depend on that synchronize"
+  ["offload/engine/residency_applier.cpp|device_.synchronize();"]="apply()'s error path: waits before undoing a failed residency change (the frees that follow are stream-safe)"
   ["cache/cache_locking.cpp|idle_.wait(g, [&] { return !e.running; });"]="a host condition variable (Note [cache locking]), no device call"
   ["cache/cache_locking.cpp|loaded_.wait(g, [&] { return !e.loading; });"]="a host condition variable (Note [cache locking]), no device call"
   ["cache/cache_locking.cpp|idle_.wait(g, [&] {"]="a host condition variable (Note [cache locking]), no device call"
@@ -85,10 +85,10 @@ declare -A not_fence=(
 
 # Files that implement the device API (their calls are the device's own machinery, the
 # oracle the strict device checks against), not callers of it.
-implementers='offload/(cpu_device|torch_device|hazard_tracker|device)\.cpp'
+implementers='offload/device/(cpu_device|torch_device|hazard_tracker|device)\.cpp'
 
 candidates() {
-  grep -nE '(^|[^A-Za-z_])(wait|record|record_use|synchronize)\(' offload/*.cpp cache/*.cpp |
+  grep -nE '(^|[^A-Za-z_])(wait|record|record_use|synchronize)\(' offload/*/*.cpp cache/*.cpp |
     grep -vE '^[^:]+:[0-9]+:[[:space:]]*//' | grep -vE "^$implementers:" || true
 }
 
@@ -201,9 +201,9 @@ for l in "${lines[@]}"; do
 done
 
 if ((groups)); then
-  for fence in $(grep -ohE 'FENCE\(F[0-9]+\)' offload/*.cpp | sort -u | tr -d 'FENCE()'); do
+  for fence in $(grep -ohE 'FENCE\(F[0-9]+\)' offload/*/*.cpp | sort -u | tr -d 'FENCE()'); do
     [[ -z $only || "F$fence" =~ $only ]] || continue
-    files=$(grep -l "FENCE(F$fence)" offload/*.cpp)
+    files=$(grep -l "FENCE(F$fence)" offload/*/*.cpp)
     for f in $files; do save "$f"; sed -i "/FENCE(F$fence)/d" "$f"; done
     test_of=${catcher[F$fence]:-}
     if [[ -z $test_of ]]; then echo "F$fence: no test named for it"; missed=1; restore; continue; fi

@@ -29,7 +29,8 @@ DEST_DIR="$ROOT/.deps/reference/invokeai_anima"
 DEST="$DEST_DIR/anima_transformer.py"
 PKG="$ROOT/.deps/reference/pkg"
 
-# The package tree's files from the wheel: "sha256  member", each extracted to $PKG/member.
+# The package tree's files from the InvokeAI wheel (invokeai/backend/...): "sha256  member", each
+# extracted to $PKG/member.
 #   anima_transformer.py         AnimaTransformer (torch, einops)
 #   control_net_lllite.py        AnimaControlNetLLLite (torch)
 #   anima_transformer_patch.py   patch_anima_for_regional_prompting -> regional_prompting

@@ -15,7 +15,7 @@
 #include "cache/cache_state.h"
 #include "cache/device_shares.h"
 #include "cache/ram_tier.h"
-#include "offload/pinned_arena.h"
+#include "offload/device/pinned_arena.h"
 #include "tests/device_env.h"
 
 namespace sluice::testing {

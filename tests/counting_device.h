@@ -6,7 +6,7 @@
 //  - activations(): bytes a forward's activations hold on the device now. They are what a
 //    GPU's caching allocator hands to ATen ops during a forward: counted in
 //    allocator_stats() (current and peak) but in no ledger, since nothing of sluice
-//    allocated them (Note [measured working memory] in offload/model_budget.h).
+//    allocated them (Note [measured working memory] in offload/engine/model_budget.h).
 // Everything else is the inner device's: its allocations, streams, events and hazard
 // checks (hazard_tracker() of the inner device still works).
 #include <ATen/ATen.h>
@@ -16,7 +16,7 @@
 #include <memory>
 #include <mutex>
 
-#include "offload/device.h"
+#include "offload/device/device.h"
 
 namespace sluice::testing {
 

@@ -16,8 +16,8 @@
 #include <memory>
 #include <string>
 
-#include "offload/cpu_device.h"
-#include "offload/device.h"
+#include "offload/device/cpu_device.h"
+#include "offload/device/device.h"
 
 namespace sluice::testing {
 

@@ -17,7 +17,7 @@
 #include <string>
 #include <thread>
 
-#include "offload/device.h"
+#include "offload/device/device.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 

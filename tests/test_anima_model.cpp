@@ -1,4 +1,4 @@
-// The Anima module tree (pinned against DESIGN.md §1 on a shape-only anima-2b build) and
+// The Anima module tree (pinned against the published anima-2b checkpoint's names and shapes, on a shape-only build) and
 // the forward passes on the tiny preset.
 #include <ATen/ATen.h>
 
@@ -13,7 +13,7 @@
 #include "models/anima/embedders.h"
 #include "models/anima/generator.h"
 #include "models/anima/inspect.h"
-#include "offload/layer.h"
+#include "offload/layer/layer.h"
 #include "runtime/error.h"
 
 using namespace sluice::anima;
@@ -45,7 +45,7 @@ double rel_l2(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() / b.to(at::kDouble).norm().item<double>();
 }
 
-// Every parameter name of anima-2b, written out from DESIGN.md's module table.
+// Every parameter name of anima-2b, written out from the published checkpoint's module table.
 std::set<std::string> design_names() {
   std::set<std::string> n = {"x_embedder.proj.1.weight",        "t_embedder.1.linear_1.weight",
                              "t_embedder.1.linear_2.weight",    "t_embedding_norm.weight",
@@ -362,7 +362,7 @@ TEST_CASE("patchify and unpatchify put every value back where it came from") {
   // Blocks made inert (all adaLN weights zero => gates zero), the patch embedder copying
   // the 68 patch features (c r m n) into the first 68 channels, and the final linear
   // picking them back out in the output order (p1 p2 t C), both orders written from the
-  // einops patterns in DESIGN.md. Then each output patch is LN(its input patch) routed
+  // einops patterns of the reference model (tests/python/reference_anima.py). Then each output patch is LN(its input patch) routed
   // back, and a single non-zero input value must come out at its own position.
   AnimaConfig c = preset("anima-tiny");
   c.model_channels = 128;

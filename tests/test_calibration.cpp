@@ -1,6 +1,6 @@
 #include <catch2/catch.hpp>
 
-#include "offload/calibration.h"
+#include "offload/plan/calibration.h"
 
 using namespace sluice::offload;
 

@@ -44,8 +44,8 @@ int64_t group_params(const nlohmann::json& j, const std::string& name) {
   return -1;
 }
 
-// Parameter count of an Anima model derived from its config by hand (DESIGN.md §1's
-// module table), independently of the model code. Checked against anima-2b's published
+// Parameter count of an Anima model derived from its config by hand (the published
+// checkpoint's module table), independently of the model code. Checked against anima-2b's published
 // total below before it is trusted for the small presets.
 int64_t expected_parameters(const nlohmann::json& c) {
   const int64_t D = c["model_channels"], nb = c["num_blocks"], heads = c["num_heads"], r = c["mlp_ratio"];
@@ -87,7 +87,7 @@ TEST_CASE("inspect --config anima-2b --json reports the real model's published t
   const auto j = inspect_json({"--config", "anima-2b"});
   CHECK(j.at("model") == "anima");
   CHECK(j.at("tensors").get<int64_t>() == 685);
-  const int64_t params = 2091068928;  // DESIGN.md §1
+  const int64_t params = 2091068928;  // the published anima-2b checkpoint's parameter count
   CHECK(j.at("parameters").get<int64_t>() == params);
   // A bf16 build stores every tensor in bf16: 2 bytes per parameter, 3988.40 MiB.
   CHECK(j.at("bytes").get<int64_t>() == 2 * params);
@@ -119,7 +119,7 @@ TEST_CASE("inspect --config --dtype float32 doubles the bytes and the text outpu
   CHECK(r.out.find("anima") != std::string::npos);
 }
 
-// DESIGN.md §2's size table, from the CLI on the shape-only anima-2b build.
+// anima-2b's storage sizes (bf16, fp8 with skips), from the CLI on the shape-only anima-2b build.
 TEST_CASE("inspect --storage reproduces the anima-2b fp8 size table exactly") {
   auto size = [](std::vector<std::string> extra) {
     std::vector<std::string> args{"--config", "anima-2b"};

@@ -1,4 +1,4 @@
-// The cost model's simulation (Note [cost model] in offload/cost_model.h) on cases small
+// The cost model's simulation (Note [cost model] in offload/plan/cost_model.h) on cases small
 // enough to work out by hand. Units: slots in MB (1e6 bytes) at 1 GB/s, so a copy takes
 // exactly its size in MB as ms; each expected time is derived in the comment beside it.
 #include <catch2/catch.hpp>
@@ -6,8 +6,8 @@
 #include <cmath>
 #include <limits>
 
-#include "offload/cost_model.h"
-#include "offload/residency_plan.h"
+#include "offload/plan/cost_model.h"
+#include "offload/plan/residency_plan.h"
 #include "runtime/error.h"
 
 using namespace sluice::offload;

@@ -7,9 +7,9 @@
 #include <thread>
 #include <vector>
 
-#include "offload/cpu_device.h"
-#include "offload/device.h"
-#include "offload/pinned_arena.h"
+#include "offload/device/cpu_device.h"
+#include "offload/device/device.h"
+#include "offload/device/pinned_arena.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/host_memory_limit.h"

@@ -193,7 +193,7 @@ TEST_CASE("policy and scale-mode names parse, and Fp8Options defaults are the do
 }
 
 // ---------------------------------------------------------------------------------------
-// Note [compute dtype auto]
+// The rules of Note [compute dtype auto] (runtime/dtype_policy.h).
 
 namespace {
 

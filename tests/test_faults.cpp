@@ -1,5 +1,5 @@
 // Fault injection on anima-tiny (fp8 storage) with the CPU-as-device backend: one test per
-// fault of Note [engine faults] (offload/engine.h), plus checkpoint and LoRA reads. After
+// fault of Note [engine faults] (offload/engine/engine.h), plus checkpoint and LoRA reads. After
 // each fault: every parameter keeps its storage dtype and its bytes equal a pre-fault
 // snapshot, the device accounting is back to its pre-fault level (or, for a degraded mode,
 // exactly what the engine holds), and the next forward equals the reference bit for bit.
@@ -22,10 +22,10 @@
 #include "models/anima/checkpoint.h"
 #include "models/anima/generator.h"
 #include "models/lora.h"
-#include "offload/cpu_device.h"
-#include "offload/engine.h"
-#include "offload/layer.h"
-#include "offload/storage.h"
+#include "offload/device/cpu_device.h"
+#include "offload/engine/engine.h"
+#include "offload/layer/layer.h"
+#include "offload/layer/storage.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/host_memory.h"

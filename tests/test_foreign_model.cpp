@@ -1,4 +1,4 @@
-// ForeignModel (offload/foreign_model.h, Note [foreign layers]): a torch model's Linear
+// ForeignModel (offload/layer/foreign_model.h, Note [foreign layers]): a torch model's Linear
 // layers and other tensors, handed over by name, streamed by the engine. Runs on the plain
 // and the strict CPU device.
 #include <ATen/ATen.h>
@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "offload/engine.h"
-#include "offload/foreign_model.h"
+#include "offload/engine/engine.h"
+#include "offload/layer/foreign_model.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "tests/device_env.h"

@@ -1,4 +1,4 @@
-// ForwardBuffers (offload/forward_buffers.h) on its own, without the streaming engine: the
+// ForwardBuffers (offload/engine/forward_buffers.h) on its own, without the streaming engine: the
 // planned upcast scratch and the buffers made beyond it (Note [upcast scratch]), the
 // staging ring it makes and retires, and what each charges to the model's ledger.
 #include <ATen/ATen.h>
@@ -9,10 +9,10 @@
 #include <memory>
 #include <vector>
 
-#include "offload/device.h"
-#include "offload/forward_buffers.h"
-#include "offload/layer_record.h"
-#include "offload/staging_ring.h"
+#include "offload/device/device.h"
+#include "offload/engine/forward_buffers.h"
+#include "offload/engine/layer_record.h"
+#include "offload/device/staging_ring.h"
 #include "runtime/error.h"
 #include "tests/device_env.h"
 #include "tests/single_thread.h"

@@ -1,4 +1,4 @@
-// ForwardRecorder (offload/forward_recorder.h) on its own, without the streaming engine or
+// ForwardRecorder (offload/engine/forward_recorder.h) on its own, without the streaming engine or
 // a forward pass: forwards are opened, given spans and closed by hand over a toy model
 // attached through a ModelResidency (which supplies the records, options and calibrator).
 // Checks the records it keeps, the accumulators it hands over, the trace spans it writes
@@ -20,11 +20,11 @@
 #include <thread>
 #include <vector>
 
-#include "offload/cpu_device.h"
-#include "offload/device.h"
-#include "offload/engine_options.h"
-#include "offload/forward_recorder.h"
-#include "offload/model_residency.h"
+#include "offload/device/cpu_device.h"
+#include "offload/device/device.h"
+#include "offload/engine/engine_options.h"
+#include "offload/engine/forward_recorder.h"
+#include "offload/engine/model_residency.h"
 #include "tests/device_env.h"
 #include "tests/single_thread.h"
 #include "tests/toy_model.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "offload/upcast_registry.h"
+#include "offload/device/upcast_registry.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "runtime/fp8_format.h"

@@ -1,5 +1,5 @@
 // fp8 storage of a whole model: offload::apply_storage on Anima (sizes pinned against
-// DESIGN.md §2 on a shape-only anima-2b), the load_anima wiring, exception safety of the
+// anima-2b's known bf16 and fp8 sizes on a shape-only build), the load_anima wiring, exception safety of the
 // weight leases, exact storage round trips and the fp8-off identity.
 #include <ATen/ATen.h>
 
@@ -17,8 +17,8 @@
 #include "models/anima/anima.h"
 #include "models/anima/checkpoint.h"
 #include "models/anima/generator.h"
-#include "offload/layer.h"
-#include "offload/storage.h"
+#include "offload/layer/layer.h"
+#include "offload/layer/storage.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 

@@ -15,7 +15,7 @@
 #include "models/anima/anima.h"
 #include "models/anima/fp8_report.h"
 #include "models/anima/generator.h"
-#include "offload/layer.h"
+#include "offload/layer/layer.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
 

@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "offload/hazard_tracker.h"
+#include "offload/device/hazard_tracker.h"
 
 using sluice::offload::Access;
 using sluice::offload::HazardTracker;

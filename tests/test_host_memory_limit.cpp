@@ -18,9 +18,9 @@
 
 #include "cache/model_cache.h"
 #include "cache/ram_tier.h"
-#include "offload/cpu_device.h"
-#include "offload/pinned_arena.h"
-#include "offload/vram_budget.h"
+#include "offload/device/cpu_device.h"
+#include "offload/device/pinned_arena.h"
+#include "offload/engine/vram_budget.h"
 #include "runtime/host_memory.h"
 #include "runtime/host_memory_limit.h"
 #include "runtime/size_parse.h"

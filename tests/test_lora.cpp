@@ -17,10 +17,10 @@
 #include "models/anima/anima.h"
 #include "models/anima/generator.h"
 #include "models/lora.h"
-#include "offload/cpu_device.h"
-#include "offload/engine.h"
-#include "offload/layer.h"
-#include "offload/storage.h"
+#include "offload/device/cpu_device.h"
+#include "offload/engine/engine.h"
+#include "offload/layer/layer.h"
+#include "offload/layer/storage.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "runtime/safetensors.h"
@@ -401,7 +401,7 @@ uint64_t lora_bytes_in_stats(offload::StreamingEngine& e) {
 }  // namespace
 
 TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the model exactly streams more layers") {
-  // Note [device extras] (offload/model_budget.h): the engine places the sidecars under the
+  // Note [device extras] (offload/engine/model_budget.h): the engine places the sidecars under the
   // model's budget; the plan streams layers to make room, and the allocator's own count of
   // device bytes alive never passes the budget.
   AnimaModel m = fp8_model("anima-medium");  // 512 wide: a rank-64 bf16 pair is a quarter to a half of an fp8 weight

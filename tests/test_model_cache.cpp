@@ -29,9 +29,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cache/model_cache.h"
-#include "offload/cpu_device.h"
-#include "offload/engine.h"
-#include "offload/layer.h"
+#include "offload/device/cpu_device.h"
+#include "offload/engine/engine.h"
+#include "offload/layer/layer.h"
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
 #include "tests/counting_device.h"
@@ -743,7 +743,7 @@ TEST_CASE("model_cache: the published state follows forwards and residency chang
 }
 
 TEST_CASE("model_cache: a forward that uses more than the working memory grows the cache's working memory") {
-  // Note [measured working memory] (offload/model_budget.h): the engines measure, the cache keeps
+  // Note [measured working memory] (offload/engine/model_budget.h): the engines measure, the cache keeps
   // the working memory out of every share and grows it to a measurement plus an eighth.
   auto counting = std::make_shared<sluice::testing::CountingDevice>(
       std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device()));
@@ -777,7 +777,7 @@ TEST_CASE("model_cache: a forward that uses more than the working memory grows t
 }
 
 TEST_CASE("model_cache: only a lower vram budget and taking models off the device empty the allocator's cache") {
-  // Note [releasing cached memory] (offload/device.h): making room for another model, a
+  // Note [releasing cached memory] (offload/device/device.h): making room for another model, a
   // partial unload or a budget raise keep the freed blocks cached for this process.
   auto counting = std::make_shared<sluice::testing::CountingDevice>(
       std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device()));

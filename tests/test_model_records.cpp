@@ -1,4 +1,4 @@
-// ModelRecords (offload/model_records.h) on its own, without the streaming engine: what it
+// ModelRecords (offload/engine/model_records.h) on its own, without the streaming engine: what it
 // collects from a model (records in execution order, which layers are required, the extras
 // and their bytes), the checks attach relies on, and the extras' trip to the device and
 // back (Note [attached model on the host]).
@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "offload/device.h"
-#include "offload/engine_options.h"
-#include "offload/layer.h"
-#include "offload/model_records.h"
-#include "offload/repoint.h"
+#include "offload/device/device.h"
+#include "offload/engine/engine_options.h"
+#include "offload/layer/layer.h"
+#include "offload/engine/model_records.h"
+#include "offload/layer/repoint.h"
 #include "runtime/error.h"
 #include "tests/device_env.h"
 #include "tests/single_thread.h"

@@ -1,4 +1,4 @@
-// ModelResidency (offload/model_residency.h) on its own, without the streaming engine: a
+// ModelResidency (offload/engine/model_residency.h) on its own, without the streaming engine: a
 // toy model attached with a recording PlanObserver in the engine's place. Checks what the
 // observer is told and in which order (Note [residency changes]), that refused changes
 // change nothing, what detach gives back, and that needs() agrees with an attach.
@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "offload/device.h"
-#include "offload/engine_options.h"
-#include "offload/layer.h"
-#include "offload/model_residency.h"
+#include "offload/device/device.h"
+#include "offload/engine/engine_options.h"
+#include "offload/layer/layer.h"
+#include "offload/engine/model_residency.h"
 #include "runtime/error.h"
 #include "tests/device_env.h"
 #include "tests/single_thread.h"

@@ -1,4 +1,4 @@
-// The pinned arena (offload/pinned_arena.h, Note [pinned arena]): packing, alignment,
+// The pinned arena (offload/device/pinned_arena.h, Note [pinned arena]): packing, alignment,
 // exact chunk sizes, the limit, lifetime (a chunk is freed with its last view) and the
 // pinned / placed ratio on model-shaped layers; then through the engine and the model
 // cache: pinned / streamed <= 1.01 in the stats, one limit shared by the models of a cache,
@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "cache/model_cache.h"
-#include "offload/cpu_device.h"
-#include "offload/engine.h"
-#include "offload/pinned_arena.h"
+#include "offload/device/cpu_device.h"
+#include "offload/engine/engine.h"
+#include "offload/device/pinned_arena.h"
 #include "runtime/fault_injection.h"
 #include "runtime/host_memory.h"
 #include "runtime/logging.h"

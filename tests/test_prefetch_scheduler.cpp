@@ -4,7 +4,7 @@
 #include <utility>
 #include <vector>
 
-#include "offload/prefetch_scheduler.h"
+#include "offload/plan/prefetch_scheduler.h"
 #include "runtime/error.h"
 
 using namespace sluice::offload;

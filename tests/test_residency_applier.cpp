@@ -1,4 +1,4 @@
-// ResidencyApplier (offload/residency_applier.h) on its own, without the streaming engine:
+// ResidencyApplier (offload/engine/residency_applier.h) on its own, without the streaming engine:
 // a small toy model's layers on the CPU device, plans given by hand, the ring a callback
 // that records what it was asked for. Checks exact ledger bytes, where each layer's stored
 // tensors point, the residency_h2d and pinned counters, and the degraded and undo paths of
@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "offload/cpu_device.h"
-#include "offload/device.h"
-#include "offload/layer_record.h"
-#include "offload/residency_applier.h"
+#include "offload/device/cpu_device.h"
+#include "offload/device/device.h"
+#include "offload/engine/layer_record.h"
+#include "offload/engine/residency_applier.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/logging.h"

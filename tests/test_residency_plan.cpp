@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <random>
 
-#include "offload/residency_plan.h"
+#include "offload/plan/residency_plan.h"
 #include "runtime/error.h"
 #include "runtime/size_parse.h"
 

@@ -11,7 +11,7 @@ using sluice::SkipList;
 
 namespace {
 
-// One parameter tensor of anima-2b, as DESIGN.md §1 lists the module tree.
+// One parameter tensor of anima-2b, as the published checkpoint's module tree has it.
 struct Param {
   std::string module;
   int64_t numel;
@@ -76,7 +76,7 @@ std::vector<std::string> anima_2b_layers() {
   return names;
 }
 
-// DESIGN.md §2's param_size: castable parameters matched by no pattern take 1 byte (fp8),
+// Storage size by the skip list: castable parameters matched by no pattern take 1 byte (fp8),
 // everything else 2 (bf16). MiB.
 double param_size_mib(const SkipList& skips) {
   int64_t bytes = 0;

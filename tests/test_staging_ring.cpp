@@ -1,7 +1,7 @@
 #include <catch2/catch.hpp>
 
-#include "offload/cpu_device.h"
-#include "offload/staging_ring.h"
+#include "offload/device/cpu_device.h"
+#include "offload/device/staging_ring.h"
 #include "runtime/error.h"
 #include "tests/device_env.h"
 

@@ -4,9 +4,9 @@
 // strict device explicitly, so it is strict with or without SLUICE_STRICT_DEVICE.
 #include <catch2/catch.hpp>
 
-#include "offload/bounce_ring.h"
-#include "offload/cpu_device.h"
-#include "offload/engine.h"
+#include "offload/device/bounce_ring.h"
+#include "offload/device/cpu_device.h"
+#include "offload/engine/engine.h"
 #include "models/lora.h"
 #include "runtime/fault_injection.h"
 #include "runtime/logging.h"

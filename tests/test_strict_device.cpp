@@ -4,8 +4,8 @@
 
 #include <cstring>
 
-#include "offload/bounce_ring.h"
-#include "offload/cpu_device.h"
+#include "offload/device/bounce_ring.h"
+#include "offload/device/cpu_device.h"
 #include "runtime/fault_injection.h"
 
 using namespace sluice::offload;

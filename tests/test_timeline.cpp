@@ -1,4 +1,4 @@
-// The SVG timeline (offload/timeline_svg.h, Note [timeline svg]): the renderer on a
+// The SVG timeline (offload/report/timeline_svg.h, Note [timeline svg]): the renderer on a
 // hand-built step (known spans give known boxes; names are escaped), the choice of the
 // forward from a trace (Note [timeline forward]), and `sluice run --timeline` end to end:
 // the SVG is well formed, has the three lanes, one compute box per layer the forward ran,
@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "offload/timeline_step.h"
-#include "offload/timeline_svg.h"
-#include "offload/trace.h"
+#include "offload/report/timeline_step.h"
+#include "offload/report/timeline_svg.h"
+#include "offload/report/trace.h"
 #include "runtime/error.h"
 #include "tests/cli_runner.h"
 #include <sluice/sluice.hpp>

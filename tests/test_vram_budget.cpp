@@ -1,4 +1,4 @@
-// How --vram-budget and --vram-headroom resolve (offload/vram_budget.h, Note [vram
+// How --vram-budget and --vram-headroom resolve (offload/engine/vram_budget.h, Note [vram
 // budget]) against device memory the test controls: sizes, percentages of the total,
 // "auto" (free minus headroom), headroom sizes and percentages, and the errors. Also that
 // the CPU device reports what its memory source says, and the stats JSON's device fields.
@@ -8,10 +8,10 @@
 
 #include <string>
 
-#include "offload/cpu_device.h"
-#include "offload/device.h"
-#include "offload/stats.h"
-#include "offload/vram_budget.h"
+#include "offload/device/cpu_device.h"
+#include "offload/device/device.h"
+#include "offload/report/stats.h"
+#include "offload/engine/vram_budget.h"
 #include "runtime/error.h"
 #include "runtime/host_memory_limit.h"
 

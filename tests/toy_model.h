@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "offload/layer.h"
+#include "offload/layer/layer.h"
 
 namespace sluice::testing {
 

@@ -1,6 +1,6 @@
 """sluice's Anima DiT as diffusers' `CosmosTransformer3DModel`: config and key mapping.
 
-DESIGN.md §1: Anima's DiT is the Cosmos-Predict2 "MiniTrainDIT", which diffusers ships as
+Anima's DiT is the Cosmos-Predict2 "MiniTrainDIT", which diffusers ships as
 `CosmosTransformer3DModel` under renamed keys. This module is shared by the parity test
 (tests/python/test_diffusers_parity.py) and the GPU side-by-side (bench/gpu/compare.py).
 
@@ -9,6 +9,7 @@ DESIGN.md §1: Anima's DiT is the Cosmos-Predict2 "MiniTrainDIT", which diffuser
     v = forward(model, x, timesteps, context)
 
 Note [diffusers Cosmos differences]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
   The mapping is exact up to three things that diffusers does differently, each handled
   here so that an fp32 forward matches sluice to rounding:
   - q/k RMSNorm eps: diffusers' `Attention(qk_norm="rms_norm")` builds its RMSNorms with

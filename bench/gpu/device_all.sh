@@ -581,7 +581,7 @@ phase_build_tests() {
         # Only the device-generic cases (and fp8's CUDA ones, which say they skip here).
         if [ "$name" = fp8 ]; then filter=("*CUDA*"); else filter=("[env-device]"); fi
       fi
-      # One intra-op thread each: the CPU device's copy worker needs a core (offload/cpu_device.h).
+      # One intra-op thread each: the CPU device's copy worker needs a core (offload/device/cpu_device.h).
       SLUICE_TEST_DEVICE="$DEVICE" OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn \
         run_for "$tests_t" "$bin" "${filter[@]}" >"$WORK/test_$name.log" 2>&1 &
       pids[$name]=$!

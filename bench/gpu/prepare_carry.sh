@@ -33,7 +33,7 @@ DEBS=(libspdlog-dev libspdlog1.10 libfmt-dev libfmt9 nlohmann-json3-dev libcli11
 # names anything missing in env.txt. (importlib_metadata, also listed by diffusers, is
 # imported only on Python < 3.8.)
 WHEELS=("diffusers==0.42.1")
-# The bindings' build backend (python/pyproject.toml) and its needs on Python >= 3.11, at
+# The bindings' build backend (pyproject.toml) and its needs on Python >= 3.11, at
 # the versions the project venv builds with.
 BUILD_WHEELS=("scikit-build-core==1.1.2" "packaging==26.4" "pathspec==1.1.1")
 

@@ -13,7 +13,7 @@
 #include <functional>
 
 #include "bench/benchmark_main.h"
-#include "offload/upcast_registry.h"
+#include "offload/device/upcast_registry.h"
 #include "runtime/fp8.h"
 
 namespace {

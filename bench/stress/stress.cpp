@@ -43,9 +43,9 @@
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
 #include "models/lora.h"
-#include "offload/cpu_device.h"
-#include "offload/engine.h"
-#include "offload/layer.h"
+#include "offload/device/cpu_device.h"
+#include "offload/engine/engine.h"
+#include "offload/layer/layer.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/hardware.h"
@@ -193,7 +193,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    at::set_num_threads(1);  // the CPU device's copy worker needs a core (offload/cpu_device.h)
+    at::set_num_threads(1);  // the CPU device's copy worker needs a core (offload/device/cpu_device.h)
     log::set_level(log::Level::error);
     std::printf("hardware: %s\n", hardware_summary(at::kCPU).c_str());
     const anima::AnimaConfig config = anima::config_from_name_or_file(a.preset);

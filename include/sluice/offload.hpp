@@ -5,7 +5,7 @@
 // storage dtype) and its other parameters and buffers (moved to the device and back in
 // place); its own forward then calls linear(), embedding() or call() for each of those
 // layers, between begin_forward() and end_forward(). Python's `sluice.offload(module)` is
-// built on it (python/sluice/offload.py).
+// built on it (README, "Offloading a torch model you already have").
 //
 // The model lives in a ModelCache: one the host gives, beside the cache's other models
 // (several offloaded modules of one frontend, its text encoder and its transformer, share

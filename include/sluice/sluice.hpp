@@ -266,7 +266,7 @@ class Model {
   void write_trace(const std::string& path) const;
   // A self-contained SVG timeline of one steady-state DiT forward (copy, upcast and
   // compute lanes, each layer's box coloured resident or streamed, stalls marked, the
-  // step's totals in a caption; Note [timeline svg] in offload/timeline_svg.h). Needs
+  // step's totals in a caption; README, "The `sluice` command", `--timeline`). Needs
   // RuntimeOptions::trace and a complete DiT forward (else InvalidArgument); FileError.
   void write_timeline_svg(const std::string& path) const;
   // "blocks: RRSRRS...; other: ..." (empty while the model is off the device).
@@ -285,8 +285,8 @@ class Model {
 // removed by LoraHandle::remove(), when its handle is destroyed, or when that lock ends
 // (LockedModel::unlock() or its destruction), whichever comes first. Removal takes the
 // sidecars away (the stored weights were never touched, so forwards give the unpatched
-// model's outputs bit for bit) and gives their device bytes back (Note [sidecar share] in
-// cache/model_cache.h). A handle that outlives its lock stays valid but inactive: active()
+// model's outputs bit for bit) and gives their device bytes back (README, "Device memory: every
+// byte charged"). A handle that outlives its lock stays valid but inactive: active()
 // is false, remove() does nothing. The same rule holds in C (sluice_unlock) and Python
 // (LockedModel.unlock, the end of the lock's `with` block).
 // Why this rule and not "unlock refuses while LoRAs are live": a lock ends in destructors,
@@ -342,13 +342,13 @@ class LockedModel {
   // the compute dtype on the model's device. InvalidArgument names a bad input, a NaN or
   // Inf in one too: "forward: input 'x' has 3 non-finite values (first at [0, 2, 0, 5, 7]:
   // nan)" (inputs on a device cost one wait for the stream for that check). The output is
-  // not checked (Note [non-finite values]): see locate_nonfinite.
+  // not checked: see locate_nonfinite.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context);
   // The same, calling `progress(layers_done, layers_expected)` on this thread after each
   // layer: `layers_expected` is the layer count of the previous forward (0 for the first).
   // On a GPU a layer counts once its work is enqueued. If `progress` throws, one warning
-  // is logged and it is not called again in this forward; except sluice::Interrupted
-  // (runtime/error.h), a request to stop: the forward then ends before its next layer and
+  // is logged and it is not called again in this forward; except sluice::Interrupted,
+  // a request to stop: the forward then ends before its next layer and
   // rethrows it, leaving the model as any forward that threw does (every weight in its
   // storage dtype, leases released; the next forward is unchanged). Python's Ctrl-C uses it.
   using LayerProgress = std::function<void(int64_t layers_done, int64_t layers_expected)>;
@@ -391,7 +391,7 @@ class LockedModel {
   // handle is removed or destroyed or this lock ends (Note [LoRA lifetime]). The model's
   // device share grows by the sidecars' bytes from the free budget (other unlocked models
   // give up residency first); only what the budget cannot give streams more of its layers
-  // (Note [sidecar share] in cache/model_cache.h). FileError / CheckpointError name the file
+  // (README, "Device memory: every byte charged"). FileError / CheckpointError name the file
   // and the mismatching keys; ResourceError (one line naming the model, the LoRA and the
   // bytes missing, nothing changed) when the budget cannot hold the sidecars even with
   // every streamable layer streamed.

@@ -8,8 +8,8 @@
 #include "models/anima/embedders.h"
 #include "models/anima/llm_adapter.h"
 #include "models/anima/norms.h"
-#include "offload/layer.h"
-#include "offload/output_observer.h"
+#include "offload/layer/layer.h"
+#include "offload/layer/output_observer.h"
 #include "runtime/error.h"
 #include "runtime/shape_str.h"
 
@@ -61,7 +61,7 @@ Fp16Verdict fp16_verdict() {
 AnimaModelImpl::AnimaModelImpl(AnimaConfig config, BuildOptions options)
     : config_(std::move(config)), compute_dtype_(options.dtype) {
   if (!is_compute_dtype(options.dtype)) {
-    // Norm scales must not be stored in fp8 (DESIGN.md §2); fp8 storage is applied to the
+    // Norm scales must not be stored in fp8 (Note [layerwise storage]); fp8 storage is applied to the
     // ManagedLayers after building.
     throw InvalidArgument(std::string("model dtype must be Float, BFloat16 or Half, got ") +
                           c10::toString(options.dtype));

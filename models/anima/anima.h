@@ -1,11 +1,11 @@
 #pragma once
 // Public face of the Anima model family: build and run.
 //
-// The module tree mirrors the checkpoint exactly (DESIGN.md §1): named_parameters() of
+// The module tree mirrors the checkpoint exactly: named_parameters() of
 // an AnimaModel yields the key set of a real checkpoint minus its "net." prefix, e.g.
 // "x_embedder.proj.1.weight", "blocks.3.self_attn.q_proj.weight",
 // "llm_adapter.blocks.0.mlp.0.bias". Every Linear/Embedding is an offload::Linear /
-// offload::Embedding (offload/layer.h) so the fp8 and streaming machinery can manage it.
+// offload::Embedding (offload/layer/layer.h) so the fp8 and streaming machinery can manage it.
 // Modules are registered in execution order (DiT first, the LLM adapter last), so
 // offload::managed_layers() lists the DiT's layers in the order one forward uses them.
 #include <ATen/ATen.h>
@@ -37,7 +37,7 @@ struct BuildOptions {
   at::Device device = at::kCPU;       // at::kMeta builds shape-only (no allocation)
 };
 
-// The skip patterns Anima declares for fp8 storage (DESIGN.md §2): t_embedder,
+// The skip patterns Anima declares for fp8 storage (README "fp8 storage"): t_embedder,
 // x_embedder, final_layer. On anima-2b they match exactly 6 Linears.
 const std::vector<std::string>& declared_fp8_skips();
 

@@ -10,8 +10,8 @@
 #include <sstream>
 
 #include "models/anima/generator.h"
-#include "offload/layer.h"
-#include "offload/storage.h"
+#include "offload/layer/layer.h"
+#include "offload/layer/storage.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "runtime/fused_read.h"

@@ -36,7 +36,7 @@
 
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
-#include "offload/storage.h"
+#include "offload/layer/storage.h"
 #include "runtime/dtype_policy.h"
 
 namespace sluice::safetensors {
@@ -47,7 +47,7 @@ namespace sluice::anima {
 
 // What a safetensors file holds, as far as the Anima loader is concerned.
 struct CheckpointProbe {
-  bool is_anima = false;     // DiT keys plus llm_adapter keys (the DESIGN.md detection rule)
+  bool is_anima = false;     // DiT keys plus llm_adapter keys (both parts present: a whole Anima)
   bool has_dit = false;      // blocks./t_embedder./x_embedder./final_layer. keys under `prefix`
   bool has_adapter = false;  // llm_adapter. keys under `prefix`
   std::string prefix;        // "net.", "model.diffusion_model." or "" (meaningful when has_dit)

@@ -1,6 +1,6 @@
 #pragma once
 // AnimaConfig: every hyper-parameter of the Anima DiT and its LLM adapter, with the
-// named presets. DESIGN.md §1 has the real model's numbers (preset "anima-2b").
+// named presets. Preset "anima-2b" holds the published model's numbers.
 #include <cstdint>
 #include <string>
 #include <vector>

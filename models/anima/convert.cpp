@@ -10,8 +10,8 @@
 
 #include "models/anima/checkpoint.h"
 #include "models/anima/generator.h"
-#include "offload/layer.h"
-#include "offload/storage.h"
+#include "offload/layer/layer.h"
+#include "offload/layer/storage.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
 #include "runtime/skip_patterns.h"

@@ -8,7 +8,7 @@
 
 #include "models/anima/dit_attention.h"
 #include "models/anima/rope.h"
-#include "offload/layer.h"
+#include "offload/layer/layer.h"
 
 namespace sluice::anima {
 

@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "models/anima/dit_block.h"
-#include "offload/layer.h"
+#include "offload/layer/layer.h"
 
 namespace sluice::anima {
 

@@ -14,8 +14,8 @@
 
 #include "models/anima/anima.h"
 #include "models/anima/checkpoint.h"
-#include "offload/layer.h"
-#include "offload/storage.h"
+#include "offload/layer/layer.h"
+#include "offload/layer/storage.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"

@@ -3,7 +3,7 @@
 #include <memory>
 #include <string>
 
-#include "offload/output_observer.h"
+#include "offload/layer/output_observer.h"
 
 namespace sluice::anima {
 

@@ -11,7 +11,7 @@
 #include "models/anima/config.h"
 #include "models/anima/norms.h"
 #include "models/anima/rope.h"
-#include "offload/layer.h"
+#include "offload/layer/layer.h"
 
 namespace sluice::anima {
 

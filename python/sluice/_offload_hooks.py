@@ -19,7 +19,7 @@ attached runs as it would without sluice, whenever it attached it:
 Two shortcuts for the plain classes with nothing attached: an nn.Linear runs in the engine
 (OffloadedModel.linear: the same x W^T + b, without the round trip through Python, about
 14 us a layer on a CPU), and an nn.Embedding looks its rows up there, which upcasts only
-those rows of an fp8 table (Note [embedding rows] in offload/layer.h).
+those rows of an fp8 table (Note [embedding rows] in offload/layer/layer.h).
 
 The module's own forward is wrapped (functools.wraps: its signature stays what
 inspect.signature reads, as transformers' generate() does to pass logits_to_keep) so that

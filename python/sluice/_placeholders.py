@@ -111,7 +111,7 @@ def repoint(t: torch.Tensor, data: torch.Tensor) -> None:
     """Makes the tensor object `t` hold `data` (same object, new memory), as .data = does.
 
     .data = refuses a pair of a CPU tensor and an out-of-tree (PrivateUse1) backend's one
-    (offload/repoint.h, Note [re-pointing across devices]); for such a pair the two objects
+    (offload/layer/repoint.h, Note [re-pointing across devices]); for such a pair the two objects
     swap their contents (torch.utils.swap_tensors), and `t` keeps its own attributes and
     class. `t` must not require grad (offload() turns the flags off first) and must not be a
     placeholder (its class is its own again first)."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """diffusers parity: sluice's Anima DiT against diffusers' `CosmosTransformer3DModel` (the
-same DiT under renamed keys, DESIGN.md §1), both in fp32 on the same generated checkpoint
+same DiT under renamed keys), both in fp32 on the same generated checkpoint
 and inputs. The key mapping lives in bench/gpu/anima_diffusers.py (shared with the GPU
 side-by-side, bench/gpu/compare.py).
 

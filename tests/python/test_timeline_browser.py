@@ -25,7 +25,7 @@ import struct
 import xml.etree.ElementTree as ET
 import zlib
 
-# The renderer's fills (offload/timeline_svg.cpp: kResident, kStreamed).
+# The renderer's fills (offload/report/timeline_svg.cpp: kResident, kStreamed).
 RESIDENT = (0x5B, 0x8F, 0xD0)
 STREAMED = (0xF5, 0x85, 0x18)
 SVG_NS = "{http://www.w3.org/2000/svg}"
