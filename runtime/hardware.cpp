@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -35,20 +34,9 @@ constexpr const char* kVectorKeys[] = {
 // "family 25, model 17" from /proc/cpuinfo (x86 Linux); empty elsewhere. cpuinfo's package
 // name hides the generation on many cloud machines ("AMD EPYC"), the family does not.
 std::string x86_family_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, family, model;
-  while (std::getline(in, line) && (family.empty() || model.empty())) {
-    const auto colon = line.find(':');
-    if (colon == std::string::npos) continue;
-    std::string key = line.substr(0, colon);
-    while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
-    std::string value = line.substr(colon + 1);
-    while (!value.empty() && value.front() == ' ') value.erase(value.begin());
-    if (key == "cpu family" && family.empty()) family = value;
-    if (key == "model" && model.empty()) model = value;
-  }
-  if (family.empty() || model.empty()) return {};
-  return "family " + family + ", model " + model;
+  const torch_compat::CpuCapabilities c = torch_compat::cpu_capabilities_from("/proc/cpuinfo");
+  if (c.x86_family.empty() || c.x86_model.empty()) return {};
+  return "family " + c.x86_family + ", model " + c.x86_model;
 }
 
 CpuDescription describe_cpu() {

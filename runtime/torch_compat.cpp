@@ -85,6 +85,8 @@ CpuCapabilities cpu_capabilities_from(const std::string& cpuinfo_path) {
     while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
     const std::string value = line.substr(std::min(line.size(), colon + 2));
     if (key == "model name" && out.name.empty()) out.name = value;
+    if (key == "cpu family" && out.x86_family.empty()) out.x86_family = value;
+    if (key == "model" && out.x86_model.empty()) out.x86_model = value;
     if ((key == "flags" || key == "Features") && !flags_read) {
       flags_read = true;
       std::istringstream words(value);

@@ -68,11 +68,16 @@ struct CpuCapabilities {
   std::string name;
   std::string architecture;
   std::vector<std::string> flags;
+  // x86 "cpu family" and "model" of the first processor ("25", "17"): the generation that a
+  // cloud machine's name ("AMD EPYC") hides. Only cpu_capabilities_from() reads them (torch's
+  // map has no such keys); empty elsewhere.
+  std::string x86_family, x86_model;
   bool has(std::string_view key) const;
 };
 CpuCapabilities cpu_capabilities();
 // The same from a cpuinfo file (x86 "flags", Arm "Features"), what cpu_capabilities()
-// reads before torch 2.11; compiled on every torch, so that its tests run on each.
+// reads before torch 2.11; compiled on every torch, so that its tests run on each. The one
+// reader of /proc/cpuinfo in sluice (runtime/hardware.cpp takes the x86 family from it).
 CpuCapabilities cpu_capabilities_from(const std::string& cpuinfo_path);
 
 // Whether the device reports `dtype` among the ones it computes; nullopt when it reports

@@ -27,15 +27,21 @@ TEST_CASE("torch_compat: an x86 cpuinfo's flags are named as torch names them, f
   const std::string path = write_cpuinfo("x86",
                                          "processor\t: 0\n"
                                          "vendor_id\t: AuthenticAMD\n"
+                                         "cpu family\t: 25\n"
+                                         "model\t\t: 17\n"
                                          "model name\t: AMD EPYC 9R14 96-Core Processor\n"
                                          "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512dq avx512cd avx512bw "
                                          "avx512vl avx512_bf16 avx512_vnni amx_tile\n"
                                          "\n"
                                          "processor\t: 1\n"
+                                         "cpu family\t: 26\n"
+                                         "model\t\t: 2\n"
                                          "model name\t: another name\n"
                                          "flags\t\t: avx512_fp16\n");
   const sluice::torch_compat::CpuCapabilities caps = sluice::torch_compat::cpu_capabilities_from(path);
   CHECK(caps.name == "AMD EPYC 9R14 96-Core Processor");
+  CHECK(caps.x86_family == "25");  // the first processor's, "model" not confused with "model name"
+  CHECK(caps.x86_model == "17");
   for (const char* key : {"avx", "avx2", "fma3", "f16c", "avx512_f", "avx512_dq", "avx512_cd", "avx512_bw",
                           "avx512_vl", "avx512_bf16", "avx512_vnni", "amx_tile"}) {
     INFO(key);
@@ -58,6 +64,8 @@ TEST_CASE("torch_compat: an Arm cpuinfo's Features are named as torch names them
   }
   CHECK(caps.flags.size() == 9);
   CHECK(caps.name.empty());  // Arm's cpuinfo has no model name
+  CHECK(caps.x86_family.empty());
+  CHECK(caps.x86_model.empty());
   std::remove(path.c_str());
 }
 
