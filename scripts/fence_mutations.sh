@@ -84,8 +84,10 @@ declare -A not_fence=(
 )
 
 # Files that implement the device API (their calls are the device's own machinery, the
-# oracle the strict device checks against), not callers of it.
-implementers='offload/device/(cpu_device|torch_device|hazard_tracker|device)\.cpp'
+# oracle the strict device checks against), not callers of it: the two backends, the
+# allocator part's own code, and the CPU device's parts (its copy worker, the strict
+# device's tracker glue, the tracker).
+implementers='offload/device/(cpu_device|torch_device|hazard_tracker|device|device_allocator|copy_worker|strict_tracking)\.cpp'
 
 candidates() {
   grep -nE '(^|[^A-Za-z_])(wait|record|record_use|synchronize)\(' offload/*/*.cpp cache/*.cpp |

@@ -742,7 +742,7 @@ TEST_CASE("engine: nested leases get their own slot and scratch") {
 TEST_CASE("engine: a budget cut and detaching give freed device memory back to the allocator's driver") {
   // The strict CPU device caches freed blocks like a GPU's caching allocator; its reserved
   // bytes fall only when the engine asks for the cache to be emptied, which it does where
-  // memory must leave the process (Note [releasing cached memory] in offload/device/device.h).
+  // memory must leave the process (Note [releasing cached memory] in offload/device/device_allocator.h).
   CpuDeviceOptions co;
   co.strict = true;
   auto dev = std::shared_ptr<DeviceBackend>(make_cpu_device(co));
@@ -777,7 +777,7 @@ TEST_CASE("engine: a budget cut and detaching give freed device memory back to t
 }
 
 TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache and a shrinking replan does not") {
-  // Note [releasing cached memory] (offload/device/device.h): emptyCache synchronizes the device
+  // Note [releasing cached memory] (offload/device/device_allocator.h): emptyCache synchronizes the device
   // and empties the cache other models allocate from; a plan that only shrinks keeps its
   // freed blocks cached for the next forward.
   auto counting = std::make_shared<sluice::testing::CountingDevice>(slowed_cpu(0, 0));

@@ -4,20 +4,20 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstring>
 #include <cstdlib>
-#include <deque>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
+#include "offload/device/copy_worker.h"
+#include "offload/device/strict_tracking.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/host_memory_limit.h"
@@ -29,96 +29,9 @@ namespace {
 
 void free_host(void* p) { std::free(p); }
 
-// The strict device's pinned host block: known to its hazard tracker until freed.
-struct PinnedBlock {
-  void* p;
-  std::shared_ptr<HazardTracker> tracker;
-};
-
-void free_pinned_block(void* ctx) {
-  auto* b = static_cast<PinnedBlock*>(ctx);
-  b->tracker->remove_block(b->p);
-  std::free(b->p);
-  delete b;
-}
-
-using Clock = std::chrono::steady_clock;
-using Queue = HazardTracker::Queue;
+using Clock = CopyWorker::Clock;
 
 thread_local uint32_t t_compute_stream = 0;  // CpuComputeStreamGuard
-
-Queue compute_queue() { return HazardTracker::compute(t_compute_stream); }
-Queue queue_of(StreamKind kind) { return kind == StreamKind::copy ? HazardTracker::kCopy : compute_queue(); }
-
-// The strict device's caching allocator (Note [strict device]). A freed block is reused
-// by the next allocation of the same size at once, poisoned; a block whose use by the
-// copy stream was recorded waits until the copy worker has run every job enqueued before
-// its free (`fence`).
-struct StrictPool {
-  static constexpr uint64_t kMaxCached = uint64_t{256} << 20;
-  std::mutex mutex;
-  std::multimap<size_t, std::pair<void*, uint64_t>> free;  // size -> (block, fence)
-  uint64_t cached = 0;
-  std::atomic<uint64_t> jobs_enqueued{0};
-  std::atomic<uint64_t> jobs_done{0};
-  // Allocator statistics: bytes handed out (current, peak) and held (reserved).
-  int64_t current = 0, peak = 0, reserved = 0;
-
-  ~StrictPool() {
-    for (auto& [n, block] : free) std::free(block.first);
-  }
-
-  void* take(size_t n) {
-    std::lock_guard<std::mutex> lock(mutex);
-    current += static_cast<int64_t>(n);
-    peak = std::max(peak, current);
-    const auto [lo, hi] = free.equal_range(n);
-    for (auto it = lo; it != hi; ++it) {
-      if (it->second.second > jobs_done.load()) continue;
-      void* p = it->second.first;
-      if (it->second.second) std::memset(p, 0xFF, n);  // deferred: poisoned only now
-      free.erase(it);
-      cached -= n;
-      return p;
-    }
-    void* p = std::aligned_alloc(64, (std::max<size_t>(n, 1) + 63) / 64 * 64);
-    if (!p) {
-      current -= static_cast<int64_t>(n);
-      TORCH_CHECK(false, "strict cpu device: out of memory allocating ", n, " bytes");
-    }
-    reserved += static_cast<int64_t>(n);
-    return p;
-  }
-
-  // Hands cached blocks back to the OS (release_cached_memory), except those still
-  // waiting for the copy stream.
-  void trim() {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (auto it = free.begin(); it != free.end();) {
-      if (it->second.second > jobs_done.load()) {
-        ++it;
-        continue;
-      }
-      std::free(it->second.first);
-      reserved -= static_cast<int64_t>(it->first);
-      cached -= it->first;
-      it = free.erase(it);
-    }
-  }
-
-  void give(void* p, size_t n, uint64_t fence) {
-    if (!fence) std::memset(p, 0xFF, n);
-    std::lock_guard<std::mutex> lock(mutex);
-    current -= static_cast<int64_t>(n);
-    if (cached + n > kMaxCached) {
-      std::free(p);
-      reserved -= static_cast<int64_t>(n);
-      return;
-    }
-    free.emplace(n, std::make_pair(p, fence));
-    cached += n;
-  }
-};
 
 // The plain device's allocation counter: bytes alive (handed out and not yet freed) and
 // their peak, counted at the allocator, independently of the ledgers that charge them.
@@ -143,29 +56,6 @@ void plain_free(void* ctx) {
   b->counter->add(-b->n);
   delete b;  // frees `inner`
 }
-
-struct StrictBlock {
-  std::shared_ptr<StrictPool> pool;
-  std::shared_ptr<HazardTracker> tracker;
-  void* p;
-  size_t n;
-};
-
-void strict_free(void* ctx) {
-  auto* b = static_cast<StrictBlock*>(ctx);
-  const bool by_copy = b->tracker->recorded_queues(b->p).count(HazardTracker::kCopy) > 0;
-  b->tracker->remove_block(b->p);
-  b->pool->give(b->p, b->n, by_copy ? b->pool->jobs_enqueued.load() : 0);
-  delete b;
-}
-
-
-// A copy that failed on the copy stream. It is reported once by synchronize() unless an
-// event wait reported it first; every wait on the event recorded after it throws it.
-struct CopyFailure {
-  std::string message;
-  std::atomic<bool> reported{false};
-};
 
 // Note [host waits on compute]: which compute work the copy stream waits for, and which of
 // it the host knows to be finished, per compute stream. Host-side bookkeeping only (the
@@ -331,23 +221,21 @@ class CpuDevice final : public DeviceBackend {
  public:
   explicit CpuDevice(const CpuDeviceOptions& options) : options_(options), rng_(options.strict_seed) {
     lag_->lag = options_.compute_lag;
-    if (options_.strict) {
-      tracker_ = std::make_shared<HazardTracker>(options_.hazard_policy);
-      pool_ = std::make_shared<StrictPool>();
-    }
-    worker_ = std::thread([this] { run(); });
+    if (options_.strict) strict_ = std::make_unique<StrictTracking>(options_.hazard_policy, worker_.progress());
   }
 
-  HazardTracker* tracker() const { return tracker_.get(); }
+  HazardTracker* tracker() const { return strict_ ? strict_->tracker() : nullptr; }
 
-  ~CpuDevice() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
+  uint64_t host_compute_waits() const {
+    std::lock_guard<std::mutex> lock(lag_->mutex);
+    return lag_->waits;
   }
+  std::string last_host_compute_wait() const {
+    std::lock_guard<std::mutex> lock(lag_->mutex);
+    return lag_->last;
+  }
+
+  // DeviceAllocator
 
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   DeviceMemoryInfo memory_info() const override {
@@ -369,67 +257,61 @@ class CpuDevice final : public DeviceBackend {
   // block alive (nothing is cached, so reserved = current), on the strict one its caching
   // allocator's own.
   AllocatorStats allocator_stats() const override {
+    if (strict()) return strict_->allocator_stats();
     AllocatorStats a;
-    if (!strict()) {
-      std::lock_guard<std::mutex> lock(alive_->mutex);
-      a.available = true;
-      a.current_bytes = a.reserved_bytes = alive_->current;
-      a.peak_bytes = alive_->peak;
-      return a;
-    }
-    std::lock_guard<std::mutex> lock(pool_->mutex);
+    std::lock_guard<std::mutex> lock(alive_->mutex);
     a.available = true;
-    a.current_bytes = pool_->current;
-    a.peak_bytes = pool_->peak;
-    a.reserved_bytes = pool_->reserved;
+    a.current_bytes = a.reserved_bytes = alive_->current;
+    a.peak_bytes = alive_->peak;
     return a;
   }
   void reset_allocator_peak() override {
-    if (!strict()) {
-      std::lock_guard<std::mutex> lock(alive_->mutex);
-      alive_->peak = alive_->current;
+    if (strict()) {
+      strict_->reset_allocator_peak();
       return;
     }
-    std::lock_guard<std::mutex> lock(pool_->mutex);
-    pool_->peak = pool_->current;
+    std::lock_guard<std::mutex> lock(alive_->mutex);
+    alive_->peak = alive_->current;
   }
   void release_cached_memory() override {
-    if (strict()) pool_->trim();
+    if (strict()) strict_->release_cached_memory();
   }
   bool pins_memory() const override { return strict(); }
-  bool is_pinned(const at::Tensor& src) const override {
-    if (!strict() || src.numel() == 0) return true;
-    return tracker_->owner_of(src.data_ptr()) == HazardTracker::kHost;
+  bool is_pinned(const at::Tensor& src) const override { return !strict() || strict_->is_pinned(src); }
+
+  // Plain: aligned host memory (the arena's accounting runs as on a GPU). Strict: a block
+  // the hazard tracker knows as pinned host memory (StrictTracking::allocate_pinned).
+  c10::DataPtr allocate_pinned(size_t bytes) override {
+    if (strict()) return strict_->allocate_pinned(bytes);
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
+    if (!p) return {};
+    return c10::DataPtr(p, p, &free_host, c10::Device(c10::kCPU));
   }
+
+  // DeviceStreams
+
   uint64_t compute_stream_id() const override { return t_compute_stream; }
 
   std::unique_ptr<DeviceEvent> create_event() override {
-    return std::make_unique<CpuEvent>(tracker_, lag_, options_.compute_lag.has_value());
-  }
-  uint64_t host_compute_waits() const {
-    std::lock_guard<std::mutex> lock(lag_->mutex);
-    return lag_->waits;
-  }
-  std::string last_host_compute_wait() const {
-    std::lock_guard<std::mutex> lock(lag_->mutex);
-    return lag_->last;
+    return std::make_unique<CpuEvent>(strict() ? strict_->shared_tracker() : std::shared_ptr<HazardTracker>(), lag_,
+                                      options_.compute_lag.has_value());
   }
 
   void begin_access(const at::Tensor& t, StreamKind stream, Access a, const std::string& op) override {
-    if (strict() && t.defined() && t.numel() > 0) tracker_->begin(t.data_ptr(), queue_of(stream), a, op);
+    if (strict()) strict_->begin_access(t, stream, a, op);
   }
   void end_access(const at::Tensor& t, StreamKind stream) override {
-    if (strict() && t.defined() && t.numel() > 0) tracker_->end(t.data_ptr(), queue_of(stream));
+    if (strict()) strict_->end_access(t, stream);
   }
   void host_access(const at::Tensor& t, Access a, const std::string& op) override {
-    if (strict() && t.defined() && t.numel() > 0) tracker_->access(t.data_ptr(), HazardTracker::kHost, a, op);
+    if (strict()) strict_->host_access(t, a, op);
   }
 
   void record(DeviceEvent& event, StreamKind stream) override {
     auto state = static_cast<CpuEvent&>(event).state;  // only CpuEvents reach here (see state_of)
     (void)state_of(event);
     if (strict()) {
-      HazardTracker::VClock clock = tracker_->record(queue_of(stream));
+      HazardTracker::VClock clock = strict_->record(stream);
       std::lock_guard<std::mutex> lock(state->mutex);
       state->clock = std::move(clock);
       state->lazy = stream == StreamKind::compute;
@@ -453,10 +335,11 @@ class CpuDevice final : public DeviceBackend {
       state->complete(seq);  // the compute stream is the caller: its work so far is done
     } else {
       const auto enqueued = Clock::now();
-      enqueue([this, state, seq, enqueued] {
-        // Done when the modelled bus finished everything before it (see copy_to_device).
-        bus_free_ = std::max(bus_free_, enqueued);
-        state->complete(seq, std::min(bus_free_, Clock::now()), std::exchange(failed_, nullptr));
+      CopyWorker* const worker = &worker_;
+      worker_.enqueue([worker, state, seq, enqueued] {
+        // Done when the modelled bus finished everything before it (see CopyWorker::copy).
+        worker->bus_after(enqueued);
+        state->complete(seq, std::min(worker->bus_free(), Clock::now()), worker->take_failure());
       });
     }
   }
@@ -471,7 +354,7 @@ class CpuDevice final : public DeviceBackend {
         std::lock_guard<std::mutex> lock(state->mutex);
         clock = state->clock;
       }
-      tracker_->merge(queue_of(stream), clock);
+      strict_->wait(stream, clock);
     }
     if (stream == StreamKind::compute) {
       if (const auto failure = state->wait_for(target)) {
@@ -488,10 +371,11 @@ class CpuDevice final : public DeviceBackend {
           dep = std::max(dep, state->compute_index);
         }
       }
-      enqueue([this, state, target] {
+      CopyWorker* const worker = &worker_;
+      worker_.enqueue([worker, state, target] {
         (void)state->wait_for(target);
         std::lock_guard<std::mutex> lock(state->mutex);
-        bus_free_ = std::max(bus_free_, state->done_at);  // later copies start after the event
+        worker->bus_after(state->done_at);  // later copies start after the event
       });
     }
   }
@@ -519,64 +403,28 @@ class CpuDevice final : public DeviceBackend {
       throw DeviceError("cpu: enqueuing a host->device copy of " + std::to_string(src.nbytes()) +
                         " bytes failed (injected fault)");
     }
+    CopyWorker::Copy c;
     // Decided here, on the caller's thread, so "fail the Nth copy" counts in issue order.
-    const bool fail = fault::triggered("copy.h2d");
-    const bool time_out = !fail && fault::triggered("copy.h2d.timeout");
-    double latency_us = options_.copy_latency_us;
-    const double rate = options_.copy_bytes_per_second;
+    c.fail = fault::triggered("copy.h2d");
+    c.time_out = !c.fail && fault::triggered("copy.h2d.timeout");
+    c.timeout_ms = options_.copy_timeout_ms;
+    c.latency_us = options_.copy_latency_us;
+    c.bytes_per_second = options_.copy_bytes_per_second;
     const bool pageable = !is_pinned(src);
     // The strict device keeps nothing alive for a queued copy but its host source (as
     // torch's pinned host allocator does): a destination freed too early is a hazard the
     // tracker reports, not a reference that hides it.
-    at::Tensor keep_dst = strict() ? at::Tensor() : dst;
-    void* const dst_ptr = dst.data_ptr();
+    c.keep_dst = strict() ? at::Tensor() : dst;
+    c.dst = dst.data_ptr();
     if (strict()) {
-      const std::string op = "host->device copy of " + std::to_string(src.nbytes()) + " bytes";
-      tracker_->access(dst_ptr, HazardTracker::kCopy, Access::write, op);
-      if (src.numel() > 0 && tracker_->owner_of(src.data_ptr())) {
-        tracker_->access(src.data_ptr(), HazardTracker::kCopy, Access::read, op);
-        tracker_->record_use(src.data_ptr(), HazardTracker::kCopy);
-      }
-      std::lock_guard<std::mutex> lock(mutex_);
-      latency_us += std::uniform_real_distribution<double>(0.0, 200.0)(rng_);
+      strict_->copy(c.dst, src);
+      std::lock_guard<std::mutex> lock(rng_mutex_);
+      c.latency_us += std::uniform_real_distribution<double>(0.0, 200.0)(rng_);
     }
-    const auto enqueued = Clock::now();
-    enqueue([this, keep_dst, dst_ptr, src, before = std::move(before), latency_us, rate, enqueued, fail, time_out] {
-      if (before) before();
-      const size_t n = src.nbytes();
-      if (fail || time_out) {
-        // Like a DMA that dies part way: half the bytes land, the rest stay stale.
-        if (n) std::memcpy(dst_ptr, src.data_ptr(), n / 2);
-        if (time_out) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(options_.copy_timeout_ms));
-        std::string what = "host->device copy of " + std::to_string(n) + " bytes ";
-        what += time_out ? "timed out after " + std::to_string(options_.copy_timeout_ms) + " ms" : "failed";
-        fail_copy(what + " (injected fault)");
-        return;
-      }
-      if (n) std::memcpy(dst_ptr, src.data_ptr(), n);
-      double target_us = latency_us;
-      if (rate > 0) target_us += static_cast<double>(n) / rate * 1e6;
-      if (target_us <= 0) {
-        bus_free_ = std::max(bus_free_, Clock::now());  // an unslowed copy took real time
-        return;
-      }
-      // A slowed copy models a bus: it starts when both it and the bus are ready and takes
-      // exactly its time, however late this thread got to it. So the modelled bandwidth
-      // holds even when the host oversleeps.
-      const auto start = std::max(bus_free_, enqueued);
-      const auto until = start + std::chrono::duration_cast<Clock::duration>(
-                                     std::chrono::duration<double, std::micro>(target_us));
-      bus_free_ = until;
-      // Sleep, then spin (yielding) for the last 150 us: a sleep can overshoot by the
-      // timer slack. Spinning through whole copies would keep a core busy for as long as
-      // copies are in flight, and on a 2-core machine whose cores share a physical core
-      // that slows the compute the copies are meant to overlap (measured: anima-medium at
-      // max_resident 0.5 computed ~20% slower while copies spun).
-      if (until - Clock::now() > std::chrono::microseconds(300)) {
-        std::this_thread::sleep_until(until - std::chrono::microseconds(150));
-      }
-      while (Clock::now() < until) std::this_thread::yield();
-    });
+    c.src = src;
+    c.before = std::move(before);
+    c.enqueued = Clock::now();
+    worker_.copy(std::move(c));
     if (pageable) {
       // From pageable memory a GPU copy returns only once the bytes are staged, i.e. when
       // the copy stream got to it (Note [strict device]). That tells the host its source
@@ -595,19 +443,8 @@ class CpuDevice final : public DeviceBackend {
 
   // Like cudaDeviceSynchronize, reports a copy failure that no event wait has reported.
   void synchronize() override {
-    std::vector<std::shared_ptr<CopyFailure>> failures;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      idle_cv_.wait(lock, [&] { return jobs_.empty() && !busy_; });
-      failures.swap(unreported_);
-      // Copies not followed by a record (resident copies) left their failure pending:
-      // reported here, it must not stick to the next event. Safe: the worker is idle.
-      failed_.reset();
-    }
-    if (strict()) {
-      tracker_->host_waits_for(HazardTracker::kCopy);
-      tracker_->host_waits_for(compute_queue());
-    }
+    const std::vector<std::shared_ptr<CopyFailure>> failures = worker_.drain();
+    if (strict()) strict_->synchronize();
     lag_->host_knows_all();  // a device synchronize is an explicit wait for everything
     std::shared_ptr<CopyFailure> first;
     size_t count = 0;
@@ -622,96 +459,32 @@ class CpuDevice final : public DeviceBackend {
     }
   }
 
-  // Plain: aligned host memory (the arena's accounting runs as on a GPU). Strict: a block
-  // the hazard tracker knows as pinned host memory, so that is_pinned() tells it apart
-  // from pageable memory as a GPU's driver would.
-  c10::DataPtr allocate_pinned(size_t bytes) override {
-    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
-    if (!p) return {};
-    if (!strict()) return c10::DataPtr(p, p, &free_host, c10::Device(c10::kCPU));
-    tracker_->add_block(p, bytes, "pinned host memory", HazardTracker::kHost);
-    auto* ctx = new PinnedBlock{p, tracker_};
-    return c10::DataPtr(p, ctx, &free_pinned_block, c10::Device(c10::kCPU));
-  }
-
  protected:
+  // Plain: CPU memory counted as alive until freed. Strict: a block of the caching pool
+  // that the hazard tracker knows (StrictTracking::allocate).
   c10::DataPtr raw_allocate(size_t nbytes, const std::string& what) override {
-    if (!strict()) {
-      auto* b = new PlainBlock{alive_, c10::GetCPUAllocator()->allocate(nbytes), static_cast<int64_t>(nbytes)};
-      alive_->add(b->n);
-      void* p = b->inner.get();
-      return c10::DataPtr(p, b, &plain_free, c10::Device(c10::kCPU));
-    }
-    void* p = pool_->take(nbytes);
-    tracker_->add_block(p, nbytes, what, compute_queue());
-    return c10::DataPtr(p, new StrictBlock{pool_, tracker_, p, nbytes}, &strict_free, c10::Device(c10::kCPU));
+    if (strict()) return strict_->allocate(nbytes, what);
+    auto* b = new PlainBlock{alive_, c10::GetCPUAllocator()->allocate(nbytes), static_cast<int64_t>(nbytes)};
+    alive_->add(b->n);
+    void* p = b->inner.get();
+    return c10::DataPtr(p, b, &plain_free, c10::Device(c10::kCPU));
   }
   void record_stream(const c10::DataPtr& raw, StreamKind stream) override {
-    if (strict()) tracker_->record_use(raw.get(), queue_of(stream));
+    if (strict()) strict_->record_stream(raw, stream);
   }
 
  private:
-  bool strict() const { return tracker_ != nullptr; }
-
-  void enqueue(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      jobs_.push_back(std::move(job));
-      if (pool_) pool_->jobs_enqueued.fetch_add(1);
-    }
-    cv_.notify_one();
-  }
-
-  // Worker thread: the next event recorded on the copy stream carries the failure.
-  void fail_copy(std::string message) {
-    auto f = std::make_shared<CopyFailure>();
-    f->message = std::move(message);
-    if (!failed_) failed_ = f;
-    std::lock_guard<std::mutex> lock(mutex_);
-    unreported_.push_back(std::move(f));
-  }
-
-  void run() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) {
-        if (stop_) return;
-        continue;
-      }
-      std::function<void()> job = std::move(jobs_.front());
-      jobs_.pop_front();
-      busy_ = true;
-      lock.unlock();
-      try {
-        job();
-      } catch (const std::exception& e) {
-        log::error(std::string("cpu device copy stream: job failed: ") + e.what());
-      }
-      job = nullptr;  // drop tensor references outside the lock
-      if (pool_) pool_->jobs_done.fetch_add(1);
-      lock.lock();
-      busy_ = false;
-      if (jobs_.empty()) idle_cv_.notify_all();
-    }
-  }
+  bool strict() const { return strict_ != nullptr; }
 
   CpuDeviceOptions options_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::condition_variable idle_cv_;
-  std::deque<std::function<void()>> jobs_;
-  bool busy_ = false;
-  bool stop_ = false;
-  Clock::time_point bus_free_{};  // when the modelled bus finishes its last copy (worker only)
-  std::shared_ptr<CopyFailure> failed_;  // failed since the last copy-stream record (worker only)
-  std::vector<std::shared_ptr<CopyFailure>> unreported_;  // for synchronize() (under mutex_)
-  std::mt19937 rng_;                                       // strict copy latencies (under mutex_)
-  std::shared_ptr<HazardTracker> tracker_;                 // strict device only
-  std::shared_ptr<StrictPool> pool_;                       // strict device only
+  std::mutex rng_mutex_;
+  std::mt19937 rng_;                                                       // strict copy latencies (under rng_mutex_)
   std::shared_ptr<AliveCounter> alive_ = std::make_shared<AliveCounter>();  // plain device
   std::shared_ptr<ComputeLag> lag_ = std::make_shared<ComputeLag>();      // Note [host waits on compute]
-  std::thread worker_;
+  std::unique_ptr<StrictTracking> strict_;  // strict device only (Note [strict device])
+  // The copy stream, last: destroyed first, it runs the jobs still queued and joins its
+  // thread while everything above is alive.
+  CopyWorker worker_;
 };
 
 }  // namespace
@@ -757,5 +530,7 @@ CpuComputeStreamGuard::CpuComputeStreamGuard(uint32_t stream) : previous_(t_comp
 }
 
 CpuComputeStreamGuard::~CpuComputeStreamGuard() { t_compute_stream = previous_; }
+
+uint32_t CpuComputeStreamGuard::current() { return t_compute_stream; }
 
 }  // namespace sluice::offload

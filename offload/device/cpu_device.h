@@ -6,7 +6,8 @@
 //    accounting, and the allocator counts the bytes alive (allocator_stats()): a count
 //    independent of the ledgers, which tests hold against the budget.
 //  - The copy stream is a worker thread running a FIFO of jobs (copies, event records,
-//    waits). Copies can be slowed down (latency per copy, bytes per second) to model a bus.
+//    waits): copy_worker.h. Copies can be slowed down (latency per copy, bytes per
+//    second) to model a bus.
 //  - The compute stream is the calling thread: recording on it completes at once, and
 //    making it wait on an event blocks the caller until the copy is done.
 //  - Events are completion counters with the wall-clock time they completed; elapsed
@@ -30,7 +31,7 @@
 //    done, as a pageable cudaMemcpyAsync does;
 //  - device memory comes from a caching allocator that hands a freed block to the next
 //    allocation of that size at once, filled with 0xFF, unless its use by the copy stream
-//    was recorded (DeviceBackend::record_use), in which case it waits for the copy
+//    was recorded (DeviceAllocator::record_use), in which case it waits for the copy
 //    stream's work at the free;
 //  - every device block and pinned host block is tracked by a HazardTracker
 //    (hazard_tracker.h): a read before its copy is ordered, an overwrite or free while
@@ -39,6 +40,8 @@
 //    (begin_access/end_access); copies and frees are seen by the device itself.
 // Forwards on several compute streams are modelled by CpuComputeStreamGuard: the
 // calling thread's work belongs to that stream until the guard ends.
+// The strict device's parts: its glue to the hazard tracker (strict_tracking.h) and its
+// caching allocator (cpu_pool.h); the plain device (cpu_device.cpp) holds them when strict.
 //
 // Note [host waits on compute]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -109,6 +112,8 @@ class CpuComputeStreamGuard {
  public:
   explicit CpuComputeStreamGuard(uint32_t stream);
   ~CpuComputeStreamGuard();
+  // The calling thread's compute stream now (0 outside every guard).
+  static uint32_t current();
   CpuComputeStreamGuard(const CpuComputeStreamGuard&) = delete;
   CpuComputeStreamGuard& operator=(const CpuComputeStreamGuard&) = delete;
 

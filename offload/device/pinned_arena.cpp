@@ -132,7 +132,7 @@ uint64_t PinnedArena::chunks() const {
   return counters_->chunks;
 }
 
-PinnedArena::Placed PinnedArena::place(DeviceBackend& device, std::vector<Group>& groups) {
+PinnedArena::Placed PinnedArena::place(DeviceAllocator& device, std::vector<Group>& groups) {
   Placed out;
   for (const auto& g : groups) {
     for (const auto& t : g) {

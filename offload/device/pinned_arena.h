@@ -10,7 +10,7 @@
 // back to the OS when a model leaves RAM.
 // What the arena does instead:
 //  - place() copies a run of tensors (the host copies of a model's streamed layers, in
-//    order) into chunks that DeviceBackend::allocate_pinned() makes at exactly the size
+//    order) into chunks that DeviceAllocator::allocate_pinned() makes at exactly the size
 //    they need: consecutive layers are packed into one chunk until the next would take it
 //    past kChunkBytes (64 MiB: few driver calls per model, yet a layer bigger than that
 //    gets a chunk of its own size). Nothing is ever rounded up to a power of two.
@@ -45,7 +45,7 @@
 #include <string>
 #include <vector>
 
-#include "offload/device/device.h"
+#include "offload/device/device_allocator.h"
 #include "offload/device/memory_stats.h"
 #include "runtime/host_memory_limit.h"
 
@@ -88,7 +88,7 @@ class PinnedArena {
   // Copies `groups` (contiguous host tensors), in order, into new chunks from
   // `device.allocate_pinned()` and replaces each tensor by its view. Groups whose tensors
   // are all held() already are skipped (counted as placed). See Note [pinned arena].
-  Placed place(DeviceBackend& device, std::vector<Group>& groups);
+  Placed place(DeviceAllocator& device, std::vector<Group>& groups);
 
   // Whether `t` is a view of a chunk of this arena.
   bool holds(const at::Tensor& t) const;

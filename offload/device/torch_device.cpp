@@ -106,6 +106,8 @@ class TorchDevice final : public DeviceBackend {
     }
   }
 
+  // DeviceAllocator
+
   c10::Device device() const override { return device_; }
   // Through torch's device-generic accelerator API (CUDA and ROCm alike, nvcc or not; before
   // torch 2.10, Note [torch compat]).
@@ -163,6 +165,46 @@ class TorchDevice final : public DeviceBackend {
   }
   bool pins_memory() const override { return true; }
 
+  // Asked of this device's type, not of whichever accelerator torch would pick.
+  bool is_pinned(const at::Tensor& src) const override {
+    return at::globalContext().isPinnedPtr(src.storage().data(), device_.type());
+  }
+
+  // Exact-size page-locked memory straight from the driver (Note [pinned arena]).
+  // An out-of-tree backend (PrivateUse1, such as the test accelerator) has no driver call
+  // sluice knows: its hooks' pinned allocator, whose exact size is that backend's contract.
+  c10::DataPtr allocate_pinned(size_t bytes) override {
+    if (device_.type() == c10::DeviceType::PrivateUse1) {
+      try {
+        return at::globalContext().getPinnedMemoryAllocator(device_.type())->allocate(std::max<size_t>(bytes, 1));
+      } catch (const c10::Error& e) {
+        log::debug(name() + ": pinned allocation of " + std::to_string(bytes) + " bytes failed: " +
+                   e.what_without_backtrace());
+        return {};
+      }
+    }
+    const HostAllocApi& api = host_alloc_api();
+    if (!api.alloc) {
+      if (!pin_warned_.exchange(true)) {
+        log::warn(name() + ": neither cudaHostAlloc nor hipHostMalloc is loaded in this process: host memory "
+                  "cannot be page-locked, streamed layers stay in pageable memory");
+      }
+      return {};
+    }
+    c10::DeviceGuard guard(device_);
+    void* p = nullptr;
+    if (api.alloc(&p, std::max<size_t>(bytes, 1), kHostAllocPortable) != 0 || !p) {
+      if (api.clear_error) api.clear_error();  // not sticky: keep it from torch's next error check
+      log::debug(name() + ": " + api.alloc_name + " of " + std::to_string(bytes) + " bytes failed");
+      return {};
+    }
+    return c10::DataPtr(p, p, &free_pinned, c10::Device(c10::kCPU));
+  }
+
+  // DeviceStreams (the access hooks keep their no-ops: nothing here checks them)
+
+  uint64_t compute_stream_id() const override { return static_cast<uint64_t>(impl_.getStream(device_).id()); }
+
   std::unique_ptr<DeviceEvent> create_event() override { return std::make_unique<TorchEvent>(device_.type()); }
 
   void record(DeviceEvent& event, StreamKind stream) override { event_of(event).record(stream_of(stream)); }
@@ -206,45 +248,8 @@ class TorchDevice final : public DeviceBackend {
     }
   }
 
-  // Asked of this device's type, not of whichever accelerator torch would pick.
-  bool is_pinned(const at::Tensor& src) const override {
-    return at::globalContext().isPinnedPtr(src.storage().data(), device_.type());
-  }
-
-  uint64_t compute_stream_id() const override { return static_cast<uint64_t>(impl_.getStream(device_).id()); }
-
-  // Exact-size page-locked memory straight from the driver (Note [pinned arena]).
-  // An out-of-tree backend (PrivateUse1, such as the test accelerator) has no driver call
-  // sluice knows: its hooks' pinned allocator, whose exact size is that backend's contract.
-  c10::DataPtr allocate_pinned(size_t bytes) override {
-    if (device_.type() == c10::DeviceType::PrivateUse1) {
-      try {
-        return at::globalContext().getPinnedMemoryAllocator(device_.type())->allocate(std::max<size_t>(bytes, 1));
-      } catch (const c10::Error& e) {
-        log::debug(name() + ": pinned allocation of " + std::to_string(bytes) + " bytes failed: " +
-                   e.what_without_backtrace());
-        return {};
-      }
-    }
-    const HostAllocApi& api = host_alloc_api();
-    if (!api.alloc) {
-      if (!pin_warned_.exchange(true)) {
-        log::warn(name() + ": neither cudaHostAlloc nor hipHostMalloc is loaded in this process: host memory "
-                  "cannot be page-locked, streamed layers stay in pageable memory");
-      }
-      return {};
-    }
-    c10::DeviceGuard guard(device_);
-    void* p = nullptr;
-    if (api.alloc(&p, std::max<size_t>(bytes, 1), kHostAllocPortable) != 0 || !p) {
-      if (api.clear_error) api.clear_error();  // not sticky: keep it from torch's next error check
-      log::debug(name() + ": " + api.alloc_name + " of " + std::to_string(bytes) + " bytes failed");
-      return {};
-    }
-    return c10::DataPtr(p, p, &free_pinned, c10::Device(c10::kCPU));
-  }
-
  protected:
+  // DeviceAllocator's allocation hooks.
   c10::DataPtr raw_allocate(size_t nbytes, const std::string& /*what*/) override {
     c10::DeviceGuard guard(device_);
     c10::Allocator* allocator = c10::GetAllocator(device_.type());

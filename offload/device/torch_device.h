@@ -1,7 +1,8 @@
 #pragma once
 // A real accelerator through c10's device-generic interfaces (VirtualGuardImpl streams,
 // c10::Event, StreamGuard, non-blocking copy_). No CUDA headers: the same code serves
-// ROCm builds, which report device type "cuda".
+// ROCm builds, which report device type "cuda". It implements both parts of DeviceBackend
+// (device.h); the access hooks stay no-ops.
 //  - Compute stream: the caller's current stream on the device, read at every call, so a
 //    host running the model under its own stream keeps working.
 //  - Copy stream: one stream from the global pool, fixed for the backend's life.

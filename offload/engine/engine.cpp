@@ -121,7 +121,7 @@ uint64_t StreamingEngine::record_nonfinite(NonFiniteRecord record) {
   return nonfinite_->forward;
 }
 
-void set_allocator_stats(EngineStats& stats, const DeviceBackend& device) {
+void set_allocator_stats(EngineStats& stats, const DeviceAllocator& device) {
   const DeviceBackend::AllocatorStats a = device.allocator_stats();
   stats.allocator_stats_available = a.available;
   stats.allocator_current_bytes = a.current_bytes;

@@ -68,7 +68,7 @@
 namespace sluice::offload {
 
 // Copies `device`'s allocator_stats() into the allocator fields of `stats`.
-void set_allocator_stats(EngineStats& stats, const DeviceBackend& device);
+void set_allocator_stats(EngineStats& stats, const DeviceAllocator& device);
 
 class StreamingEngine final : public WeightProvider, public SidecarPlacer, private PlanObserver {
  public:

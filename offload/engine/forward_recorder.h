@@ -104,7 +104,7 @@ class ForwardRecorder {
   void resolve_one(Unresolved& u);
 
   ModelResidency& residency_;
-  DeviceBackend& device_;
+  DeviceStreams& device_;  // events only
   ForwardAcc cur_, next_;
   std::shared_ptr<Anchor> anchor_;
   std::shared_ptr<Anchor> trace_origin_;  // Note [trace clock]: the first forward's anchor while tracing

@@ -29,7 +29,7 @@
 // Weights never go device->host: a layer that stops being resident points back at its
 // host copy. The ledger's peak is reset after each change (the budget may have shrunk), and
 // the device's cached blocks go back to the driver only on a budget cut that asks for it
-// (Note [releasing cached memory] in device.h).
+// (Note [releasing cached memory] in device_allocator.h).
 //
 // Not thread-safe: the engine's single thread.
 #include <torch/nn/module.h>

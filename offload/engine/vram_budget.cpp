@@ -74,7 +74,7 @@ ResolvedVramBudget resolve_vram_budget(std::string_view spec, std::string_view h
   return r;
 }
 
-ResolvedVramBudget resolve_vram_budget(DeviceBackend& device, std::string_view spec, std::string_view headroom_spec,
+ResolvedVramBudget resolve_vram_budget(DeviceAllocator& device, std::string_view spec, std::string_view headroom_spec,
                                        const std::string& flag, const std::string& headroom_flag) {
   if (trim(spec).empty()) {
     if (!trim(headroom_spec).empty()) throw InvalidArgument(headroom_flag + ": only applies to " + flag + " auto");

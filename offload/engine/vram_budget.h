@@ -51,7 +51,7 @@ ResolvedVramBudget resolve_vram_budget(std::string_view spec, std::string_view h
 // The same on `device` now; an empty `spec` gives 0 bytes (all device memory, no headroom
 // allowed). For "auto" it first releases the allocator's cached memory and
 // adds what the device's ledger holds back to the free memory (see the note).
-ResolvedVramBudget resolve_vram_budget(DeviceBackend& device, std::string_view spec, std::string_view headroom_spec,
+ResolvedVramBudget resolve_vram_budget(DeviceAllocator& device, std::string_view spec, std::string_view headroom_spec,
                                        const std::string& flag = "--vram-budget",
                                        const std::string& headroom_flag = "--vram-headroom");
 
