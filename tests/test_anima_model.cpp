@@ -132,7 +132,7 @@ TEST_CASE("anima-2b shape-only build has exactly the checkpoint's names and shap
   }
 }
 
-TEST_CASE("anima-2b parameter totals match DESIGN.md") {
+TEST_CASE("anima-2b parameter totals match the published checkpoint") {
   AnimaModel model(preset("anima-2b"), BuildOptions{at::kBFloat16, at::kMeta});
   const ModelSummary s = summarize(*model);
   CHECK(s.tensors == 685);

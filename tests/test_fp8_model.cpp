@@ -110,7 +110,7 @@ at::Tensor step(AnimaModelImpl& m, const Inputs& in) {
 
 }  // namespace
 
-TEST_CASE("anima-2b param_size per skip list matches DESIGN.md §2 (shape-only build)") {
+TEST_CASE("anima-2b param_size per skip list matches its known sizes (shape-only build)") {
   AnimaModel bf16(preset("anima-2b"), BuildOptions{at::kBFloat16, at::kMeta});
   CHECK(one_decimal(offload::param_bytes(*bf16) / 1048576.0) == "3988.4");
 
@@ -148,7 +148,7 @@ TEST_CASE("anima-2b param_size per skip list matches DESIGN.md §2 (shape-only b
   CHECK(one_decimal(meta_2b(plain_adaln).param_mib()) == "2012.0");
 }
 
-TEST_CASE("Anima's declared list matches exactly the 6 DESIGN.md modules on anima-2b") {
+TEST_CASE("Anima's declared skip list matches exactly its 6 modules on anima-2b") {
   CHECK(declared_fp8_skips() == std::vector<std::string>{"t_embedder", "x_embedder", "final_layer"});
   const auto r = meta_2b(fp8());
   std::set<std::string> modules;

@@ -99,7 +99,7 @@ std::vector<std::string> matched(const SkipList& skips, const std::vector<std::s
 
 }  // namespace
 
-TEST_CASE("the anima-2b fixture has DESIGN.md's 685 tensors and 2,091,068,928 parameters") {
+TEST_CASE("the anima-2b fixture has the published checkpoint's 685 tensors and 2,091,068,928 parameters") {
   const auto params = anima_2b_params();
   int64_t total = 0;
   for (const auto& p : params) total += p.numel;
@@ -123,7 +123,7 @@ TEST_CASE("the default patterns match no Linear or Embedding of anima-2b") {
   CHECK(matched(defaults, anima_2b_layers()).empty());
 }
 
-TEST_CASE("param_size of anima-2b under each skip list equals DESIGN.md's table") {
+TEST_CASE("param_size of anima-2b under each skip list equals its known size table") {
   sluice::Fp8Options none;
   none.use_default_skips = false;
   none.use_model_skips = false;
