@@ -24,6 +24,15 @@
 // while they live (so set_vram_budget, full_load, partial_load and set_max_resident size
 // the share with them), and when they go the share shrinks back to what the model then
 // wants: the bytes it grew for them go back to the budget, the rest back to resident layers.
+//
+// Tested by (indirectly, through LoRAs applied to models of a cache by the API and the bindings):
+// tests/test_api.cpp ("api: a LoRA's sidecars grow the model's share into the free budget and the
+// share shrinks back", "api: an unlocked model gives up residency for another model's LoRA and a
+// budget that cannot hold it refuses in one line", "api: LoRA changes the output and its removal
+// restores it bit-exactly"), tests/python/test_bindings.py
+// (test_a_lora_grows_the_share_into_the_free_budget_and_gives_it_back,
+// test_a_budget_that_cannot_hold_the_sidecars_refuses_them_in_one_line,
+// test_a_lora_does_not_outlive_its_lock).
 #include <ATen/ATen.h>
 
 #include <cstdint>

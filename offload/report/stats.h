@@ -2,6 +2,16 @@
 // What the streaming engine reports: each forward's record, the residency plan's figures and
 // the engine's totals, with their JSON. The device-memory counters these carry live in the
 // device layer (offload/device/memory_stats.h).
+//
+// Tested by (through the stats JSON of the engine, `sluice run --stats-json`, the API and the
+// bindings; one case calls EngineStats::to_json directly): tests/test_engine.cpp ("engine: stats
+// JSON carries the documented fields", "engine: the balanced plan is made from measurements and
+// reports its prediction"), tests/test_run.cpp ("run: the stats JSON has the documented fields and
+// each forward streams the non-resident bytes"), tests/test_api.cpp ("api: a preset loads and runs
+// and its stats JSON has the documented fields", "api: locate_nonfinite re-runs a forward with a
+// per-layer check and names the first overflowing layer"), tests/test_vram_budget.cpp ("stats json:
+// the device reports the ledger peak and the allocator's numbers only where it has them"),
+// tests/python/test_bindings.py (test_stats_and_dtypes).
 #include <array>
 #include <cstdint>
 #include <optional>

@@ -42,6 +42,14 @@
 //     <g id="axis" data-x0= data-x1= data-t0-ms= data-t1-ms=> ticks in ms;
 //     <g id="legend">.
 // No scripts, no external fonts, images or links: it opens in any browser offline.
+//
+// Tested by (directly through render_timeline_svg on a hand-built step, and through `sluice run
+// --timeline` and the API): tests/test_timeline.cpp ("timeline: the renderer puts known spans at
+// known positions and escapes names", "timeline: sluice run --timeline draws one forward's layers
+// on three lanes", "timeline: bad paths and a model without a traced forward are one-line errors"),
+// tests/python/test_offload.py (test_trace_and_timeline_of_an_offloaded_module),
+// tests/python/test_timeline_browser.py (a script: headless Chromium draws the SVG and its pixels
+// are checked).
 #include <cstdint>
 #include <optional>
 #include <string>
