@@ -52,6 +52,10 @@ struct CacheOptions {
   // Called outside the cache mutex as a model's read (or generation) starts, with its name;
   // an exception from it fails the read. Tests use it to hold reads so that misses overlap.
   std::function<void(const std::string&)> before_read;
+  // Called outside the cache mutex when a load found no entry for its model and is about
+  // to add one (RamTier::entry_for), with the model's name; another load of the same model
+  // may add it first. Tests use it to make two loads of one model race.
+  std::function<void(const std::string&)> before_insert;
 };
 
 // What to load and how.

@@ -60,6 +60,8 @@ std::shared_ptr<Entry> ModelCache::load(const LoadSpec& spec) {
       shares_.ensure_device(en, gg, /*required=*/false);
     } catch (const ResourceError&) {
       // The budget cannot hold this model at all: do not keep it (evicted as it is unpinned).
+      // Only the load that made the entry drops it: an entry this load found (also one
+      // another thread added while this load estimated it) was returned to another caller.
       if (created) en.dropped = true;
       throw;
     }

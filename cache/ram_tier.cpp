@@ -180,6 +180,7 @@ std::shared_ptr<Entry> RamTier::entry_for(const LoadSpec& spec, bool& created) {
     }
     g.unlock();
     const uint64_t estimate = estimate_model_bytes(spec, s_.device->device());  // reads a file header
+    if (s_.options.before_insert) s_.options.before_insert(e->name);
     g.lock();
     e->estimate = estimate;
     std::shared_ptr<Entry> raced;  // another thread created it meanwhile
@@ -187,7 +188,10 @@ std::shared_ptr<Entry> RamTier::entry_for(const LoadSpec& spec, bool& created) {
       if (p->key == key && !p->dropped && p->settings == e->settings) raced = p;
     }
     if (raced) {
+      // That thread made it: this call only found it. ModelCache::load drops an entry it
+      // created when the budget cannot hold the model, and must not drop that thread's.
       e = raced;
+      created = false;
     } else {
       e->id = ++s_.next_id;
       s_.entries.push_back(e);

@@ -52,10 +52,11 @@ class RamTier {
   RamTier& operator=(const RamTier&) = delete;
 
   // The entry for spec's source and loading settings (not read yet when new). An entry of
-  // the same source with other settings is dropped (Note [cache tiers]). `created`: no
-  // entry was found, so one was made (another thread may have added the same one
-  // meanwhile: then that one is returned). Takes the cache mutex, and releases it while it
-  // estimates a new model's bytes (that reads a file header).
+  // the same source with other settings is dropped (Note [cache tiers]). `created`: this
+  // call made the entry and added it to the cache; false when it found one, also when
+  // another thread added the same one while this call estimated it (that one is returned).
+  // Takes the cache mutex, and releases it while it estimates a new model's bytes (that
+  // reads a file header).
   std::shared_ptr<Entry> entry_for(const LoadSpec& spec, bool& created);
   // Reads `e` into RAM unless it is there (a miss; a hit is counted when `count_hit`),
   // releasing the cache mutex for the read; threads asking for it meanwhile wait. Throws

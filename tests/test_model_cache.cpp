@@ -4,7 +4,7 @@
 // exact accounting against budget - working memory, the minimum-budget error), output
 // identity across budgets/max_resident/prefetch, storage dtypes after every forward,
 // concurrent users, queries and other models' locks during a forward that is held open,
-// and concurrent misses under a RAM limit.
+// concurrent misses under a RAM limit, and two loads racing to add one model.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -857,6 +857,102 @@ TEST_CASE("model_cache: concurrent misses reserve their RAM before reading") {
   s = cache->stats();
   CHECK(s.ram_reserved == 0);
   CHECK(static_cast<uint64_t>(s.ram.current) <= *o.ram_limit);
+}
+
+TEST_CASE("model_cache: of two loads racing to add one model, only the one that added it may drop it") {
+  // Both loads find no entry and estimate the model outside the cache mutex; the second to
+  // take it back finds the entry the first added (RamTier::entry_for) and only found it.
+  // before_insert holds them between the two: "winner" goes on once "loser" has looked too,
+  // and "loser" once the winner's load has returned and the budget has been cut below the
+  // model's minimum, so that the loser's load fails with ResourceError. The two names are
+  // the same model (a name is not a loading setting).
+  const auto n = needs_of("anima-tiny");
+  const uint64_t W = 1 * MiB;
+  CacheOptions o = options(512 * MiB, W);
+  std::mutex m;
+  std::condition_variable cv;
+  int looked = 0;
+  bool loser_go = false;
+  o.before_insert = [&](const std::string& name) {
+    std::unique_lock<std::mutex> g(m);
+    ++looked;
+    cv.notify_all();
+    if (name == "winner") cv.wait_for(g, std::chrono::seconds(60), [&] { return looked == 2; });
+    if (name == "loser") cv.wait_for(g, std::chrono::seconds(120), [&] { return loser_go; });
+  };
+  auto cache = ModelCache::create(o);
+  auto named = [](const std::string& name) {
+    LoadSpec s = spec();
+    s.name = name;
+    return s;
+  };
+  std::shared_ptr<Entry> won, lost;
+  std::string winner_error, loser_error;
+  std::thread winner([&] {
+    try {
+      won = cache->load(named("winner"));
+    } catch (const std::exception& e) {
+      winner_error = e.what();
+    }
+  });
+  std::thread loser([&] {
+    try {
+      lost = cache->load(named("loser"));
+    } catch (const ResourceError& e) {
+      loser_error = e.what();
+    } catch (const std::exception& e) {
+      loser_error = std::string("not a ResourceError: ") + e.what();
+    }
+  });
+  auto release_loser = [&] {
+    {
+      std::lock_guard<std::mutex> g(m);
+      loser_go = true;
+    }
+    cv.notify_all();
+    loser.join();
+  };
+  try {
+    winner.join();
+    CHECK(winner_error.empty());
+    REQUIRE(won);
+    {
+      std::lock_guard<std::mutex> g(m);
+      CHECK(looked == 2);  // both looked before the winner added the entry
+    }
+    CHECK(cache->entry_state(won).attached);
+    cache->set_vram_budget(W + n.minimum / 2);  // the unlocked model leaves the device
+    CHECK_FALSE(cache->entry_state(won).attached);
+  } catch (...) {
+    release_loser();
+    throw;
+  }
+  release_loser();
+  CHECK_FALSE(lost);
+  CHECK(loser_error.find("is too small for model 'winner'") != std::string::npos);
+
+  // The loser only found the entry: the winner's model stays, in RAM, made and read once.
+  const auto st = cache->entry_state(won);
+  CHECK_FALSE(st.dropped);
+  CHECK(st.in_ram);
+  CacheStats s = cache->stats();
+  REQUIRE(s.models_held.size() == 1);
+  CHECK(s.models_held[0].id == 1);
+  CHECK(s.models == 1);
+  CHECK(s.misses == 1);
+  CHECK(s.loads == 1);
+  CHECK(s.hits == 1);  // the loser's
+  CHECK(s.evictions == 0);
+
+  // Under a budget that holds it again, the next load finds it and runs it without a read.
+  cache->set_vram_budget(512 * MiB);
+  CHECK(cache->load(named("again")) == won);
+  CHECK(cache->entry_state(won).attached);
+  const at::Tensor out = forward(*cache, won, inputs(anima::preset("anima-tiny")));
+  CHECK(at::isfinite(out).all().item<bool>());
+  s = cache->stats();
+  CHECK(s.loads == 1);
+  CHECK(s.hits == 3);  // the loser's, the load's, the lock's
 }
 
 // --- On the device SLUICE_TEST_DEVICE names (tests/device_env.h) ---------------------

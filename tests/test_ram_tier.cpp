@@ -1,9 +1,10 @@
 // The RAM tier of the model cache (cache/ram_tier.h) on its own, with generated anima-tiny
 // models that never go on the device: where a source comes from, an entry's identity (the
-// same source and settings find it, other settings replace it), eviction under the RAM
-// limit (least recently used first, never a locked, excluded or reading model, one warning
-// when only those are left), and a read outside the cache mutex with its bytes reserved
-// while a second asker waits for it.
+// same source and settings find it, other settings replace it, and of two askers racing to
+// add it only the one that added it made it), eviction under the RAM limit (least recently
+// used first, never a locked, excluded or reading model, one warning when only those are
+// left), and a read outside the cache mutex with its bytes reserved while a second asker
+// waits for it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -186,4 +187,36 @@ TEST_CASE("ram_tier: a read runs outside the cache mutex with its bytes reserved
   CHECK(p.state.misses == 1);
   CHECK(p.state.loads == 1);
   CHECK(p.state.hits == 1);  // the second asker found it read
+}
+
+TEST_CASE("ram_tier: of two askers racing to add one entry, only the one that added it has created it") {
+  // Both find no entry and estimate the model outside the cache mutex, where before_insert
+  // holds each until both have looked: the second to take the mutex back finds the entry
+  // the first added, and must not count it as its own (ModelCache::load drops an entry it
+  // created when the budget cannot hold the model).
+  std::mutex m;
+  std::condition_variable cv;
+  int looked = 0;
+  CacheOptions o = roomy_cache_options();
+  o.before_insert = [&](const std::string&) {
+    std::unique_lock<std::mutex> g(m);
+    ++looked;
+    cv.notify_all();
+    cv.wait_for(g, std::chrono::seconds(60), [&] { return looked == 2; });
+  };
+  CacheParts p(o);
+  std::shared_ptr<Entry> a, b;
+  bool a_created = false, b_created = false;
+  std::thread ta([&] { a = p.ram.entry_for(cache_spec(), a_created); });
+  std::thread tb([&] { b = p.ram.entry_for(cache_spec(), b_created); });
+  ta.join();
+  tb.join();
+  CHECK(looked == 2);
+  REQUIRE(a);
+  CHECK(a == b);
+  CHECK(a_created != b_created);  // one made it, the other found it
+  CHECK(a->id == 1);
+  Guard g(p.locking.mutex());
+  CHECK(p.state.entries.size() == 1);
+  CHECK(p.state.next_id == 1);
 }
