@@ -5,7 +5,8 @@
 // loaded into a ModelCache on --device (the CPU plays the device for "cpu") and run under
 // --vram-budget / --max-resident, with --storage (default float8_e4m3fn, as `sluice run`
 // and the API store weights, so that a budget means the same in all three; --storage
-// float32 or --storage with the --dtype name runs without fp8).
+// float32 or --storage with the --compute name runs without fp8). --compute is the run
+// dtype, as in `sluice run`; --dtype, its older name here, is an alias that says so.
 //
 // Inputs: x [B,C,T,H,W], timesteps [B], and either context [B,S,D] or qwen_hidden
 // [B,S,Dq] + t5_ids [B,S_t] (+ t5_weights [B,S_t]). Output: velocity (+ context when the
@@ -24,6 +25,7 @@
 #include "cli/nonfinite_output.h"
 #include "cli/options.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 #include "runtime/nonfinite.h"
 #include "runtime/safetensors.h"
 #include "sluice/sluice.hpp"
@@ -36,7 +38,8 @@ struct ForwardArgs {
   std::string inputs;             // input tensors .safetensors
   std::string output;             // output tensors .safetensors
   std::string config;             // optional: preset or JSON (default: inferred from the checkpoint)
-  std::string dtype = "float32";  // run dtype of weights and activations
+  std::string compute = "float32";  // run dtype of weights and activations
+  std::string dtype_alias;          // --dtype, the older name of --compute; empty: not given
   std::string device = "cpu";     // cpu | cuda[:N]
   std::string storage = "float8_e4m3fn";  // stored dtype of the Linears
   std::optional<double> max_resident;  // resident fraction of the streamable weights
@@ -93,7 +96,13 @@ void require_floating_finite(const std::string& name, const at::Tensor& t, const
 }
 
 int run_forward(const ForwardArgs& a) {
-  const at::ScalarType dtype = parse_dtype(a.dtype);
+  const std::string& compute = a.dtype_alias.empty() ? a.compute : a.dtype_alias;
+  // Said here, not as the flags are parsed: main applies --log-level in between.
+  if (!a.dtype_alias.empty()) {
+    log::warn("sluice forward: --dtype is an alias of --compute, the name sluice run uses too; running as --compute " +
+              compute);
+  }
+  const at::ScalarType dtype = parse_dtype(compute);
   const at::Device device = resolve_device(a.device);
 
   // Read and check the inputs before the (slow) model load.
@@ -125,7 +134,7 @@ int run_forward(const ForwardArgs& a) {
   ModelCache& cache = *cache_owner;
   LoadOptions lo;
   lo.storage = a.storage;
-  lo.compute = a.dtype;
+  lo.compute = compute;
   lo.config = a.config;
   lo.max_resident = a.max_resident;
   Model handle = cache.load(a.checkpoint, lo);
@@ -190,9 +199,9 @@ int run_forward(const ForwardArgs& a) {
                                                               model.locate_nonfinite(x_in, t_in, context)));
   outputs.emplace_back("velocity", velocity);
   safetensors::save(a.output, outputs,
-                    {{"checkpoint", a.checkpoint}, {"dtype", a.dtype}, {"device", device.str()}, {"model", cfg.name}, {"storage", cfg.storage_dtype}});
+                    {{"checkpoint", a.checkpoint}, {"dtype", compute}, {"device", device.str()}, {"model", cfg.name}, {"storage", cfg.storage_dtype}});
   std::cout << "wrote " << a.output << ": velocity " << shape_str(velocity.sizes())
-            << (use_adapter ? ", context " + shape_str(context.sizes()) : std::string()) << " (" << a.dtype << ", "
+            << (use_adapter ? ", context " + shape_str(context.sizes()) : std::string()) << " (" << compute << ", "
             << device.str() << ")\n";
   return 0;
 }
@@ -211,15 +220,19 @@ Subcommand add_forward(CLI::App& root) {
       ->check(output_file_validator());
   sub->add_option("--config", args->config, "Model preset or JSON config (default: inferred from the checkpoint)")
       ->check(config_validator());
-  sub->add_option("--dtype", args->dtype, "Run dtype: float32|bfloat16|float16")
+  CLI::Option* compute =
+      sub->add_option("--compute", args->compute, "Compute dtype of weights and activations: float32|bfloat16|float16")
+          ->check(dtype_validator({"float32", "bfloat16", "float16"}))
+          ->capture_default_str();
+  sub->add_option("--dtype", args->dtype_alias, "Alias of --compute (its older name here), which says so when used")
       ->check(dtype_validator({"float32", "bfloat16", "float16"}))
-      ->capture_default_str();
+      ->excludes(compute);
   sub->add_option("--device", args->device, "Device: cpu|cuda[:N] (cpu: the CPU plays the device)")
       ->check(device_validator())
       ->capture_default_str();
   sub->add_option("--storage", args->storage,
                   "Stored dtype of Linear/Embedding weights: float8_e4m3fn|float8_e5m2|bfloat16|float16|float32 (as "
-                  "`sluice run`; the --dtype name for no fp8)")
+                  "`sluice run`; the --compute name for no fp8)")
       ->capture_default_str();
   sub->add_option("--max-resident", args->max_resident, "Resident fraction (0..1) of the streamable weights")
       ->check(number_validator(0.0, 1.0));

@@ -21,7 +21,7 @@ struct Subcommand {
 // sluice inspect <file.safetensors> | --config NAME|FILE.json [--storage D [--skip P]...
 //                [--no-default-skips] [--no-model-skips]] [--json]
 Subcommand add_inspect(CLI::App& root);
-// sluice forward --checkpoint F --inputs IN --output OUT [--config] [--dtype] [--device]
+// sluice forward --checkpoint F --inputs IN --output OUT [--config] [--compute (alias --dtype)] [--device]
 Subcommand add_forward(CLI::App& root);
 // sluice make-checkpoint --config NAME|FILE.json --seed N --out F [--dtype]
 Subcommand add_make_checkpoint(CLI::App& root);

@@ -431,7 +431,7 @@ TEST_CASE("forward writes a velocity shaped like x and the adapter context") {
 
     // bf16 run: output in bf16 and close to the fp32 one.
     const std::string out16 = dir / "out16.safetensors";
-    run_ok({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out16, "--dtype", "bfloat16"});
+    run_ok({"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out16, "--compute", "bfloat16"});
     const at::Tensor v16 = sluice::safetensors::File::open(out16)->tensor("velocity");
     CHECK(v16.scalar_type() == at::kBFloat16);
     const double rel = ((v16.to(at::kFloat) - v).norm() / v.norm()).item<double>();
@@ -456,6 +456,40 @@ TEST_CASE("forward writes a velocity shaped like x and the adapter context") {
     CHECK(ctx.slice(1, 0, 9).abs().sum().item<double>() > 0.0);
     CHECK(f->tensor("velocity").sizes() == at::IntArrayRef({1, C, 1, 8, 8}));
   }
+}
+
+TEST_CASE("forward: --compute names the compute dtype as run does, and --dtype is its alias that says so") {
+  TempDir dir;
+  const std::string ckpt = dir / "tiny.safetensors", in = dir / "in.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt, "--dtype", "float32"});
+  at::manual_seed(0);
+  sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 4, 4})}, {"timesteps", at::tensor({0.5f})},
+                                 {"context", at::randn({1, 3, 32})}});
+  auto forward = [&](const std::string& out, const std::vector<std::string>& extra) {
+    std::vector<std::string> args{"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  const std::string by_compute = dir / "compute.safetensors", by_dtype = dir / "dtype.safetensors";
+  const Result compute = run_ok(forward(by_compute, {"--compute", "bfloat16"}));
+  CHECK(compute.err.empty());
+  CHECK(compute.out.find(" (bfloat16, cpu)") != std::string::npos);
+
+  // The alias runs the same forward and says, in one warning line, what it stands for.
+  const Result alias = run_ok(forward(by_dtype, {"--dtype", "bfloat16"}));
+  CHECK(alias.out.find(" (bfloat16, cpu)") != std::string::npos);
+  CHECK(std::count(alias.err.begin(), alias.err.end(), '\n') == 1);
+  CHECK(alias.err.find("[warning] sluice forward: --dtype is an alias of --compute") != std::string::npos);
+  CHECK(alias.err.find("running as --compute bfloat16") != std::string::npos);
+  const at::Tensor v = sluice::safetensors::File::open(by_compute)->tensor("velocity");
+  CHECK(v.scalar_type() == at::kBFloat16);
+  CHECK(at::equal(v, sluice::safetensors::File::open(by_dtype)->tensor("velocity")));
+
+  // It is a log line: --log-level error leaves stderr to errors.
+  CHECK(run_ok(forward(by_dtype, {"--dtype", "bfloat16", "--log-level", "error"})).err.empty());
+  // One dtype, one flag: both at once is a usage error.
+  expect_error(forward(dir / "both.safetensors", {"--compute", "bfloat16", "--dtype", "float32"}), 2,
+               {"--dtype", "--compute", "sluice forward --help"});
 }
 
 TEST_CASE("errors: missing or corrupt files exit 1 with one line naming the file") {
@@ -508,8 +542,10 @@ TEST_CASE("errors: unknown presets and bad flags or values exit 2 with one line 
   expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "1"}, 2, {"--out"});
   expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "abc", "--out", "/tmp/x.safetensors"}, 2,
                {"--seed"});
+  expect_error({"forward", "--checkpoint", "a", "--inputs", "b", "--output", "c", "--compute", "float8"}, 2,
+               {"--compute", "float8", "sluice forward --help"});
   expect_error({"forward", "--checkpoint", "a", "--inputs", "b", "--output", "c", "--dtype", "float8"}, 2,
-               {"float8", "sluice forward --help"});
+               {"--dtype", "float8", "sluice forward --help"});
   expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", "x", "--dtype", "int8"}, 2,
                {"int8"});
   expect_error({"forward", "--checkpoint", "a", "--inputs", "b", "--output", "c", "--device", "tpu"}, 2, {"tpu"});
@@ -582,7 +618,7 @@ TEST_CASE("forward: a layer made to overflow exits 1 naming the forward and the 
     for (const char* dtype : {"float32", "bfloat16"}) {
       INFO(dtype);
       // Stored in the run dtype: fp8 storage (the default) would saturate the weight to +-448.
-      expect_error({"forward", "--checkpoint", bad, "--inputs", in, "--output", out, "--dtype", dtype, "--storage", dtype}, 1,
+      expect_error({"forward", "--checkpoint", bad, "--inputs", in, "--output", out, "--compute", dtype, "--storage", dtype}, 1,
                    {"sluice forward: the dit forward's velocity is non-finite (",
                     " of 256 values); first non-finite output: blocks.1.mlp.layer2 (re-run with a per-layer check)"});
       CHECK(!exists(out));
