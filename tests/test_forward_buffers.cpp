@@ -83,22 +83,22 @@ TEST_CASE("forward buffers: a second lease makes a buffer beyond the plan until 
   bool beyond = false;
   const int outer = buffers.take_scratch(kScratch, beyond);
   REQUIRE_FALSE(beyond);
-  // The planned buffer is in use: a nested lease needs another one.
+  // The planned buffer is in use: a nested lease needs another one (of its own size).
   const int inner = buffers.take_scratch(512, beyond);
   CHECK(beyond);
   CHECK(inner != outer);
-  CHECK(buffers.scratch(inner).nbytes() == kScratch);
+  CHECK(buffers.scratch(inner).nbytes() == 512);
   CHECK(buffers.scratch(inner).data_ptr() != buffers.scratch(outer).data_ptr());
-  CHECK(buffers.beyond_plan_bytes() == kScratch);
-  CHECK(ledger->current() == 2 * kScratch);
-  CHECK(scratch_charged(*ledger) == static_cast<int64_t>(2 * kScratch));
+  CHECK(buffers.beyond_plan_bytes() == 512);
+  CHECK(ledger->current() == kScratch + 512);
+  CHECK(scratch_charged(*ledger) == static_cast<int64_t>(kScratch + 512));
 
   // Once made, the extra buffer is reused without counting as new.
   buffers.give_back_scratch(inner);
   beyond = false;
   CHECK(buffers.take_scratch(512, beyond) == inner);
   CHECK_FALSE(beyond);
-  CHECK(ledger->current() == 2 * kScratch);
+  CHECK(ledger->current() == kScratch + 512);
   buffers.give_back_scratch(inner);
   buffers.give_back_scratch(outer);
 
@@ -115,6 +115,114 @@ TEST_CASE("forward buffers: a second lease makes a buffer beyond the plan until 
   CHECK_FALSE(beyond);
   buffers.give_back_scratch(0);
 
+  buffers.end_model();
+  CHECK(ledger->current() == 0);
+}
+
+TEST_CASE("forward buffers: a nested lease's buffer is made of the lease's size, not the planned one") {
+  // The planned buffer is the largest layer's (Note [upcast scratch]); a nested lease of a
+  // smaller layer charges the ledger only what it asked for.
+  auto dev = sluice::testing::test_device_or_cpu();
+  auto ledger = std::make_shared<MemoryLedger>("model budget");
+  ForwardBuffers buffers(*dev);
+  buffers.begin_model(ledger, kScratch);
+  bool beyond = false;
+  const int outer = buffers.take_scratch(kScratch, beyond);
+  const int small = buffers.take_scratch(512, beyond);
+  CHECK(beyond);
+  CHECK(buffers.scratch(small).nbytes() == 512);
+  CHECK(buffers.beyond_plan_bytes() == 512);
+  CHECK(ledger->current() == kScratch + 512);
+
+  // Free, the small one cannot serve a larger nested lease: that one gets a buffer of its own size.
+  buffers.give_back_scratch(small);
+  beyond = false;
+  const int larger = buffers.take_scratch(1024, beyond);
+  CHECK(beyond);
+  CHECK(larger != small);
+  CHECK(buffers.scratch(larger).nbytes() == 1024);
+  CHECK(buffers.beyond_plan_bytes() == 512 + 1024);
+  CHECK(ledger->current() == kScratch + 512 + 1024);
+  CHECK(scratch_charged(*ledger) == static_cast<int64_t>(kScratch + 512 + 1024));
+  // And a smaller one takes the free buffer that fits it.
+  beyond = false;
+  CHECK(buffers.take_scratch(256, beyond) == small);
+  CHECK_FALSE(beyond);
+
+  buffers.give_back_scratch(small);
+  buffers.give_back_scratch(larger);
+  buffers.give_back_scratch(outer);
+  buffers.end_model();
+  CHECK(ledger->current() == 0);
+}
+
+TEST_CASE("forward buffers: a nested buffer that does not fit the budget leaves the beyond-plan flag alone") {
+  // The flag tells the forward that it holds more than the plan now (Note [upcast
+  // scratch]); a failed allocation made nothing, so it must stay unset.
+  auto dev = sluice::testing::test_device_or_cpu();
+  auto ledger = std::make_shared<MemoryLedger>("model budget", kScratch + kScratch / 2);
+  ForwardBuffers buffers(*dev);
+  buffers.begin_model(ledger, kScratch);
+  bool beyond = false;
+  const int outer = buffers.take_scratch(kScratch, beyond);
+  REQUIRE_FALSE(beyond);
+  CHECK_THROWS_AS(buffers.take_scratch(kScratch, beyond), ResourceError);
+  CHECK_FALSE(beyond);
+  CHECK(buffers.beyond_plan_bytes() == 0);
+  CHECK(ledger->current() == kScratch);
+  // A nested lease that fits beside the planned buffer still gets one, and says so.
+  const int inner = buffers.take_scratch(kScratch / 2, beyond);
+  CHECK(beyond);
+  CHECK(buffers.beyond_plan_bytes() == kScratch / 2);
+  buffers.give_back_scratch(inner);
+  buffers.give_back_scratch(outer);
+  buffers.end_model();
+  CHECK(ledger->current() == 0);
+}
+
+TEST_CASE("forward buffers: trimming the scratch keeps the buffers that leases still hold") {
+  // A plan change (trim_scratch) may come while a lease holds a nested buffer: that buffer
+  // stays at the lease's index, with its memory; only the free ones go.
+  auto dev = sluice::testing::test_device_or_cpu();
+  auto ledger = std::make_shared<MemoryLedger>("model budget");
+  ForwardBuffers buffers(*dev);
+  buffers.begin_model(ledger, kScratch);
+  bool beyond = false;
+  const int outer = buffers.take_scratch(kScratch, beyond);
+  const int free_one = buffers.take_scratch(512, beyond);
+  const int held = buffers.take_scratch(1024, beyond);
+  REQUIRE(free_one != held);
+  const void* held_data = buffers.scratch(held).data_ptr();
+  buffers.give_back_scratch(free_one);
+  REQUIRE(ledger->current() == kScratch + 512 + 1024);
+
+  buffers.trim_scratch();
+  // Checked first: had the held buffer been dropped, scratch(held) would read past the end.
+  REQUIRE(buffers.beyond_plan_bytes() == 1024);
+  CHECK(ledger->current() == kScratch + 1024);
+  CHECK(buffers.scratch(held).nbytes() == 1024);
+  CHECK(buffers.scratch(held).data_ptr() == held_data);
+  CHECK(buffers.scratch(outer).nbytes() == kScratch);
+
+  // The next nested buffer fills the place the free one left; the held one is not handed out.
+  beyond = false;
+  const int again = buffers.take_scratch(512, beyond);
+  CHECK(beyond);
+  CHECK(again == free_one);
+  CHECK(again != held);
+  CHECK(buffers.beyond_plan_bytes() == 512 + 1024);
+  buffers.give_back_scratch(again);
+
+  // Given back, the held one goes at the next trim.
+  buffers.give_back_scratch(held);
+  buffers.trim_scratch();
+  CHECK(buffers.beyond_plan_bytes() == 0);
+  CHECK(ledger->current() == kScratch);
+  buffers.give_back_scratch(outer);
+  beyond = false;
+  CHECK(buffers.take_scratch(kScratch, beyond) == outer);
+  CHECK_FALSE(beyond);
+  buffers.give_back_scratch(outer);
   buffers.end_model();
   CHECK(ledger->current() == 0);
 }

@@ -11,9 +11,12 @@
 // One scratch buffer of the largest layer's upcast output is planned (ResidencyPlan's
 // scratch_bytes): a forward holds one layer's upcast weights at a time. A lease taken while
 // another is open (a module holding two layers' weights at once) needs a second buffer; it
-// is made when needed, budget permitting, counted as held beyond the plan (Note [device
-// extras] in model_budget.h: later plans reserve it), and dropped at the next plan change.
-// Slots beyond the ring's capacity (StagingRing::overflow) count the same way.
+// is made when needed, of that lease's size, budget permitting, counted as held beyond the
+// plan (Note [device extras] in model_budget.h: later plans reserve it), and dropped at the
+// next plan change that finds it free. A lease names its buffer by index, so one it still
+// holds then stays where it is, and a dropped one below it leaves an empty place that the
+// next buffer made fills. Slots beyond the ring's capacity (StagingRing::overflow) count the
+// same way.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -45,12 +48,14 @@ class ForwardBuffers {
   // Ring bytes reserved but not made into slots yet (device_bytes() counts the capacity).
   uint64_t unmade_ring_bytes() const;
 
-  // A free scratch buffer of at least `bytes`; `beyond_plan` is set when it had to be made
-  // (Note [upcast scratch]).
+  // A free scratch buffer of at least `bytes`, else a new one of `bytes` (Note [upcast
+  // scratch]), and then `beyond_plan` is set, once it is made: ResourceError, the flag
+  // untouched, when it does not fit.
   int take_scratch(uint64_t bytes, bool& beyond_plan);
   const at::Tensor& scratch(int i) const { return scratch_[static_cast<size_t>(i)].buffer; }
   void give_back_scratch(int i) { scratch_[static_cast<size_t>(i)].in_use = false; }
-  // Drops the buffers beyond the planned one (a plan change).
+  // Drops the free buffers beyond the planned one (a plan change); one a lease still holds
+  // stays, at its index, until a later trim finds it given back.
   void trim_scratch();
   // Device bytes held beyond the plan now: overflow slots and extra scratch buffers.
   uint64_t beyond_plan_bytes() const;
@@ -62,7 +67,7 @@ class ForwardBuffers {
 
  private:
   struct Scratch {
-    at::Tensor buffer;
+    at::Tensor buffer;  // undefined: a place trim_scratch emptied
     bool in_use = false;
   };
 

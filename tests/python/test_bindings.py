@@ -50,7 +50,7 @@ def test_forward_is_bit_identical_to_the_cli(checkpoint, workdir):
     ins, out = os.path.join(workdir, "in.safetensors"), os.path.join(workdir, "out.safetensors")
     save_file({"x": x, "timesteps": t, "context": ctx}, ins)
     subprocess.run([CLI, "forward", "--checkpoint", checkpoint, "--inputs", ins, "--output", out,
-                    "--storage", "float8_e4m3fn", "--dtype", "bfloat16", "--max-resident", "0.5"], check=True)
+                    "--storage", "float8_e4m3fn", "--compute", "bfloat16", "--max-resident", "0.5"], check=True)
     cli_v = load_file(out)["velocity"]
     assert v.dtype == torch.bfloat16 and cli_v.dtype == torch.bfloat16
     assert v.shape == x.shape

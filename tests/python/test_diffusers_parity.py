@@ -82,7 +82,7 @@ def main():
         save_file({"x": x, "timesteps": t, "context": ctx}, inputs)
         # --storage: weights kept in the run dtype like the reference's (forward stores fp8 by default).
         run([args.sluice, "forward", "--checkpoint", ckpt, "--inputs", inputs, "--output", out, "--config",
-             c["config"], "--dtype", "float32", "--storage", "float32", "--device", "cpu"], "sluice forward")
+             c["config"], "--compute", "float32", "--storage", "float32", "--device", "cpu"], "sluice forward")
         got = load_file(out)["velocity"]
 
         t0 = time.perf_counter()

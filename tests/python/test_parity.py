@@ -142,7 +142,7 @@ def main():
         make_inputs(c, cfg, inputs)
         # --storage: weights kept in the run dtype like the reference's (forward stores fp8 by default).
         run([args.sluice, "forward", "--checkpoint", ckpt, "--inputs", inputs, "--output", out_s, "--config", config,
-             "--dtype", c["dtype"], "--storage", c["dtype"], "--device", "cpu"], "sluice forward")
+             "--compute", c["dtype"], "--storage", c["dtype"], "--device", "cpu"], "sluice forward")
         run([sys.executable, os.path.join(HERE, "reference_anima.py"), "--module", args.reference, "--checkpoint",
              ckpt, "--config", w("config.json"), "--inputs", inputs, "--output", out_r, "--dtype", c["dtype"]],
             "reference forward")
