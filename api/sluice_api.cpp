@@ -72,10 +72,10 @@ ModelInfo make_info(const cache::ModelCache& c, const std::shared_ptr<cache::Ent
   const anima::AnimaConfig cfg = c.entry_config(e);
   ModelInfo i;
   i.name = e->name;
-  i.source = e->spec.source;
-  i.storage_dtype = dtype_name(e->dtypes.storage);
-  i.compute_dtype = dtype_name(e->dtypes.compute);
-  i.compute_reason = e->spec.compute_reason.empty() ? "requested" : e->spec.compute_reason;
+  i.source = e->request.spec.source;
+  i.storage_dtype = dtype_name(e->request.dtypes.storage);
+  i.compute_dtype = dtype_name(e->request.dtypes.compute);
+  i.compute_reason = e->request.spec.compute_reason.empty() ? "requested" : e->request.spec.compute_reason;
   i.in_channels = cfg.in_channels;
   i.out_channels = cfg.out_channels;
   i.context_dim = cfg.crossattn_emb_channels;

@@ -114,7 +114,7 @@ CacheStats CacheQueries::stats_locked() const {
     CacheStats::ModelPart m;
     m.id = e->id;
     m.name = e->name;
-    m.source = e->spec.source;
+    m.source = e->request.spec.source;
     m.in_ram = e->in_ram();
     m.on_device = e->attached;
     m.dropped = e->dropped;
@@ -180,15 +180,15 @@ std::string CacheQueries::model_stats_json(const std::shared_ptr<Entry>& e, int 
     }
   }
   j["model"]["id"] = e->id;  // two models may share a name (Note [stats parts])
-  j["model"]["source"] = e->spec.source;
+  j["model"]["source"] = e->request.spec.source;
   j["model"]["dropped"] = e->dropped;
   j["model"]["in_ram"] = e->in_ram();
   j["model"]["on_device"] = e->attached;
-  j["model"]["storage_dtype"] = dtype_name(e->dtypes.storage);
-  j["model"]["compute_dtype"] = dtype_name(e->dtypes.compute);
-  j["model"]["compute"] = {{"dtype", dtype_name(e->dtypes.compute)},
-                           {"automatic", e->spec.compute_reason.rfind("auto:", 0) == 0},
-                           {"reason", e->spec.compute_reason.empty() ? "requested" : e->spec.compute_reason}};
+  j["model"]["storage_dtype"] = dtype_name(e->request.dtypes.storage);
+  j["model"]["compute_dtype"] = dtype_name(e->request.dtypes.compute);
+  j["model"]["compute"] = {{"dtype", dtype_name(e->request.dtypes.compute)},
+                           {"automatic", e->request.spec.compute_reason.rfind("auto:", 0) == 0},
+                           {"reason", e->request.spec.compute_reason.empty() ? "requested" : e->request.spec.compute_reason}};
   j["hardware"] = hardware_summary(s_.device->device());
   j["host_memory_limit"] = host_limit_json(s_.host_limit);
   const CacheStats cs = stats_locked();

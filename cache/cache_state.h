@@ -28,6 +28,7 @@
 #include "offload/report/stats.h"
 #include "runtime/dtype_policy.h"
 #include "runtime/host_memory_limit.h"
+#include "cache/load_request.h"
 
 namespace sluice::cache {
 
@@ -58,28 +59,18 @@ struct CacheOptions {
   std::function<void(const std::string&)> before_insert;
 };
 
-// What to load and how.
-struct LoadSpec {
-  std::string source;                       // preset name, .json config or .safetensors path
-  std::string name;                         // for logs and stats; empty: preset/config name or file stem
-  Fp8Options storage;                       // storage/compute dtypes and skip patterns
-  std::string compute_reason;               // why storage.compute (Note [compute dtype auto]); empty: "requested"
-  std::optional<anima::AnimaConfig> config; // overrides the file's inferred config / the preset's
-  uint64_t seed = 0;                        // generated weights (preset and .json sources)
-  std::optional<double> max_resident;       // cap on resident fraction; none: the budget decides
-};
-
 // One cached model. Fields are guarded by the cache mutex unless noted; see Note [cache
 // locking].
 struct Entry {
   // Fixed at creation.
   bool is_adopted = false;    // made by ModelCache::adopt (Note [adopted models]), not read from a source
   uint64_t id = 0;            // unique in its cache (1, 2, ... in creation order): two entries may share a key
-  std::string key;            // identity: source (+ seed for generated models)
-  std::string settings;       // the loading settings; a load with other settings reloads
   std::string name;
-  LoadSpec spec;
-  DtypePair dtypes;           // resolved for the device
+  // The load it was made by, resolved once (cache/load_request.h): the spec, its source
+  // kind, dtypes for the device, skip list, key (identity: source, + seed for generated
+  // models), loading settings (a load with other settings reloads) and config. An adopted
+  // model has its name, source ("offload:<name>"), dtypes and key only.
+  LoadRequest request;
   uint64_t estimate = 0;      // estimate_model_bytes()
   anima::AnimaConfig config;  // set when first loaded
 

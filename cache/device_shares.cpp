@@ -129,8 +129,8 @@ void DeviceShares::attach(Entry& e, uint64_t share) {
     line << "Loaded model '" << e.name << "' onto " << s_.device->name() << " in " << e.load_seconds + secs
          << "s. Total model size: " << format_mib(e.needs.model_bytes) << ", VRAM: " << format_mib(plan.resident_bytes)
          << " (" << percent(plan.resident_bytes, e.needs.model_bytes) << "); host load (read or generate, cast) "
-         << e.load_seconds << "s, attach " << secs << "s; compute " << dtype_name(e.dtypes.compute) << " ("
-         << (e.spec.compute_reason.empty() ? "requested" : e.spec.compute_reason) << ")";
+         << e.load_seconds << "s, attach " << secs << "s; compute " << dtype_name(e.request.dtypes.compute) << " ("
+         << (e.request.spec.compute_reason.empty() ? "requested" : e.request.spec.compute_reason) << ")";
     log::info(line.str());
     e.announced = true;
   } else {
@@ -379,7 +379,7 @@ void DeviceShares::set_budget(uint64_t budget_request, bool measured) {
   }
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
   // A budget cut: what the shrunk models freed leaves the process (Note [releasing cached
-  // memory] in offload/device/device.h). Room made for another model stays cached for it.
+  // memory] in offload/device/device_allocator.h). Room made for another model stays cached for it.
   if (!measured && new_limit < old_budget - std::min(old_budget, old_wm)) s_.device->release_cached_memory();
   s_.device->set_memory_limit(new_limit);
   s_.device->reset_memory_peak();  // peaks count under the current budget

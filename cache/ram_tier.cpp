@@ -3,10 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 #include <unordered_set>
 
 #include "models/anima/checkpoint.h"
@@ -24,65 +22,32 @@ namespace sluice::cache {
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-std::string file_stem(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
-  const size_t dot = base.find_last_of('.');
-  return dot == std::string::npos || dot == 0 ? base : base.substr(0, dot);
-}
-
-// Absolute path without symlinks, or `path` itself when it cannot be resolved (the load
-// then reports the missing file).
-std::string canonical(const std::string& path) {
-  char* r = ::realpath(path.c_str(), nullptr);
-  if (!r) return path;
-  std::string out(r);
-  std::free(r);
-  return out;
-}
-
-// The config a generated or loaded model uses.
-anima::AnimaConfig config_of(const LoadSpec& spec) {
-  if (spec.config) return *spec.config;
-  switch (source_kind(spec.source)) {
-    case SourceKind::preset:
-    case SourceKind::json_config: return anima::config_from_name_or_file(spec.source);
-    case SourceKind::checkpoint: break;
-  }
-  const auto file = safetensors::File::open(spec.source);
-  const anima::CheckpointProbe probe = anima::probe_checkpoint(*file);
-  if (!probe.has_dit) throw CheckpointError("'" + spec.source + "' is not an Anima checkpoint: " + probe.reason);
-  return probe.inferred;
-}
-
-// Reads or generates the model of `spec` on the host, in its storage dtypes.
-anima::AnimaModel read_model(const LoadSpec& spec, const DtypePair& dtypes, const std::string& name, int threads) {
-  Fp8Options storage = spec.storage;
-  storage.storage = dtypes.storage;
-  storage.compute = dtypes.compute;
-  if (source_kind(spec.source) == SourceKind::checkpoint) {
+// Reads or generates the model of `r` on the host, in its storage dtypes.
+anima::AnimaModel read_model(const LoadRequest& r, const std::string& name, int threads) {
+  Fp8Options storage = r.spec.storage;
+  storage.storage = r.dtypes.storage;
+  storage.compute = r.dtypes.compute;
+  if (r.kind == SourceKind::checkpoint) {
     anima::LoadOptions o;
-    o.config = spec.config;
+    o.config = r.spec.config;
     o.device = at::kCPU;
     o.storage = storage;
+    o.skips = &r.skips;
     o.threads = threads;
-    return anima::load_anima(spec.source, o);
+    return anima::load_anima(r.spec.source, o);
   }
-  anima::AnimaConfig config = config_of(spec);
-  anima::AnimaModel model(config, anima::BuildOptions{dtypes.compute, at::kCPU});
+  TORCH_INTERNAL_ASSERT(r.config, "model '", name, "': its config was not resolved before the read");
+  const anima::AnimaConfig& config = *r.config;
+  anima::AnimaModel model(config, anima::BuildOptions{r.dtypes.compute, at::kCPU});
   auto params = model->named_parameters(/*recurse=*/true);
-  auto weights = anima::random_weights(config, spec.seed, dtypes.compute);
+  auto weights = anima::random_weights(config, r.spec.seed, r.dtypes.compute);
   for (auto& [key, t] : weights) {
     at::Tensor* p = params.find(key);
     TORCH_INTERNAL_ASSERT(p, "generated tensor '", key, "' is not a parameter of the model");
-    p->set_data(to_host_owned(t, dtypes.compute));
+    p->set_data(to_host_owned(t, r.dtypes.compute));
     t = at::Tensor();  // one copy at a time
   }
-  offload::apply_storage(*model, name, storage, anima::declared_fp8_skips());
+  offload::apply_storage(*model, name, storage, r.skips);
   return model;
 }
 
@@ -100,18 +65,16 @@ RamLimit default_ram_limit(const HostMemoryLimit& host) {
           "default min(L, max(4GiB, L / 2 - 2GiB)) of the host memory limit L = " + host.describe()};
 }
 
-SourceKind source_kind(const std::string& source) {
-  for (const auto& p : anima::preset_names()) {
-    if (p == source) return SourceKind::preset;
-  }
-  return ends_with(source, ".json") ? SourceKind::json_config : SourceKind::checkpoint;
+uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device) {
+  LoadRequest r = LoadRequest::resolve(spec, device);
+  return estimate_model_bytes(r);
 }
 
-uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device) {
-  const DtypePair dt = resolve_dtypes(spec.storage.storage, spec.storage.compute, device);
-  const anima::AnimaConfig config = config_of(spec);
+uint64_t estimate_model_bytes(LoadRequest& request) {
+  const anima::AnimaConfig& config = request.resolve_config();
+  const DtypePair& dt = request.dtypes;
+  const SkipList& skips = request.skips;
   anima::AnimaModel meta(config, anima::BuildOptions{dt.compute, at::kMeta});
-  const SkipList skips = SkipList::from_options(spec.storage, anima::declared_fp8_skips());
   // Note [layerwise storage] (offload/layer/storage.h): unskipped managed layers are stored in
   // the storage dtype, everything else stays as built.
   uint64_t bytes = 0;
@@ -137,55 +100,31 @@ uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device) {
 // entries (cache mutex held, except entry_for)
 
 std::shared_ptr<Entry> RamTier::entry_for(const LoadSpec& spec, bool& created) {
-  const SourceKind kind = source_kind(spec.source);
-  if (spec.max_resident && !(*spec.max_resident >= 0.0 && *spec.max_resident <= 1.0)) {
-    throw InvalidArgument("max_resident must be between 0 and 1, got " + std::to_string(*spec.max_resident));
-  }
-  const DtypePair dtypes = resolve_dtypes(spec.storage.storage, spec.storage.compute, s_.device->device());
-  const SkipList skips = SkipList::from_options(spec.storage, anima::declared_fp8_skips());
-
-  std::string key = kind == SourceKind::preset ? "preset:" + spec.source : "file:" + canonical(spec.source);
-  if (kind != SourceKind::checkpoint) key += "#seed=" + std::to_string(spec.seed);
-  std::ostringstream settings;
-  settings << "storage=" << dtype_name(dtypes.storage) << " compute=" << dtype_name(dtypes.compute) << " skips=[";
-  for (const auto& p : skips.patterns()) settings << p << ";";
-  settings << "] config=" << (spec.config ? anima::config_to_json(*spec.config).dump() : "");
+  // Resolved once, outside the mutex (Note [cache locking]); a new entry keeps it.
+  LoadRequest request = LoadRequest::resolve(spec, s_.device->device());
 
   Guard g(locking_.mutex());
   std::shared_ptr<Entry> e;
   for (auto& p : s_.entries) {
-    if (p->key == key && !p->dropped) e = p;
+    if (p->request.key == request.key && !p->dropped) e = p;
   }
-  if (e && e->settings != settings.str()) {
-    log::info("Reloading model '" + e->name + "': loading settings changed (" + e->settings + " -> " +
-              settings.str() + ")");
+  if (e && e->request.settings != request.settings) {
+    log::info("Reloading model '" + e->name + "': loading settings changed (" + e->request.settings + " -> " +
+              request.settings + ")");
     mark_dropped(e);
     e.reset();
   }
   created = !e;
   if (created) {
-    e = std::make_shared<Entry>();
-    e->key = key;
-    e->settings = settings.str();
-    e->spec = spec;
-    e->dtypes = dtypes;
-    e->max_resident = spec.max_resident;
-    if (!spec.name.empty()) {
-      e->name = spec.name;
-    } else if (spec.config) {
-      e->name = spec.config->name;
-    } else {
-      e->name = kind == SourceKind::checkpoint ? file_stem(spec.source) : spec.source;
-      if (kind == SourceKind::json_config) e->name = config_of(spec).name;
-    }
     g.unlock();
-    const uint64_t estimate = estimate_model_bytes(spec, s_.device->device());  // reads a file header
-    if (s_.options.before_insert) s_.options.before_insert(e->name);
+    // The config (a .json file, a checkpoint's header) and the estimate: once per new entry.
+    const uint64_t estimate = estimate_model_bytes(request);
+    const std::string name = request.model_name();
+    if (s_.options.before_insert) s_.options.before_insert(name);
     g.lock();
-    e->estimate = estimate;
     std::shared_ptr<Entry> raced;  // another thread created it meanwhile
     for (auto& p : s_.entries) {
-      if (p->key == key && !p->dropped && p->settings == e->settings) raced = p;
+      if (p->request.key == request.key && !p->dropped && p->request.settings == request.settings) raced = p;
     }
     if (raced) {
       // That thread made it: this call only found it. ModelCache::load drops an entry it
@@ -193,6 +132,11 @@ std::shared_ptr<Entry> RamTier::entry_for(const LoadSpec& spec, bool& created) {
       e = raced;
       created = false;
     } else {
+      e = std::make_shared<Entry>();
+      e->name = name;
+      e->max_resident = spec.max_resident;
+      e->estimate = estimate;
+      e->request = std::move(request);
       e->id = ++s_.next_id;
       s_.entries.push_back(e);
     }
@@ -218,7 +162,7 @@ void RamTier::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool cou
   try {
     const auto t0 = std::chrono::steady_clock::now();
     if (s_.options.before_read) s_.options.before_read(e.name);
-    model = read_model(e.spec, e.dtypes, e.name, s_.options.load_threads);
+    model = read_model(e.request, e.name, s_.options.load_threads);
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   } catch (...) {
     g.lock();
@@ -264,17 +208,17 @@ std::shared_ptr<Entry> RamTier::adopt(std::shared_ptr<torch::nn::Module> module,
   }
   auto e = std::make_shared<Entry>();
   e->name = name;
-  e->spec.name = name;
-  e->spec.source = "offload:" + name;
-  e->spec.max_resident = max_resident;
-  e->dtypes = dtypes;
+  e->request.spec.name = name;
+  e->request.spec.source = "offload:" + name;
+  e->request.spec.max_resident = max_resident;
+  e->request.dtypes = dtypes;
   e->max_resident = max_resident;
   e->adopted = std::move(module);
   e->is_adopted = true;
   e->loaded_once = true;
   Guard g(locking_.mutex());
   e->id = ++s_.next_id;
-  e->key = "adopted:" + std::to_string(e->id);  // never found by a load
+  e->request.key = "adopted:" + std::to_string(e->id);  // never found by a load
   shares_.refresh_needs(*e);
   e->ram_bytes = e->needs.model_bytes;
   e->estimate = e->ram_bytes;

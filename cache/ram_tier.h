@@ -19,6 +19,7 @@
 #include "cache/cache_locking.h"
 #include "cache/cache_state.h"
 #include "cache/device_shares.h"
+#include "cache/load_request.h"
 
 namespace sluice::cache {
 
@@ -35,13 +36,11 @@ struct RamLimit {
 };
 RamLimit default_ram_limit(const HostMemoryLimit& host);
 
-// Where a model comes from.
-enum class SourceKind { preset, json_config, checkpoint };
-// Preset name, "*.json" (a config to generate from), or a checkpoint path.
-SourceKind source_kind(const std::string& source);
-
-// Host bytes the model of `spec` will take once loaded (every parameter and buffer in its
-// stored dtype), computed on a shape-only model. `device` decides fp8 support.
+// Host bytes the model of `request` will take once loaded (every parameter and buffer in
+// its stored dtype), computed on a shape-only model; resolves the request's config first
+// (LoadRequest::resolve_config: may read a file).
+uint64_t estimate_model_bytes(LoadRequest& request);
+// The same for a spec not resolved yet; `device` decides fp8 support.
 uint64_t estimate_model_bytes(const LoadSpec& spec, at::Device device);
 
 class RamTier {
@@ -51,8 +50,9 @@ class RamTier {
   RamTier(const RamTier&) = delete;
   RamTier& operator=(const RamTier&) = delete;
 
-  // The entry for spec's source and loading settings (not read yet when new). An entry of
-  // the same source with other settings is dropped (Note [cache tiers]). `created`: this
+  // The entry for spec's source and loading settings (not read yet when new). The spec is
+  // resolved once here (LoadRequest) and kept on a new entry. An entry of the same source
+  // with other settings is dropped (Note [cache tiers]). `created`: this
   // call made the entry and added it to the cache; false when it found one, also when
   // another thread added the same one while this call estimated it (that one is returned).
   // Takes the cache mutex, and releases it while it estimates a new model's bytes (that

@@ -4,6 +4,8 @@
 - every `Note [x]` cited is defined exactly once. A definition is a line ending in
   `Note [x]` (in a C++ `//` comment, a Python or shell `#` comment, or a docstring) with a
   `~~~~` underline on the line below; every other mention is a citation;
+- a citation that says where a note lives (`Note [x] in file.h`, `Note [x] (file.h)`) names
+  the file that defines it;
 - a comment naming a source file (`offload/device/device.h`, `cpu_device.h`) names one that
   exists: a path from the root, from the citing file's folder, under include/ or python/, or
   a bare name that some file of the tree has. Names of other projects' files (torch, c10,
@@ -57,6 +59,8 @@ EXTERNAL_NAMES = {
 OTHER_PROJECT = re.compile(r"\b(diffusers|InvokeAI|invokeai|ComfyUI|transformers|llama\.cpp|PyTorch|torch's|"
                            r"stable-diffusion\.cpp|mmgp|wheel)\b")
 NOTE_REF = re.compile(r"Note \[([^\]\n]+)\]")
+# "Note [x] in file.h", "Note [x] (file.h...": the citation names where the note lives.
+NOTE_WHERE = re.compile(r"Note \[([^\]\n]+)\](?: in |,? \(|: )`?((?:[\w.+-]+/)*[\w+-]+\.(?:h|hpp|cpp|cu|py|sh|cmake))\b")
 NOTE_DEF = re.compile(r"Note \[([^\]\n]+)\]\s*$")
 UNDERLINE = re.compile(r"^\s*(?://+|#+|\*)?\s*~{4,}\s*$")
 FILE_CITE = re.compile(r"(?<![\w./-])((?:[\w.+-]+/)*[\w+-]+(?:\.[\w+-]+)*\." + CITED_EXT + r")(?![\w/])")
@@ -111,7 +115,7 @@ def main():
     public = [f for f in sources if f.startswith("include/sluice/")]
     faults = []
 
-    defs, refs = {}, {}
+    defs, refs, placed = {}, {}, []
     for f in sources:
         with open(os.path.join(root, f), encoding="utf-8", errors="replace") as fh:
             lines = fh.read().split("\n")
@@ -123,6 +127,8 @@ def main():
                 continue
             for r in NOTE_REF.finditer(line):
                 refs.setdefault(r.group(1), []).append((f, n))
+            for w in NOTE_WHERE.finditer(line):
+                placed.append((f, n, w.group(1), w.group(2)))
             previous = " ".join(lines[max(0, n - 10):n - 1])  # a list under a line naming the project
             text = comment_text(f, line)
             if text is None and (n - 1) in doc:
@@ -149,6 +155,9 @@ def main():
             if f in public and name in defs and not all(d.startswith("include/sluice/") for d, _ in defs[name]):
                 faults.append(f"{f}:{n}: a public header cites Note [{name}], defined in "
                               f"{defs[name][0][0]}, which is no public header")
+    for f, n, name, where in placed:
+        if name in defs and not any(d == where or d.endswith("/" + where) for d, _ in defs[name]):
+            faults.append(f"{f}:{n}: cites Note [{name}] in {where}, but it is defined in {defs[name][0][0]}")
     faults += layering(root, files)
     for line in faults:
         print(line)

@@ -777,7 +777,7 @@ TEST_CASE("model_cache: a forward that uses more than the working memory grows t
 }
 
 TEST_CASE("model_cache: only a lower vram budget and taking models off the device empty the allocator's cache") {
-  // Note [releasing cached memory] (offload/device/device.h): making room for another model, a
+  // Note [releasing cached memory] (offload/device/device_allocator.h): making room for another model, a
   // partial unload or a budget raise keep the freed blocks cached for this process.
   auto counting = std::make_shared<sluice::testing::CountingDevice>(
       std::shared_ptr<offload::DeviceBackend>(offload::make_cpu_device()));

@@ -12,14 +12,20 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <filesystem>
+#include <fstream>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <thread>
 
 #include "cache/ram_tier.h"
+#include "models/anima/anima.h"
+#include "models/anima/config.h"
+#include "runtime/skip_patterns.h"
 #include "runtime/error.h"
 #include "tests/cache_parts.h"
 #include "tests/single_thread.h"
@@ -41,6 +47,51 @@ TEST_CASE("ram_tier: a source is a preset or a json config or a checkpoint") {
   CHECK(source_kind("configs/custom.json") == SourceKind::json_config);
   CHECK(source_kind("/models/anima.safetensors") == SourceKind::checkpoint);
   CHECK(source_kind("anima-unknown") == SourceKind::checkpoint);  // not a preset: a path
+}
+
+TEST_CASE("ram_tier: a load request is resolved once: its key, settings, dtypes, skip list and config") {
+  LoadSpec spec = cache_spec("anima-tiny", 7);
+  spec.storage.extra_skip_patterns = {"blocks.0"};
+  LoadRequest r = LoadRequest::resolve(spec, at::kCPU);
+  CHECK(r.kind == SourceKind::preset);
+  CHECK(r.key == "preset:anima-tiny#seed=7");
+  CHECK(r.dtypes.storage == at::kFloat8_e4m3fn);
+  CHECK(r.skips.patterns() == SkipList::from_options(spec.storage, anima::declared_fp8_skips()).patterns());
+  CHECK(r.settings.find("skips=[") != std::string::npos);
+  CHECK(r.settings.find("blocks.0;") != std::string::npos);
+  CHECK_FALSE(r.config);  // a config may read a file: resolved only for a new entry
+  CHECK(r.resolve_config().name == "anima-tiny");
+  CHECK(r.model_name() == "anima-tiny");
+
+  LoadSpec bad = cache_spec();
+  bad.max_resident = 1.5;
+  CHECK_THROWS_AS(LoadRequest::resolve(bad, at::kCPU), InvalidArgument);
+
+  // A .json config is read once, when its entry is made: the read that follows (and any
+  // read after an eviction) generates the model the entry was made for, whatever the file
+  // says by then.
+  const std::string path = (std::filesystem::temp_directory_path() / "sluice_ram_tier_request.json").string();
+  anima::AnimaConfig small = anima::config_from_name_or_file("anima-tiny");
+  small.name = "from-json";
+  std::ofstream(path) << anima::config_to_json(small).dump();
+  CacheParts p(roomy_cache_options());
+  bool created = false;
+  LoadSpec from_file = cache_spec(path, 1);
+  auto e = p.ram.entry_for(from_file, created);
+  REQUIRE(created);
+  CHECK(e->name == "from-json");
+  REQUIRE(e->request.config);
+  CHECK(e->request.config->num_blocks == small.num_blocks);
+  anima::AnimaConfig changed = small;
+  changed.name = "changed";
+  changed.num_blocks = small.num_blocks + 1;
+  std::ofstream(path, std::ios::trunc) << anima::config_to_json(changed).dump();
+  Guard g(p.locking.mutex());
+  p.ram.ensure_loaded(e, g, /*count_hit=*/true);
+  REQUIRE(e->model);
+  CHECK(e->model->config().num_blocks == small.num_blocks);
+  CHECK(e->model->config().name == "from-json");
+  std::filesystem::remove(path);
 }
 
 TEST_CASE("ram_tier: the same source and settings find one entry and other settings replace it") {
@@ -69,8 +120,8 @@ TEST_CASE("ram_tier: the same source and settings find one entry and other setti
   auto c = p.ram.entry_for(bf16, created);
   CHECK(created);
   CHECK(c != a);
-  CHECK(c->key == a->key);
-  CHECK(c->settings != a->settings);
+  CHECK(c->request.key == a->request.key);
+  CHECK(c->request.settings != a->request.settings);
   CHECK(a->dropped);
   {
     Guard g(p.locking.mutex());

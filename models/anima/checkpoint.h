@@ -38,6 +38,7 @@
 #include "models/anima/config.h"
 #include "offload/layer/storage.h"
 #include "runtime/dtype_policy.h"
+#include "runtime/skip_patterns.h"
 
 namespace sluice::safetensors {
 class File;
@@ -103,6 +104,9 @@ struct LoadOptions {
   // skipped, values saturated) when set.
   offload::StorageReport* report = nullptr;
   int threads = 0;  // read workers; 0: every core this process may use
+  // With `storage`: the skip list already made from it and declared_fp8_skips() (a model
+  // cache resolves it once per load, cache/load_request.h); null: made here.
+  const SkipList* skips = nullptr;
 };
 
 // Opens, probes, builds and strictly loads, then applies options.storage. Throws FileError
@@ -120,6 +124,7 @@ struct WeightReadOptions {
   // read, with its scale when scale_mode asks; fp8 files: as they are, scale attached), and
   // the model must then go through offload::apply_storage with the returned casts.
   const Fp8Options* storage = nullptr;
+  const SkipList* skips = nullptr;  // with storage: its skip list, already made; null: made here
   int threads = 0;  // read workers (runtime/fused_read.h); 0: every core
 };
 

@@ -183,7 +183,8 @@ Fp8Report fp8_report(const std::string& path, const Fp8ReportOptions& options) {
   report.candidates = candidate_lists();
   for (auto& c : report.candidates) {
     AnimaModel shape_only(probe.inferred, BuildOptions{at::kBFloat16, at::kMeta});
-    const auto r = offload::apply_storage(*shape_only, probe.inferred.name, candidate_options(c, options.storage), {});
+    const auto r = offload::apply_storage(*shape_only, probe.inferred.name, candidate_options(c, options.storage),
+                                          std::vector<std::string>{});
     c.skipped_modules = static_cast<int64_t>(r.skipped.size());
     c.param_size_mib = r.param_mib();
   }

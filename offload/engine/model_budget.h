@@ -28,7 +28,7 @@
 // Note [device extras]
 // ~~~~~~~~~~~~~~~~~~~~
 // Every device byte the engine's model uses is charged to its budget before it is
-// allocated (Note [device accounting] in device.h), and the plan leaves room for it, so
+// allocated (Note [device accounting] in device_allocator.h), and the plan leaves room for it, so
 // that the minimum budget and every residency change account for it:
 //  - LoRA sidecars are placed through place_sidecars() (the SidecarPlacer a LoraScope is
 //    given): the plan first streams more layers until the sidecars fit beside the resident

@@ -118,9 +118,13 @@ int64_t param_bytes(torch::nn::Module& model) {
 
 StorageReport apply_storage(torch::nn::Module& model, const std::string& model_name, const Fp8Options& options,
                             const std::vector<std::string>& model_declared_skips, const ReadCasts* read) {
+  return apply_storage(model, model_name, options, SkipList::from_options(options, model_declared_skips), read);
+}
+
+StorageReport apply_storage(torch::nn::Module& model, const std::string& model_name, const Fp8Options& options,
+                            const SkipList& skips, const ReadCasts* read) {
   check_storage_dtype(options.storage);
   check_compute_dtype(options.compute);
-  const SkipList skips = SkipList::from_options(options, model_declared_skips);
 
   StorageReport r;
   r.model_name = model_name;

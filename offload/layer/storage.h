@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "runtime/dtype_policy.h"
+#include "runtime/skip_patterns.h"
 
 namespace sluice::offload {
 
@@ -82,6 +83,10 @@ struct ReadCasts {
 // values are not checked again; its saturations are added to the report).
 StorageReport apply_storage(torch::nn::Module& model, const std::string& model_name, const Fp8Options& options,
                             const std::vector<std::string>& model_declared_skips, const ReadCasts* read = nullptr);
+// The same with the skip list already made (SkipList::from_options(options, the model's
+// declared patterns)): a caller that resolved it once for a load hands it down.
+StorageReport apply_storage(torch::nn::Module& model, const std::string& model_name, const Fp8Options& options,
+                            const SkipList& skips, const ReadCasts* read = nullptr);
 
 // Sum of nelement * element_size over every parameter of `model` (works on meta).
 int64_t param_bytes(torch::nn::Module& model);

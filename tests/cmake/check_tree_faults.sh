@@ -50,6 +50,9 @@ expect_fault "a note cited but defined nowhere" "Note [no such note] is defined 
 clean_tree; printf '// Note [device rule]\n// ~~~~~~~~~~~~~~~~~~~\n' >> runtime/util.h
 expect_fault "a note defined twice" "Note [device rule] is defined 2 times"
 
+clean_tree; echo '// As Note [device rule] in util.h says.' >> offload/engine/engine.h
+expect_fault "a note cited in a file that does not define it" "cites Note [device rule] in util.h, but it is defined in offload/device/device.h"
+
 clean_tree; echo '// Details in offload/device/gone.h.' >> offload/engine/engine.h
 expect_fault "a comment naming a file that does not exist" "names offload/device/gone.h, which is no file of the tree"
 
