@@ -779,19 +779,9 @@ phase_offload() {
   else
     args=(--device cpu --quick --timeout 60)
   fi
-  if ! allot 280 40; then
-    no_time offload
-    return
-  fi
-  local o0=$SECONDS rc
-  offload_bench offload.md "${args[@]}"
-  rc=$BENCH_RC
-  if ((rc == 0)) && ! { grep -qE '^\| sluice\.offload storage=bfloat16 \| [0-9.]+ \|' "$OUT/offload.md" &&
-    grep -qE '^\| sluice\.offload storage=float8_e4m3fn \| [0-9.]+ \|' "$OUT/offload.md"; }; then
-    step offload fail "(a sluice row was not timed; offload.md)"
-  else
-    step_rc offload "$rc" "($((SECONDS - o0)) s; each mode's host RAM over the model it stores; offload.md)"
-  fi
+  offload_bench_phase offload 280 40 "each mode's host RAM over the model it stores" "a sluice row was not timed" \
+    '^\| sluice\.offload storage=bfloat16 \| [0-9.]+ \|' '^\| sluice\.offload storage=float8_e4m3fn \| [0-9.]+ \|' \
+    -- "${args[@]}"
 }
 
 # bench/offload_vs_diffusers.py with ARGS, under the phase's allotment T, the bindings on
@@ -803,6 +793,36 @@ offload_bench() {  # FILE ARGS...
     OMP_WAIT_POLICY=passive SLUICE_LOG_LEVEL=warn \
     run_for "$T" "$PY" bench/offload_vs_diffusers.py "$@" 2>&1 | tee -a "$OUT/$file"
   BENCH_RC=${PIPESTATUS[0]}
+}
+
+# The rest of phases offload and compiled: the allotment (SECONDS, at least MIN), the bench
+# with ARGS into $OUT/NAME.md, and the verdict: a pass needs exit 0 and a line matching each
+# PATTERN (else fail with WHAT_MISSING); the pass line says WHAT.
+offload_bench_phase() {  # NAME SECONDS MIN WHAT WHAT_MISSING PATTERN... -- ARGS...
+  local name="$1" secs="$2" min="$3" what="$4" missing="$5"
+  shift 5
+  local patterns=()
+  while [ "$1" != "--" ]; do
+    patterns+=("$1")
+    shift
+  done
+  shift
+  if ! allot "$secs" "$min"; then
+    no_time "$name"
+    return
+  fi
+  local o0=$SECONDS rc p
+  offload_bench "$name.md" "$@"
+  rc=$BENCH_RC
+  if ((rc == 0)); then
+    for p in "${patterns[@]}"; do
+      if ! grep -qE "$p" "$OUT/$name.md"; then
+        step "$name" fail "($missing; $name.md)"
+        return
+      fi
+    done
+  fi
+  step_rc "$name" "$rc" "($((SECONDS - o0)) s; $what; $name.md)"
 }
 
 # --- phase compiled (optional) -----------------------------------------------------------
@@ -820,19 +840,10 @@ phase_compiled() {
   else
     args=(--device cpu --quick --timeout 150 --modes sluice-fp8 --compiled)
   fi
-  if ! allot 400 60; then
-    no_time compiled
-    return
-  fi
-  local o0=$SECONDS rc
-  offload_bench compiled.md "${args[@]}"
-  rc=$BENCH_RC
-  if ((rc == 0)) && ! { grep -qE '^\| sluice\.offload storage=float8_e4m3fn \+ torch\.compile \| [0-9.]+ \|' "$OUT/compiled.md" &&
-    grep -qE '^compiled vs eager offloaded: .*: [0-9.]+x;' "$OUT/compiled.md"; }; then
-    step compiled fail "(a compiled row or its ratio to the eager row is missing; compiled.md)"
-  else
-    step_rc compiled "$rc" "($((SECONDS - o0)) s; compiled-and-offloaded against eager-offloaded step time; compiled.md)"
-  fi
+  offload_bench_phase compiled 400 60 "compiled-and-offloaded against eager-offloaded step time" \
+    "a compiled row or its ratio to the eager row is missing" \
+    '^\| sluice\.offload storage=float8_e4m3fn \+ torch\.compile \| [0-9.]+ \|' \
+    '^compiled vs eager offloaded: .*: [0-9.]+x;' -- "${args[@]}"
 }
 
 case "$PHASE" in
