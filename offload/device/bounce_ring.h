@@ -41,6 +41,14 @@
 //    cpu_device.h) and checks that no bounce wait waited for running compute.
 // If even the slots cannot be pinned, the engine says so once and copies synchronously:
 // correct, without overlap, and counted in the stats (sync_copies).
+//
+// Tested by (through streamed forwards of pageable layers on the CPU device, plain and
+// strict): tests/test_streams.cpp ("streams: pageable layers stream through the bounce
+// ring", "streams: without a pinned bounce ring copies are synchronous and said once and
+// counted", "streams: a bounce slot's reuse never waits for compute the device is still
+// running", "streams: queuing pageable layers' copies does not wait for the compute just
+// queued"), tests/test_faults.cpp ("faults: pinning failing falls back to pageable memory
+// with one warning").
 #include <ATen/ATen.h>
 
 #include <cstdint>
