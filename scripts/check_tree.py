@@ -90,15 +90,14 @@ def python_docstring_lines(lines):
     """Indices of lines inside triple-quoted strings (docstrings) of a Python file."""
     inside, quote, out = False, None, set()
     for i, line in enumerate(lines):
-        s = line
         if inside:
             out.add(i)
-            if quote in s:
+            if quote in line:
                 inside = False
             continue
         for q in ('"""', "'''"):
-            if q in s:
-                if s.count(q) % 2 == 1:
+            if q in line:
+                if line.count(q) % 2 == 1:
                     inside, quote = True, q
                 out.add(i)
                 break
@@ -129,7 +128,6 @@ def main():
                 refs.setdefault(r.group(1), []).append((f, n))
             for w in NOTE_WHERE.finditer(line):
                 placed.append((f, n, w.group(1), w.group(2)))
-            previous = " ".join(lines[max(0, n - 10):n - 1])  # a list under a line naming the project
             text = comment_text(f, line)
             if text is None and (n - 1) in doc:
                 text = line
@@ -137,7 +135,10 @@ def main():
                 continue
             for c in FILE_CITE.finditer(text):
                 cited = c.group(1).rstrip(".")
-                if not cited_exists(root, f, cited, existing, basenames, text + " " + previous):
+                # A comment naming another project (on its line, or above a list) names that
+                # project's files.
+                if not cited_exists(f, cited, existing, basenames) and \
+                        not OTHER_PROJECT.search(" ".join(lines[max(0, n - 10):n])):
                     faults.append(f"{f}:{n}: names {cited}, which is no file of the tree")
                 elif f in public and not public_cite_ok(cited):
                     faults.append(f"{f}:{n}: a public header cites {cited}, which is no public header "
@@ -169,22 +170,14 @@ def main():
     return 0
 
 
-def cited_exists(root, citer, cited, existing, basenames, text=""):
+def cited_exists(citer, cited, existing, basenames):
     if cited.startswith(EXTERNAL_PREFIXES) or cited in EXTERNAL_NAMES:
-        return True
-    # A comment naming another project names that project's files.
-    if OTHER_PROJECT.search(text):
         return True
     if "/" not in cited:
         return cited in basenames
     here = os.path.dirname(citer)
-    for cand in (cited, os.path.normpath(os.path.join(here, cited)), "include/" + cited, "python/" + cited,
-                 "tests/" + cited):
-        if cand in existing:
-            return True
-        if any(e.startswith(cand.rstrip("/") + "/") for e in existing):
-            return True
-    return False
+    return any(cand in existing for cand in (cited, os.path.normpath(os.path.join(here, cited)),
+                                             "include/" + cited, "python/" + cited, "tests/" + cited))
 
 
 def public_cite_ok(cited):
