@@ -375,8 +375,9 @@ WeightReadReport load_weights(AnimaModelImpl& model, const safetensors::File& f,
   };
   std::map<std::string, LayerOf> layer_of;  // parameter name -> its layer
   if (storage != nullptr) {
-    const SkipList made = options.skips ? SkipList() : SkipList::from_options(*storage, declared_fp8_skips());
-    const SkipList& skips = options.skips ? *options.skips : made;
+    std::optional<SkipList> made;  // when the caller gave none
+    const SkipList& skips = options.skips ? *options.skips
+                                          : made.emplace(SkipList::from_options(*storage, declared_fp8_skips()));
     for (const auto& [name, layer] : offload::managed_layers(model)) {
       const LayerOf l{layer, !skips.matches(name).has_value()};
       layer_of[name + ".weight"] = l;
@@ -518,15 +519,16 @@ AnimaModel load_anima(const std::string& path, const LoadOptions& options) {
   const auto t0 = clock::now();
   WeightReadOptions ro;
   ro.storage = storage ? &*storage : nullptr;
-  ro.skips = options.skips;
+  // The skip list, made once for the read and the cast when the caller gave none.
+  std::optional<SkipList> made;
+  const SkipList* skips = options.skips;
+  if (storage && !skips) skips = &made.emplace(SkipList::from_options(*storage, declared_fp8_skips()));
+  ro.skips = skips;
   ro.threads = options.threads;
   const WeightReadReport read = load_weights(*model, *file, probe.prefix, ro);
   const auto t1 = clock::now();
   offload::StorageReport report;
-  if (storage) {
-    report = options.skips ? offload::apply_storage(*model, config.name, *storage, *options.skips, &read.casts)
-                           : offload::apply_storage(*model, config.name, *storage, declared_fp8_skips(), &read.casts);
-  }
+  if (storage) report = offload::apply_storage(*model, config.name, *storage, *skips, &read.casts);
   if (storage) {
     // The file's weights in another dtype than the storage: said once (the CLI's `run` says
     // it on stdout, Note [run storage] in cli/cmd_run.cpp).
