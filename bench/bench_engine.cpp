@@ -27,7 +27,7 @@
 #include "offload/engine/engine.h"
 #include "runtime/hardware.h"
 #include "runtime/logging.h"
-#include "tests/toy_model.h"
+#include "tests/support/toy_model.h"
 
 using namespace sluice::offload;
 using sluice::testing::ToyModel;

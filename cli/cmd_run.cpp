@@ -23,7 +23,7 @@
 //
 // The output depends only on the model, the seed, the context and the sampling flags: on
 // the CPU device it is bit-identical whatever --vram-budget, --max-resident, --prefetch
-// or --pin-memory (tests/test_run.cpp).
+// or --pin-memory (tests/cli/test_run.cpp).
 //
 // Note [run storage]
 // ~~~~~~~~~~~~~~~~~~

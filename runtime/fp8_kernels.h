@@ -53,9 +53,9 @@
 //    rounds to nearest even; the low bits of the sum are then the denormal's byte (0..8;
 //    8 is 2^-6, the smallest normal);
 //  - magnitudes beyond max_bits give 0x7E (448), the sign bit moves from bit 15 to bit 7.
-// Every finite bf16 pattern gives c10's byte in every variant (tests/test_fp8_kernels.cpp
-// checks all 65536, at odd lengths and offsets). The float add assumes the default
-// rounding mode, as c10's conversion does.
+// Every finite bf16 pattern gives c10's byte in every variant
+// (tests/runtime/test_fp8_kernels.cpp checks all 65536, at odd lengths and offsets). The
+// float add assumes the default rounding mode, as c10's conversion does.
 #include <cstdint>
 #include <vector>
 

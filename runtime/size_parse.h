@@ -18,8 +18,9 @@
 // format_bytes: binary units spelled MiB/GiB (never "MB" for MiB), one decimal, rounded UP
 // to the smallest printed value that parse_size reads back as at least the bytes. So a
 // printed size typed back as a flag never means fewer bytes than it stood for (a printed
-// minimum is enough), and format(parse(format(x))) == format(x) (tests/test_size_parse.cpp),
-// for every size below 2^62 bytes (nearer int64's end the rounded-up text can exceed it).
+// minimum is enough), and format(parse(format(x))) == format(x)
+// (tests/runtime/test_size_parse.cpp), for every size below 2^62 bytes (nearer int64's end
+// the rounded-up text can exceed it).
 #include <cstdint>
 #include <optional>
 #include <string>

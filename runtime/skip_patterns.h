@@ -15,7 +15,7 @@
 // matches a `text_embedder` and keeps a layer in bf16 that the model never asked for.
 // Whole-component matching asks for exactly the module the model names.
 //
-// Consequences, pinned by tests/test_skip_patterns.cpp:
+// Consequences, pinned by tests/runtime/test_skip_patterns.cpp:
 //  - `t_embedder` does not match `text_embedder.linear` or `t_embedder_2.proj`.
 //  - A user's plain `norm` matches only a component named `norm` (`llm_adapter.norm`), not
 //    `t_embedding_norm` or `norm1.linear`. Write a regex (`norm`-containing, e.g.

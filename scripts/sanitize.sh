@@ -4,8 +4,8 @@
 #   bash scripts/sanitize.sh asan   # ASan + UBSan, build-asan/: the whole suite except the
 #                                   # Python reference-parity tests (label "parity")
 #   bash scripts/sanitize.sh tsan   # TSan, build-tsan/: the concurrent tests (engine, CPU
-#                                   # device, staging ring, fault injection, faults, and the
-#                                   # model cache's tests when tests/test_model_cache.cpp exists)
+#                                   # device, staging ring, fault injection, faults, model
+#                                   # cache)
 #
 # Extra arguments go to ctest (e.g. -R engine). libtorch itself is not instrumented; the
 # few reports that come from inside it are suppressed by tests/sanitizers/*.supp, where
@@ -34,9 +34,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
     -DSLUICE_WITH_CUDA=OFF >/dev/null
 fi
 
-# The model cache's tests land with the cache; pick them up when they exist.
-TSAN_TESTS=(engine device staging_ring fault_injection faults)
-[ -f tests/test_model_cache.cpp ] && TSAN_TESTS+=(model_cache)
+TSAN_TESTS=(engine device staging_ring fault_injection faults model_cache)
 
 start=$(date +%s)
 if [ "$KIND" = asan ]; then

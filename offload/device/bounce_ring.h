@@ -36,19 +36,19 @@
 //    streamed layers older than the last one the host enqueued: its copy sits behind the
 //    compute of a layer at least two layers back. The host therefore waits on compute only
 //    when the device runs more than two streamed layers behind it, never on the reader it
-//    has just released. tests/test_streams.cpp models a device whose compute runs behind
-//    the host (CpuDeviceOptions::compute_lag, Note [host waits on compute] in
+//    has just released. tests/offload/engine/test_streams.cpp models a device whose compute
+//    runs behind the host (CpuDeviceOptions::compute_lag, Note [host waits on compute] in
 //    cpu_device.h) and checks that no bounce wait waited for running compute.
 // If even the slots cannot be pinned, the engine says so once and copies synchronously:
 // correct, without overlap, and counted in the stats (sync_copies).
 //
 // Tested by (through streamed forwards of pageable layers on the CPU device, plain and
-// strict): tests/test_streams.cpp ("streams: pageable layers stream through the bounce
-// ring", "streams: without a pinned bounce ring copies are synchronous and said once and
-// counted", "streams: a bounce slot's reuse never waits for compute the device is still
-// running", "streams: queuing pageable layers' copies does not wait for the compute just
-// queued"), tests/test_faults.cpp ("faults: pinning failing falls back to pageable memory
-// with one warning").
+// strict): tests/offload/engine/test_streams.cpp ("streams: pageable layers stream through
+// the bounce ring", "streams: without a pinned bounce ring copies are synchronous and said
+// once and counted", "streams: a bounce slot's reuse never waits for compute the device is
+// still running", "streams: queuing pageable layers' copies does not wait for the compute
+// just queued"), tests/offload/engine/test_faults.cpp ("faults: pinning failing falls back
+// to pageable memory with one warning").
 #include <ATen/ATen.h>
 
 #include <cstdint>

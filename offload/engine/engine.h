@@ -24,7 +24,7 @@
 // Note [engine faults]
 // ~~~~~~~~~~~~~~~~~~~~
 // What the engine does when the device or the host fails it (each case has a test in
-// tests/test_faults.cpp, driven by the fault points of runtime/fault_injection.h):
+// tests/offload/engine/test_faults.cpp, driven by the fault points of runtime/fault_injection.h):
 //  - Out of device memory making a layer resident (attach or a residency change): the
 //    layers that made it stay resident, the rest stream, with one warning naming the
 //    error and the residency reached: a smaller residency, same outputs. If the ring for

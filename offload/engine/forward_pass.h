@@ -32,14 +32,14 @@
 // Not thread-safe: one forward at a time, from one thread.
 //
 // Tested by (indirectly, through streamed forwards of the engine on the CPU device):
-// tests/test_engine.cpp ("engine: outputs are bit-identical to the plain model for every depth and
-// cap and policy", "engine: a forward that leaves the recorded order stays correct and is
-// re-recorded", "engine: forwards of different kinds keep their own order", "engine: nested leases
-// get their own slot and scratch"), tests/test_streams.cpp ("streams: streamed forwards through a
-// wrapping ring match the model", "streams: forwards alternate between two host streams"),
-// tests/test_foreign_model.cpp ("foreign model: a layer called twice per forward is two calls, each
-// prefetched (Note [repeated calls])"), tests/python/test_offload_guarantees.py
-// (test_a_forward_off_the_recorded_order_says_so).
+// tests/offload/engine/test_engine.cpp ("engine: outputs are bit-identical to the plain model for
+// every depth and cap and policy", "engine: a forward that leaves the recorded order stays correct
+// and is re-recorded", "engine: forwards of different kinds keep their own order", "engine: nested
+// leases get their own slot and scratch"), tests/offload/engine/test_streams.cpp ("streams:
+// streamed forwards through a wrapping ring match the model", "streams: forwards alternate between
+// two host streams"), tests/offload/layer/test_foreign_model.cpp ("foreign model: a layer called
+// twice per forward is two calls, each prefetched (Note [repeated calls])"),
+// tests/python/test_offload_guarantees.py (test_a_forward_off_the_recorded_order_says_so).
 #include <array>
 #include <cstdint>
 #include <exception>

@@ -54,14 +54,15 @@
 // Not thread-safe: the engine's single thread.
 //
 // Tested by (indirectly, through the engine's set_budget, set_max_resident, LoRA scopes and
-// measured forwards): tests/test_engine.cpp ("engine: set_budget replans and a too-small budget
-// changes nothing", "engine: set_max_resident replans under the current limit", "engine: a first
-// forward whose activations pass the working memory grows it to the measurement and replans",
-// "engine: what nested leases held beyond the plan is reserved in later plans and the minimum"),
-// tests/test_lora.cpp ("lora: a rank-64 LoRA on every Linear under a budget that fits the model
-// exactly streams more layers", "lora: sidecars that cannot fit even with every layer streamed give
-// one error naming the LoRA"), tests/test_streams.cpp ("streams: a forward right after placing LoRA
-// sidecars reads them after their copies"), tests/python/test_offload_guarantees.py
+// measured forwards): tests/offload/engine/test_engine.cpp ("engine: set_budget replans and a
+// too-small budget changes nothing", "engine: set_max_resident replans under the current limit",
+// "engine: a first forward whose activations pass the working memory grows it to the measurement
+// and replans", "engine: what nested leases held beyond the plan is reserved in later plans and the
+// minimum"), tests/models/test_lora.cpp ("lora: a rank-64 LoRA on every Linear under a budget that
+// fits the model exactly streams more layers", "lora: sidecars that cannot fit even with every
+// layer streamed give one error naming the LoRA"), tests/offload/engine/test_streams.cpp ("streams:
+// a forward right after placing LoRA sidecars reads them after their copies"),
+// tests/python/test_offload_guarantees.py
 // (test_the_working_memory_of_an_offloaded_module_is_measured_and_grown).
 #include <ATen/ATen.h>
 

@@ -73,8 +73,8 @@
 //    acquires and releases. On anima-medium at max_resident 0.5 (CPU device) the smallest
 //    ring ran 1.20-1.30x its floor with 24-30 ms of stall; with the headroom, 0.2 ms.
 // A few k values x up to ~20 rings x 3 sets: at most a few hundred predictions of three
-// forwards each (137 for anima-2b's 454 layers), about 2 ms (tests/test_residency_plan.cpp
-// and bench_predict report it).
+// forwards each (137 for anima-2b's 454 layers), about 2 ms
+// (tests/offload/plan/test_residency_plan.cpp and bench_predict report it).
 // Without usable costs (at attach, before anything was measured) balanced plans as spread;
 // the engine replans once it has measured a forward. Every policy fills plan.predictions
 // when costs are usable.
