@@ -66,8 +66,6 @@ struct LoraState {
 
 namespace {
 
-Counter counter(const offload::Stat& s) { return Counter{s.current, s.peak, s.allocated, s.freed}; }
-
 ModelInfo make_info(const cache::ModelCache& c, const std::shared_ptr<cache::Entry>& e) {
   const anima::AnimaConfig cfg = c.entry_config(e);
   ModelInfo i;
@@ -148,23 +146,11 @@ void end_lora(detail::LoraState& st) {
   st.lock.unlock();
 }
 
-NonFiniteReport report(const offload::NonFiniteRecord& rec) {
-  NonFiniteReport r;
-  r.kind = rec.kind;
-  r.module = rec.module;
-  r.nonfinite_values = rec.nonfinite_values;
-  r.values = rec.values;
-  r.output_nonfinite_values = rec.output_nonfinite_values;
-  r.output_values = rec.output_values;
-  r.forward_index = rec.forward;
-  return r;
-}
-
 // Note [layer output observer]: runs `fn` as one forward of `kind` with a finite check of
 // every observed output, and records what it found in the engine's stats.
 std::optional<NonFiniteReport> locate(detail::LockToken& t, const char* kind,
                                       const std::function<at::Tensor(anima::AnimaModelImpl&, offload::StreamingEngine&)>& fn) {
-  offload::NonFiniteRecord rec;
+  NonFiniteReport rec;
   rec.kind = kind;
   t.model->cache->run(t.lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
     c10::InferenceMode inference;
@@ -187,10 +173,10 @@ std::optional<NonFiniteReport> locate(detail::LockToken& t, const char* kind,
     }
     rec.output_values = out.numel();
     if (const auto v = find_nonfinite(out)) rec.output_nonfinite_values = v->count;
-    rec.forward = engine.record_nonfinite(rec);
+    rec.forward_index = engine.record_nonfinite(rec);
   });
   if (rec.module.empty() && rec.output_nonfinite_values == 0) return std::nullopt;
-  return report(rec);
+  return rec;
 }
 
 }  // namespace
@@ -240,6 +226,7 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
   const offload::ResolvedVramBudget budget =
       offload::resolve_vram_budget(*device, o.vram_budget, o.vram_headroom, "vram_budget", "vram_headroom");
   c.vram_budget = budget.bytes;
+  c.vram_budget_source = budget.how;
   if (!o.working_memory.empty()) {
     const uint64_t budget = c.vram_budget ? c.vram_budget : device->total_memory();
     c.working_memory = parse_size(o.working_memory, budget ? std::optional<uint64_t>(budget) : std::nullopt,
@@ -263,7 +250,7 @@ ModelCache::ModelCache(RuntimeOptions options) : impl_(std::make_shared<detail::
   c.trace = o.trace;
   c.load_threads = o.load_threads;
   impl_->cache = cache::ModelCache::create(std::move(c));
-  impl_->set_budget_source(budget);
+  detail::CacheImpl::log_budget(budget);
 }
 
 ModelCache::~ModelCache() = default;
@@ -303,38 +290,7 @@ void ModelCache::drop(const Model& model) {
 
 void ModelCache::set_vram_budget(const std::string& budget) { impl_->set_vram_budget(budget); }
 
-CacheStats ModelCache::stats() const {
-  const cache::CacheStats s = impl_->cache->stats();
-  CacheStats o;
-  o.device = s.device;
-  o.hits = s.hits;
-  o.misses = s.misses;
-  o.loads = s.loads;
-  o.evictions = s.evictions;
-  o.device_unloads = s.device_unloads;
-  o.device_drops = s.device_drops;
-  o.models = s.models;
-  o.locked = s.locked;
-  o.host_memory_limit_bytes = s.host_memory_limit.bytes;
-  o.host_memory_limit_source = s.host_memory_limit.source;
-  o.ram_limit_bytes = s.ram_limit;
-  o.ram_limit_source = s.ram_limit_source;
-  o.ram = counter(s.ram);
-  o.pin_limit_bytes = s.pin_limit;
-  o.pin_limit_source = s.pin_limit_source;
-  o.pinned = counter(s.pinned);
-  o.pinned_used_bytes = s.pinned_used;
-  o.vram_budget_bytes = s.vram_budget;
-  o.vram_budget_source = impl_->budget_source_now();
-  o.working_memory_bytes = s.working_memory;
-  o.vram_limit_bytes = s.vram_limit;
-  o.vram = counter(s.vram);
-  o.vram_reserved_bytes = s.vram_reserved;
-  o.models_device_bytes = s.models_device_bytes;
-  o.models_allocated_bytes = s.models_allocated_bytes;
-  o.vram_unattributed_bytes = s.vram_unattributed;
-  return o;
-}
+CacheStats ModelCache::stats() const { return impl_->cache->stats(); }
 
 std::vector<Model> ModelCache::models() const {
   std::vector<Model> out;
@@ -421,23 +377,9 @@ ModelStats Model::stats() const {
   s.allocated_bytes = st.device_allocated;
   s.minimum_bytes = st.minimum;
   s.forwards = es.forwards;
-  for (const auto& r : es.forward_records) {
-    ForwardStats f;
-    f.index = r.index;
-    f.kind = r.kind;
-    f.bytes_streamed = r.bytes_streamed;
-    f.planned_bytes = r.planned_bytes;
-    f.copies = r.copies;
-    f.stalls = r.stalls;
-    f.h2d_gbps = r.h2d_gbps;
-    f.stall_ms = r.stall_ms;
-    f.upcast_ms = r.upcast_ms;
-    f.wall_ms = r.wall_ms;
-    f.aborted = r.aborted;
-    s.forward_records.push_back(f);
-  }
+  s.forward_records = es.forward_records;
   s.nonfinite_reruns = es.nonfinite_reruns;
-  if (es.nonfinite) s.nonfinite = report(*es.nonfinite);
+  s.nonfinite = es.nonfinite;
   return s;
 }
 

@@ -8,14 +8,11 @@
 #include "offload/report/timeline_svg.h"
 #include "runtime/error.h"
 #include "runtime/hardware.h"
+#include "runtime/record_json.h"
 
 namespace sluice::cache {
 
 namespace {
-
-nlohmann::json stat_json(const offload::Stat& s) {
-  return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
-}
 
 // The host_memory_limit object of the stats JSON (Note [host memory limit]): the limit the
 // defaults came from, where it came from, and the sources it is the smallest of.
@@ -32,50 +29,17 @@ nlohmann::json host_limit_json(const HostMemoryLimit& h) {
 
 std::string source_or_given(const std::string& s) { return s.empty() ? "given" : s; }
 
-// The cache object of the stats JSON: CacheStats with the named parts of Note [stats parts].
-nlohmann::json cache_json(const CacheStats& s) {
-  nlohmann::json models = nlohmann::json::array();
-  for (const auto& m : s.models_held) {
-    models.push_back({{"id", m.id},
-                      {"name", m.name},
-                      {"source", m.source},
-                      {"in_ram", m.in_ram},
-                      {"on_device", m.on_device},
-                      {"dropped", m.dropped},
-                      {"locks", m.locks},
-                      {"share_bytes", m.share},
-                      {"device_bytes", m.device_bytes},
-                      {"allocated_bytes", m.allocated_bytes}});
-  }
-  return {{"device", s.device},
-          {"hits", s.hits},
-          {"misses", s.misses},
-          {"loads", s.loads},
-          {"evictions", s.evictions},
-          {"device_unloads", s.device_unloads},
-          {"device_drops", s.device_drops},
-          {"models", s.models},
-          {"locked", s.locked},
-          {"host_memory_limit", host_limit_json(s.host_memory_limit)},
-          {"ram_limit_bytes", s.ram_limit},
-          {"ram_limit_source", source_or_given(s.ram_limit_source)},
-          {"ram", stat_json(s.ram)},
-          {"ram_reserved_bytes", s.ram_reserved},
-          {"pin_limit_bytes", s.pin_limit},
-          {"pin_limit_source", source_or_given(s.pin_limit_source)},
-          {"pinned", stat_json(s.pinned)},
-          {"pinned_bytes", s.pinned.current},
-          {"pinned_used_bytes", s.pinned_used},
-          {"vram_budget_bytes", s.vram_budget},
-          {"working_memory_bytes", s.working_memory},
-          {"measured_working_memory_bytes", s.measured_working_memory},
-          {"vram_limit_bytes", s.vram_limit},
-          {"vram", stat_json(s.vram)},
-          {"vram_reserved_bytes", s.vram_reserved},
-          {"models_device_bytes", s.models_device_bytes},
-          {"models_allocated_bytes", s.models_allocated_bytes},
-          {"vram_unattributed_bytes", s.vram_unattributed},
-          {"models_held", models}};
+// The cache object of the stats JSON: the CacheStats record (one key per field, Note [field
+// lists] in sluice/stats.hpp) with the named parts of Note [stats parts], and what it writes
+// differently: the host memory limit in detail (its sources), a default's source "given"
+// where the value was given, and pinned_bytes, the older name of pinned.current.
+nlohmann::json cache_json(const CacheStats& s, const HostMemoryLimit& host_limit) {
+  nlohmann::json j = s;
+  j["host_memory_limit"] = host_limit_json(host_limit);
+  j["ram_limit_source"] = source_or_given(s.ram_limit_source);
+  j["pin_limit_source"] = source_or_given(s.pin_limit_source);
+  j["pinned_bytes"] = s.pinned.current;
+  return j;
 }
 
 }  // namespace
@@ -94,24 +58,26 @@ CacheStats CacheQueries::stats_locked() const {
     s.models += 1;
     if (e->locks > 0) s.locked += 1;
   }
-  s.host_memory_limit = s_.host_limit;
-  s.ram_limit = s_.ram_limit;
+  s.host_memory_limit_bytes = s_.host_limit.bytes;
+  s.host_memory_limit_source = s_.host_limit.source;
+  s.ram_limit_bytes = s_.ram_limit;
   s.ram_limit_source = s_.ram_limit_source;
   s.ram = s_.ram;
-  s.ram_reserved = s_.ram_reserved;
-  s.pin_limit = s_.pin_arena->limit();
+  s.ram_reserved_bytes = s_.ram_reserved;
+  s.pin_limit_bytes = s_.pin_arena->limit();
   s.pin_limit_source = s_.pin_arena->limit_source();
   s.pinned = s_.pin_arena->pinned();
-  s.pinned_used = s_.pin_arena->used_bytes();
-  s.vram_budget = s_.budget;
-  s.working_memory = s_.working_memory;
-  s.measured_working_memory = s_.measured_working;
-  s.vram_limit = shares_.limit();
+  s.pinned_used_bytes = s_.pin_arena->used_bytes();
+  s.vram_budget_bytes = s_.budget;
+  s.vram_budget_source = s_.budget_source;
+  s.working_memory_bytes = s_.working_memory;
+  s.measured_working_memory_bytes = s_.measured_working;
+  s.vram_limit_bytes = shares_.limit();
   s.vram = s_.device->memory_stats().total;
-  s.vram_reserved = shares_.reserved();
+  s.vram_reserved_bytes = shares_.reserved();
   for (const auto& e : s_.entries) {
     if (!e->loaded_once) continue;
-    CacheStats::ModelPart m;
+    HeldModel m;
     m.id = e->id;
     m.name = e->name;
     m.source = e->request.spec.source;
@@ -119,7 +85,7 @@ CacheStats CacheQueries::stats_locked() const {
     m.on_device = e->attached;
     m.dropped = e->dropped;
     m.locks = e->locks;
-    m.share = e->attached ? e->share : 0;
+    m.share_bytes = e->attached ? e->share : 0;
     if (e->attached) {
       std::lock_guard<std::mutex> p(e->published_mutex);
       m.device_bytes = e->published.device_bytes;
@@ -129,7 +95,7 @@ CacheStats CacheQueries::stats_locked() const {
     s.models_allocated_bytes += m.allocated_bytes;
     s.models_held.push_back(std::move(m));
   }
-  s.vram_unattributed = s.vram.current - static_cast<int64_t>(s.models_allocated_bytes);
+  s.vram_unattributed_bytes = s.vram.current - static_cast<int64_t>(s.models_allocated_bytes);
   return s;
 }
 
@@ -147,7 +113,7 @@ CacheStats CacheQueries::stats() const {
   return stats_locked();
 }
 
-std::string CacheQueries::stats_json(int indent) const { return cache_json(stats()).dump(indent); }
+std::string CacheQueries::stats_json(int indent) const { return cache_json(stats(), s_.host_limit).dump(indent); }
 
 offload::EngineStats CacheQueries::engine_stats(const std::shared_ptr<Entry>& e) const {
   std::lock_guard<std::mutex> g(locking_.mutex());
@@ -166,7 +132,7 @@ offload::EngineStats CacheQueries::engine_stats(const std::shared_ptr<Entry>& e)
 
 std::string CacheQueries::model_stats_json(const std::shared_ptr<Entry>& e, int indent) const {
   offload::EngineStats s = engine_stats(e);
-  nlohmann::json j = nlohmann::json::parse(s.to_json(-1));
+  nlohmann::json j = s.to_json_value();
   std::lock_guard<std::mutex> g(locking_.mutex());
   j["budget"]["budget_bytes"] = s_.budget;
   j["budget"]["working_memory_bytes"] = s_.working_memory;
@@ -203,7 +169,7 @@ std::string CacheQueries::model_stats_json(const std::shared_ptr<Entry>& e, int 
                                   ? nlohmann::json(s.allocator_current_bytes - static_cast<int64_t>(own + others))
                                   : nlohmann::json();
   }
-  j["cache"] = cache_json(cs);
+  j["cache"] = cache_json(cs, s_.host_limit);
   return j.dump(indent);
 }
 
@@ -263,7 +229,7 @@ void CacheQueries::write_timeline_svg(const std::shared_ptr<Entry>& e, const std
 
 anima::AnimaConfig CacheQueries::entry_config(const std::shared_ptr<Entry>& e) const {
   std::lock_guard<std::mutex> g(locking_.mutex());
-  return e->config;
+  return e->request.config.value_or(anima::AnimaConfig{});  // an adopted model has none
 }
 
 EntryState CacheQueries::entry_state(const std::shared_ptr<Entry>& e) const {

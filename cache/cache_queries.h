@@ -39,49 +39,13 @@
 #include "models/anima/config.h"
 #include "offload/report/stats.h"
 #include "runtime/host_memory_limit.h"
+#include "sluice/stats.hpp"
 
 namespace sluice::cache {
 
-struct CacheStats {
-  // One model the cache holds, for the parts of the device totals (Note [stats parts]).
-  struct ModelPart {
-    uint64_t id = 0;
-    std::string name, source;
-    bool in_ram = false, on_device = false, dropped = false;
-    int locks = 0;
-    uint64_t share = 0;            // its share of vram_limit (0 off the device)
-    uint64_t device_bytes = 0;     // its ledger: what its stats JSON calls device.current_bytes
-    uint64_t allocated_bytes = 0;  // of which allocated now (its staging ring's reservation counts its slots made)
-  };
-  std::string device;
-  uint64_t hits = 0, misses = 0, loads = 0, evictions = 0;
-  uint64_t device_unloads = 0;  // partial unloads to make room for another model
-  uint64_t device_drops = 0;    // whole models taken off the device to make room
-  uint64_t models = 0;          // in RAM
-  uint64_t locked = 0;          // in RAM and locked
-  HostMemoryLimit host_memory_limit;  // as read when the cache was made (Note [host memory limit])
-  uint64_t ram_limit = 0;       // 0: unlimited
-  std::string ram_limit_source; // how the default was derived; empty: given
-  offload::Stat ram;            // host bytes of models in RAM (pinned host copies included)
-  uint64_t ram_reserved = 0;    // estimated bytes of models being read, counted against the RAM limit
-  uint64_t pin_limit = 0;       // the pinned arena's limit (all models)
-  std::string pin_limit_source; // how the default was derived; empty: given
-  offload::Stat pinned;         // page-locked bytes of the pinned arena (its chunks)
-  uint64_t pinned_used = 0;     // of which host weights (the rest is alignment padding)
-  uint64_t vram_budget = 0;
-  uint64_t working_memory = 0;  // grown by measurements (Note [measured working memory] in offload/engine/model_budget.h)
-  uint64_t measured_working_memory = 0;  // the most a first forward of a kind of any model used beyond the ledger
-  uint64_t vram_limit = 0;      // budget - working memory
-  offload::Stat vram;           // the device backend's total (all models); peak since the last budget change
-  uint64_t vram_reserved = 0;   // sum of shares
-  std::vector<ModelPart> models_held;  // every model the cache holds, in creation order
-  uint64_t models_device_bytes = 0;    // sum of their device_bytes
-  uint64_t models_allocated_bytes = 0; // sum of their allocated_bytes
-  // vram.current - models_allocated_bytes: bytes the device handed out that no model's
-  // ledger holds now (slots of a staging ring a model dropped, which queued work may still
-  // read); 0 between forwards.
-  int64_t vram_unattributed = 0;
-};
+// The cache's counters are the public record (sluice/stats.hpp: one list of fields gives the
+// struct and its JSON, Note [field lists]).
+using CacheStats = ::sluice::CacheStats;
 
 // Snapshot of an entry's state; the engine-side fields as last published.
 struct EntryState {

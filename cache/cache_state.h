@@ -38,6 +38,7 @@ constexpr uint64_t kGiB = 1ull << 30;
 struct CacheOptions {
   std::shared_ptr<offload::DeviceBackend> device;  // the device; null: a CPU device
   uint64_t vram_budget = 0;                        // device bytes for all models, working memory included; 0: all device memory
+  std::string vram_budget_source;                  // how it was resolved ("auto: free ... = ..."); empty for a size or all memory
   std::optional<uint64_t> working_memory;          // kept free for activations; none: default_working_memory(budget, resolution)
   int64_t resolution = 1024;                       // image side the default working memory is sized for
   std::optional<uint64_t> ram_limit;               // host bytes for models; 0: unlimited; none: default_ram_limit()
@@ -68,11 +69,11 @@ struct Entry {
   std::string name;
   // The load it was made by, resolved once (cache/load_request.h): the spec, its source
   // kind, dtypes for the device, skip list, key (identity: source, + seed for generated
-  // models), loading settings (a load with other settings reloads) and config. An adopted
+  // models), loading settings (a load with other settings reloads) and config (the one
+  // the model was read with, once read). An adopted
   // model has its name, source ("offload:<name>"), dtypes and key only.
   LoadRequest request;
   uint64_t estimate = 0;      // estimate_model_bytes()
-  anima::AnimaConfig config;  // set when first loaded
 
   anima::AnimaModel model{nullptr};                  // null while not in RAM (and for an adopted model)
   // A model the host made and handed to the cache (ModelCache::adopt: a torch module
@@ -136,11 +137,12 @@ struct CacheState {
   std::string ram_limit_source;  // how the default was derived (default_ram_limit()); empty when given
   bool ram_warned = false;
   offload::Stat ram;
-  uint64_t ram_reserved = 0;  // see CacheStats::ram_reserved
+  uint64_t ram_reserved = 0;  // see CacheStats::ram_reserved_bytes
   uint64_t hits = 0, misses = 0, loads = 0, evictions = 0;
 
   // The device budget and its shares (cache/device_shares.h).
   uint64_t budget = 0;
+  std::string budget_source;  // CacheStats::vram_budget_source
   uint64_t working_memory = 0;
   uint64_t measured_working = 0;  // the most any engine measured (Note [measured working memory])
   uint64_t grown_working = 0;     // the working memory the measurements ask for (0: none)

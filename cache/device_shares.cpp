@@ -113,7 +113,7 @@ void DeviceShares::attach(Entry& e, uint64_t share) {
   TORCH_INTERNAL_ASSERT(!e.running, "attach of '", e.name, "' during its forward");
   const auto t0 = std::chrono::steady_clock::now();
   if (!e.engine) e.engine = std::make_unique<offload::StreamingEngine>(engine_options(e));
-  e.engine->set_max_resident(e.max_resident);
+  e.engine->budget().set_max_resident(e.max_resident);
   e.engine->attach(*e.module(), e.name, share);
   e.attached = true;
   e.share = share;
@@ -162,7 +162,7 @@ void DeviceShares::resize(Entry& e, uint64_t share) {
   TORCH_INTERNAL_ASSERT(e.attached, "resize of a detached model");
   if (share == e.share) return;
   TORCH_INTERNAL_ASSERT(!e.running, "resize of '", e.name, "' during its forward");
-  e.engine->set_budget(share, /*release_freed=*/false);  // Note [releasing cached memory]: the cache decides
+  e.engine->budget().set_budget(share, /*release_freed=*/false);  // Note [releasing cached memory]: the cache decides
   e.share = share;
   count_pinned_ram(e);
   locking_.publish(e);
@@ -258,11 +258,11 @@ void DeviceShares::apply_max_resident(Entry& e, std::optional<double> fraction) 
       resize(e, n.minimum);
     }
     if (e.attached) {
-      e.engine->set_max_resident(fraction);
+      e.engine->budget().set_max_resident(fraction);
       count_pinned_ram(e);
       locking_.publish(e);
     } else if (e.engine) {
-      e.engine->set_max_resident(fraction);  // kept for the next attach
+      e.engine->budget().set_max_resident(fraction);  // kept for the next attach
     }
     e.max_resident = fraction;
     e.needs = n;
@@ -303,7 +303,7 @@ void DeviceShares::full_load(Entry& e, Guard& g) {
   if (e.max_resident) {
     e.max_resident.reset();
     if (e.attached) {
-      e.engine->set_max_resident(std::nullopt);
+      e.engine->budget().set_max_resident(std::nullopt);
       locking_.publish(e);
     }
     refresh_needs(e);
@@ -325,7 +325,7 @@ void DeviceShares::full_unload(Entry& e) {
 // ---------------------------------------------------------------------------------------
 // the budget (these take the cache mutex)
 
-void DeviceShares::set_budget(uint64_t budget_request, bool measured) {
+void DeviceShares::set_budget(uint64_t budget_request, bool measured, const std::string& source) {
   Guard g(locking_.mutex());
   // Any attached model may be resized below: wait for every running forward first.
   locking_.wait_all_idle(g);
@@ -378,6 +378,7 @@ void DeviceShares::set_budget(uint64_t budget_request, bool measured) {
     }
   }
   TORCH_INTERNAL_ASSERT(reserved() <= new_limit, "device shares over the new limit");
+  if (!measured) s_.budget_source = source;
   // A budget cut: what the shrunk models freed leaves the process (Note [releasing cached
   // memory] in offload/device/device_allocator.h). Room made for another model stays cached for it.
   if (!measured && new_limit < old_budget - std::min(old_budget, old_wm)) s_.device->release_cached_memory();

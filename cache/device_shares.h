@@ -79,9 +79,10 @@ class DeviceShares {
   void full_load(Entry& e, Guard& g);
   void full_unload(Entry& e);
 
-  // A new budget in bytes (0: all device memory). `measured`: from grow_working_memory
-  // (no budget log line, the allocator's cache is kept).
-  void set_budget(uint64_t budget_request, bool measured);
+  // A new budget in bytes (0: all device memory), resolved as `source` says (kept for the
+  // stats once the budget is in force). `measured`: from grow_working_memory (no budget log
+  // line, the allocator's cache is kept, the source stays).
+  void set_budget(uint64_t budget_request, bool measured, const std::string& source = {});
   // Note [measured working memory] (offload/engine/model_budget.h), for the cache: after a forward whose
   // engine measured more working memory than the cache keeps, the working memory grows to
   // the measurement plus an eighth and the shares are fitted under the new limit (as for a

@@ -6,8 +6,8 @@
 // and hands it down: the estimate, the read and the model's stats read it from there, and
 // nothing derives these facts from the spec again.
 //
-// Tested by: tests/test_ram_tier.cpp ("ram_tier: a load request is resolved once: its key,
-// settings, dtypes, skip list and config"), and through every load of tests/test_model_cache.cpp.
+// Tested by: tests/cache/test_ram_tier.cpp ("ram_tier: a load request is resolved once: its key,
+// settings, dtypes, skip list and config"), and through every load of tests/cache/test_model_cache.cpp.
 #include <ATen/ATen.h>
 
 #include <cstdint>

@@ -35,7 +35,7 @@ ModelCache::ModelCache(CacheOptions options) : state_(std::move(options)) {
   state_.pin_arena = o.pin_memory_limit
                          ? std::make_shared<offload::PinnedArena>(*o.pin_memory_limit)
                          : std::make_shared<offload::PinnedArena>(offload::default_pin_memory_limit(state_.host_limit));
-  set_vram_budget(o.vram_budget);
+  set_vram_budget(o.vram_budget, o.vram_budget_source);
 }
 
 ModelCache::~ModelCache() {
@@ -178,7 +178,9 @@ void ModelCache::patch(const Lock& lock,
 // ---------------------------------------------------------------------------------------
 // the budget
 
-void ModelCache::set_vram_budget(uint64_t budget_request) { shares_.set_budget(budget_request, /*measured=*/false); }
+void ModelCache::set_vram_budget(uint64_t budget_request, const std::string& source) {
+  shares_.set_budget(budget_request, /*measured=*/false, source);
+}
 
 offload::ResolvedVramBudget ModelCache::parse_budget(const std::string& text, const std::string& headroom,
                                                      const std::string& flag, const std::string& headroom_flag) const {

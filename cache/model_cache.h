@@ -117,9 +117,10 @@ class ModelCache : public std::enable_shared_from_this<ModelCache> {
   // release elsewhere takes the cache mutex and waits for the model's forward itself).
   void patch(const Lock& lock, const std::function<void(anima::AnimaModelImpl&, offload::SidecarPlacer&)>& fn);
 
-  // New budget in bytes (0: all device memory). See ModelCache::set_vram_budget in the
-  // public header for the rules.
-  void set_vram_budget(uint64_t budget);
+  // New budget in bytes (0: all device memory), and how it was resolved (parse_budget's
+  // `how`: CacheStats::vram_budget_source). See ModelCache::set_vram_budget in the public
+  // header for the rules.
+  void set_vram_budget(uint64_t budget, const std::string& source = {});
   // Resolves a budget string ("6GiB", "50%", "auto", "" = 0: all) on this device now, with
   // `headroom` for "auto" (offload/engine/vram_budget.h, Note [vram budget]).
   offload::ResolvedVramBudget parse_budget(const std::string& text, const std::string& headroom,

@@ -174,7 +174,7 @@ void RamTier::ensure_loaded(const std::shared_ptr<Entry>& ep, Guard& g, bool cou
   g.lock();
   s_.ram_reserved -= e.estimate;
   e.model = model;
-  e.config = model->config();
+  e.request.config = model->config();  // the config the model was read with, as the model has it
   e.loading = false;
   e.loaded_once = true;
   locking_.loaded();

@@ -26,7 +26,7 @@
 // wants: the bytes it grew for them go back to the budget, the rest back to resident layers.
 //
 // Tested by (indirectly, through LoRAs applied to models of a cache by the API and the bindings):
-// tests/test_api.cpp ("api: a LoRA's sidecars grow the model's share into the free budget and the
+// tests/api/test_api.cpp ("api: a LoRA's sidecars grow the model's share into the free budget and the
 // share shrinks back", "api: an unlocked model gives up residency for another model's LoRA and a
 // budget that cannot hold it refuses in one line", "api: LoRA changes the output and its removal
 // restores it bit-exactly"), tests/python/test_bindings.py

@@ -42,9 +42,11 @@ function(sluice_add_library name)
   cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(${name} STATIC ${ARG_SOURCES})
   add_library(sluice::${name} ALIAS ${name})
+  # The tree's root for "offload/...", "cache/..."; include/ for the public records
+  # ("sluice/stats.hpp"), which every layer reports in.
   target_include_directories(${name} PUBLIC
-    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
-    $<INSTALL_INTERFACE:include/sluice>)
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}> $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
+    $<INSTALL_INTERFACE:include/sluice> $<INSTALL_INTERFACE:include>)
   target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   sluice_apply_common(${name})
   set_property(GLOBAL APPEND PROPERTY SLUICE_EXPORTED_TARGETS ${name})

@@ -316,10 +316,10 @@ int main(int argc, char** argv) {
           // sides of it, skipping the check when another thread changed the budget meanwhile.
           const cache::CacheStats s = cache->stats();
           const auto alive = cache->device().allocator_stats();
-          const bool same_budget = cache->stats().vram_budget == s.vram_budget;
-          if (same_budget && alive.available && static_cast<uint64_t>(alive.peak_bytes) > s.vram_limit)
+          const bool same_budget = cache->stats().vram_budget_bytes == s.vram_budget_bytes;
+          if (same_budget && alive.available && static_cast<uint64_t>(alive.peak_bytes) > s.vram_limit_bytes)
             totals.violation("device bytes alive peaked at " + std::to_string(alive.peak_bytes) + " > limit " +
-                             std::to_string(s.vram_limit));
+                             std::to_string(s.vram_limit_bytes));
         } catch (const InvalidArgument& e) {
           // Locking a model another thread just dropped: expected; take the fresh entry next time.
           if (std::string(e.what()).find("dropped") == std::string::npos) {

@@ -25,7 +25,8 @@
 // report the state from before it.
 //
 // Stability: fields may be added to the option and stats structs (always defaulted); the
-// existing ones keep their meaning.
+// existing ones keep their meaning. The reported records are in sluice/stats.hpp, each
+// declared by one list of its fields (Note [field lists] there).
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -34,6 +35,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "sluice/stats.hpp"  // the reported records: Counter, CacheStats, ForwardStats, NonFiniteReport
 
 namespace sluice {
 
@@ -62,111 +65,66 @@ void set_log_sink(LogSink sink);
 // Options for a ModelCache (one per device). Sizes are strings parsed with sluice's size
 // rules: plain bytes ("123456"), binary units ("6GiB", "512MiB", "8G"), decimal units
 // ("6GB"), or a percentage ("50%") where the field says of what.
+// Like the records of sluice/stats.hpp, each option struct is one list of its fields
+// (Note [field lists] there), here with each field's default: the struct, and the keyword
+// arguments of the Python binding, come from it.
+#define SLUICE_RUNTIME_OPTIONS_FIELDS(F)                                                                           \
+  F(std::string, device, "cpu")        /* "cpu" (the CPU plays the device, for tests and CI), "cuda", "cuda:N" */     \
+  F(std::string, vram_budget, "")      /* device bytes for all models, working memory included ("50%" of TOTAL   */ \
+                                       /* device memory; "auto": free memory minus vram_headroom); empty: all   */ \
+  F(std::string, vram_headroom, "")    /* "auto" only: device memory left free ("10%" of TOTAL memory); empty:  */ \
+                                       /* max(512MiB, 5% of total) */                                             \
+  F(std::string, working_memory, "")   /* part of the budget kept free for activations ("10%" of the budget);   */ \
+                                       /* empty: 1GiB x (resolution/1024)^2, at least 256MiB, at most 25% of    */ \
+                                       /* the budget */                                                           \
+  F(int64_t, resolution, 1024)         /* image side (pixels) the default working memory is sized for */         \
+  F(std::string, ram_limit, "")        /* host bytes for cached models ("50%" of RAM), LRU eviction; "0":       */ \
+                                       /* unlimited; empty: min(L, max(4GiB, 50% of L - 2GiB)), L the host      */ \
+                                       /* memory limit (CacheStats::host_memory_limit_bytes) */                   \
+  F(std::string, prefetch, "auto")     /* most streamed layers copied ahead of compute: "auto" (as far as the   */ \
+                                       /* staging ring's bytes allow) or "0".."65536" */                          \
+  F(std::string, pin_memory, "auto")   /* page-locked host copies of streamed layers: "auto" (on for CUDA and   */ \
+                                       /* ROCm), "on", "off" (turn off on ROCm if it stalls) */                   \
+  F(std::string, pin_memory_limit, "") /* page-locked host bytes for all models together ("25%" of RAM);        */ \
+                                       /* streamed layers past it stay pageable; empty: min(50% of L, L - 4GiB), */ \
+                                       /* L the host memory limit */                                              \
+  F(std::string, policy, "balanced")   /* residency plan: "balanced" (minimises the predicted step from         */ \
+                                       /* measured costs), "spread" or "front-first" */                           \
+  F(bool, timing, true)                /* device-timed stall/upcast/copy numbers per forward (a few events per  */ \
+                                       /* layer) */                                                               \
+  F(bool, trace, false)                /* record per-layer spans for Model::write_trace (implies timing) */       \
+  F(uint64_t, device_memory, 0)        /* device memory to assume (the 100% of "50%"); 0: ask the device (CPU:  */ \
+                                       /* min(physical RAM, cgroup limit)) */                                     \
+  F(double, cpu_copy_gbps, 0)          /* CPU device only: modelled host->device bandwidth in GB/s (1e9 B/s);   */ \
+                                       /* 0: memcpy speed */                                                      \
+  F(double, cpu_copy_latency_us, 0)    /* CPU device only: modelled fixed cost of each host->device copy */       \
+  F(int, load_threads, 0)              /* threads that read (and cast) a checkpoint; 0: every core */
 struct RuntimeOptions {
-  std::string device = "cpu";           // "cpu" (the CPU plays the device, for tests and CI), "cuda", "cuda:N"
-  std::string vram_budget;              // device bytes for all models, working memory included ("50%" of TOTAL device memory; "auto": free memory minus vram_headroom); empty: all of it
-  std::string vram_headroom;            // "auto" only: device memory left free ("10%" of TOTAL memory); empty: max(512MiB, 5% of total)
-  std::string working_memory;           // part of the budget kept free for activations ("10%" of the budget); empty: 1GiB x (resolution/1024)^2, at least 256MiB, at most 25% of the budget
-  int64_t resolution = 1024;            // image side (pixels) the default working memory is sized for
-  std::string ram_limit;                // host bytes for cached models ("50%" of RAM), LRU eviction; "0": unlimited; empty: min(L, max(4GiB, 50% of L - 2GiB)), L the host memory limit (CacheStats::host_memory_limit_bytes)
-  std::string prefetch = "auto";        // most streamed layers copied ahead of compute: "auto" (as far as the staging ring's bytes allow) or "0".."65536"
-  std::string pin_memory = "auto";      // page-locked host copies of streamed layers: "auto" (on for CUDA and ROCm), "on", "off" (turn off on ROCm if it stalls)
-  std::string pin_memory_limit;         // page-locked host bytes for all models together ("25%" of RAM); streamed layers past it stay pageable; empty: min(50% of L, L - 4GiB), L the host memory limit
-  std::string policy = "balanced";      // residency plan: "balanced" (minimises the predicted step from measured costs), "spread" or "front-first"
-  bool timing = true;                   // device-timed stall/upcast/copy numbers per forward (a few events per layer)
-  bool trace = false;                   // record per-layer spans for Model::write_trace (implies timing)
-  uint64_t device_memory = 0;           // device memory to assume (the 100% of "50%"); 0: ask the device (CPU: min(physical RAM, cgroup limit))
-  double cpu_copy_gbps = 0;             // CPU device only: modelled host->device bandwidth in GB/s (1e9 B/s); 0: memcpy speed
-  double cpu_copy_latency_us = 0;       // CPU device only: modelled fixed cost of each host->device copy
-  int load_threads = 0;                 // threads that read (and cast) a checkpoint; 0: every core
+  SLUICE_RUNTIME_OPTIONS_FIELDS(SLUICE_DECLARE_OPTION)
 };
 
 // How a model is loaded. Changing a field marked [reload] for a model already in the cache
 // replaces it: the old copy is dropped and the model is read again.
+#define SLUICE_LOAD_OPTIONS_FIELDS(F)                                                                                 \
+  F(std::string, storage, "float8_e4m3fn")      /* [reload] stored dtype of Linear/Embedding weights; "bfloat16"   */ \
+                                                /* (or any non-fp8 dtype): no fp8 */                                \
+  F(std::string, compute, "auto")               /* [reload] dtype forwards compute in: "auto" (bf16 where the      */ \
+                                                /* device computes it natively, else fp16 where native and fit for */ \
+                                                /* the model, else fp32), "bfloat16", "float16", "float32" */       \
+  F(std::vector<std::string>, extra_skips, {})  /* [reload] more skip patterns: layers kept in the compute dtype */ \
+  F(bool, use_default_skips, true)              /* [reload] include the default skip patterns (pos_embed, ...) */  \
+  F(bool, use_model_skips, true)                /* [reload] include the model's declared patterns (Anima:          */ \
+                                                /* t_embedder, x_embedder, final_layer) */                          \
+  F(std::optional<double>, max_resident, {})    /* cap on the resident fraction (0..1) of the streamable weights;  */ \
+                                                /* none: the budget decides */                                      \
+  F(std::string, config, "")                    /* [reload] preset name or JSON file: overrides the config         */ \
+                                                /* inferred from a file / the preset's */                           \
+  F(uint64_t, seed, 0)                          /* [reload] seed of a generated model's weights (presets and .json */ \
+                                                /* configs) */                                                      \
+  F(std::string, name, "")                      /* name in logs and stats; empty: the preset name or the file's    */ \
+                                                /* stem */
 struct LoadOptions {
-  std::string storage = "float8_e4m3fn";  // [reload] stored dtype of Linear/Embedding weights; "bfloat16" (or any non-fp8 dtype): no fp8
-  std::string compute = "auto";           // [reload] dtype forwards compute in: "auto" (bf16 where the device computes it natively, else fp16 where native and fit for the model, else fp32), "bfloat16", "float16", "float32"
-  std::vector<std::string> extra_skips;   // [reload] more skip patterns: layers kept in the compute dtype
-  bool use_default_skips = true;          // [reload] include the default skip patterns (pos_embed, patch_embed, norm, ...)
-  bool use_model_skips = true;            // [reload] include the model's declared patterns (Anima: t_embedder, x_embedder, final_layer)
-  std::optional<double> max_resident;     // cap on the resident fraction (0..1) of the streamable weights; none: the budget decides
-  std::string config;                     // [reload] preset name or JSON file: overrides the config inferred from a file / the preset's
-  uint64_t seed = 0;                      // [reload] seed of a generated model's weights (presets and .json configs)
-  std::string name;                       // name in logs and stats; empty: the preset name or the file's stem
-};
-
-// Current, peak and accumulated values of one quantity (bytes), like c10's DeviceStats.
-struct Counter {
-  int64_t current = 0;    // now
-  int64_t peak = 0;       // most since creation or the last peak reset
-  int64_t allocated = 0;  // accumulated increases
-  int64_t freed = 0;      // accumulated decreases
-};
-
-// Whole-cache counters. See ModelCache::stats().
-struct CacheStats {
-  std::string device;                   // "cpu", "cuda:0"
-  uint64_t hits = 0;                    // load()/lock() that found the model in RAM
-  uint64_t misses = 0;                  // load()/lock() that had to read or generate it
-  uint64_t loads = 0;                   // models read from disk or generated
-  uint64_t evictions = 0;               // models removed from RAM (RAM limit, drop, reload)
-  uint64_t device_unloads = 0;          // partial unloads of a model to make room for another
-  uint64_t device_drops = 0;            // models taken off the device entirely to make room
-  uint64_t models = 0;                  // models in RAM now
-  uint64_t locked = 0;                  // of which locked (in use)
-  // The host memory limit the defaults of ram_limit and pin_memory_limit came from, read when
-  // the cache was made: the smallest of physical RAM, the cgroup memory limit of the process's
-  // own cgroup (a container's; v2 memory.max, v1 memory.limit_in_bytes, its ancestors' too)
-  // and what MemAvailable allows. "RAM" in a percentage means min(physical RAM, cgroup limit).
-  uint64_t host_memory_limit_bytes = 0;
-  std::string host_memory_limit_source;  // "physical RAM", "cgroup v2 memory.max (/sys/fs/cgroup/...)", "cgroup v1 memory.limit_in_bytes (...)", "MemAvailable (/proc/meminfo)"
-  uint64_t ram_limit_bytes = 0;         // 0: unlimited
-  std::string ram_limit_source;         // how the default was derived from the host memory limit; empty: given
-  Counter ram;                          // host bytes of cached models' weights (pinned ones included)
-  uint64_t pin_limit_bytes = 0;         // page-locked host bytes all models may hold (pin_memory_limit)
-  std::string pin_limit_source;         // how the default was derived from the host memory limit; empty: given
-  Counter pinned;                       // page-locked host bytes they hold (the pinned arena's chunks)
-  uint64_t pinned_used_bytes = 0;       // of which weights (the rest: alignment padding)
-  uint64_t vram_budget_bytes = 0;       // the device budget
-  std::string vram_budget_source;       // how it was resolved ("auto: free 22.2GiB - headroom ... = 21.1GiB on cuda:0", "50% of total ..."); empty for a size or all memory
-  uint64_t working_memory_bytes = 0;    // part of it kept for activations
-  uint64_t vram_limit_bytes = 0;        // budget - working memory: what models may hold together
-  Counter vram;                         // device bytes all models hold (weights, staging rings, upcast scratch, LoRA sidecars); peak since the last budget change
-  uint64_t vram_reserved_bytes = 0;     // sum of the models' device shares (>= vram.current)
-  // The parts of vram.current (every model the cache holds: ModelCache::models()):
-  // vram.current = models_allocated_bytes + vram_unattributed_bytes.
-  uint64_t models_device_bytes = 0;     // sum of the models' ModelStats::device_bytes (staging rings at their capacity)
-  uint64_t models_allocated_bytes = 0;  // sum of their ModelStats::allocated_bytes
-  int64_t vram_unattributed_bytes = 0;  // held by no model: slots of a staging ring a model dropped that queued work may still read; 0 between forwards
-};
-
-// One forward (or encode_text) of a model.
-struct ForwardStats {
-  uint64_t index = 0;           // 0-based count of the model's forwards
-  std::string kind;             // "dit" (forward) or "adapter" (encode_text)
-  uint64_t bytes_streamed = 0;  // stored bytes copied host->device for it
-  uint64_t planned_bytes = 0;   // stored bytes of the streamed layers it used under the plan it ran with
-  uint64_t copies = 0;          // layer copies
-  uint64_t stalls = 0;          // times compute waited for a copy
-  double h2d_gbps = 0;          // achieved host->device rate (1e9 B/s)
-  double stall_ms = 0;          // compute waiting on copies
-  double upcast_ms = 0;         // storage -> compute dtype conversions
-  double wall_ms = 0;           // begin to end of the forward on the device
-  bool aborted = false;         // ended by an exception
-};
-
-// Where a forward's values first went non-finite: what LockedModel::locate_nonfinite found
-// by running the forward again with a check after each layer.
-struct NonFiniteReport {
-  std::string kind;                     // "dit" (forward) or "adapter" (encode_text)
-  std::string module;                   // the first module, in execution order, whose output held a NaN or Inf: a
-                                        // layer ("blocks.5.mlp.layer2") or, when no layer's did, a block
-                                        // ("blocks.5"), the timestep norm or the final layer; empty: none did
-  int64_t nonfinite_values = 0;         // in that module's output
-  int64_t values = 0;                   // that output's elements
-  int64_t output_nonfinite_values = 0;  // in the re-run forward's output
-  int64_t output_values = 0;
-  uint64_t forward_index = 0;           // the re-run's ForwardStats::index
+  SLUICE_LOAD_OPTIONS_FIELDS(SLUICE_DECLARE_OPTION)
 };
 
 // One model. See Model::stats().

@@ -7,15 +7,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "sluice/stats.hpp"
+
 namespace sluice::offload {
 
-// One counter: what is held now, the most ever held, and the totals added and removed.
-struct Stat {
-  int64_t current = 0;
-  int64_t peak = 0;
-  int64_t allocated = 0;  // accumulated increases
-  int64_t freed = 0;      // accumulated decreases
-
+// One counter: what is held now, the most ever held, and the totals added and removed; the
+// public record (sluice::Counter, sluice/stats.hpp) with the ledger's operations.
+struct Stat : Counter {
   void increase(int64_t amount) {
     current += amount;
     allocated += amount;

@@ -115,10 +115,10 @@ void StreamingEngine::end_forward_noexcept(bool aborted) noexcept {
 // reports
 
 uint64_t StreamingEngine::record_nonfinite(NonFiniteRecord record) {
-  record.forward = forwards_.forwards() ? forwards_.forwards() - 1 : 0;
+  record.forward_index = forwards_.forwards() ? forwards_.forwards() - 1 : 0;
   nonfinite_ = std::move(record);
   ++nonfinite_reruns_;
-  return nonfinite_->forward;
+  return nonfinite_->forward_index;
 }
 
 void set_allocator_stats(EngineStats& stats, const DeviceAllocator& device) {

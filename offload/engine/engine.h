@@ -139,21 +139,10 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer, priva
   // (null when none); cleared. A new forward starts with none.
   std::exception_ptr take_interrupt() { return forwards_.take_interrupt(); }
 
-  // Residency changes between forwards (InvalidArgument while leases are open). Each
-  // replans under a changed device limit and returns the change in device bytes the engine
-  // holds (exact, from the accounting). Never copies device->host.
-  int64_t partial_load(uint64_t bytes) { return budget_.partial_load(bytes); }      // up to `bytes` more
-  int64_t partial_unload(uint64_t bytes) { return budget_.partial_unload(bytes); }  // at least `bytes` less (down to the minimum)
-  int64_t full_load() { return budget_.full_load(); }      // every layer resident; ResourceError if it does not fit
-  int64_t full_unload() { return budget_.full_unload(); }  // the minimum: required layers, ring, scratch
-  // New budget (working memory unchanged); replans. ResourceError if too small. A lower
-  // budget gives the memory it freed back to the driver (DeviceBackend::release_cached_memory)
-  // unless `release_freed` is false (the model cache releases once per budget cut itself).
-  void set_budget(uint64_t budget_bytes, bool release_freed = true) { budget_.set_budget(budget_bytes, release_freed); }
-  // New cap on resident streamable bytes (fraction 0..1, nullopt: none); replans under the
-  // current limit (or only kept for the next attach when detached). InvalidArgument for
-  // a fraction outside 0..1.
-  void set_max_resident(std::optional<double> max_resident) { budget_.set_max_resident(max_resident); }
+  // Residency changes between forwards (partial_load, partial_unload, full_load,
+  // full_unload, set_budget, set_max_resident) are the budget's own: engine.budget().X
+  // (offload/engine/model_budget.h). The engine adds nothing to them, so it does not
+  // forward them.
 
   // WeightNeeds of `model` under `options`, without attaching or allocating anything
   // (sizes only: the model may be attached to an engine meanwhile).
@@ -171,6 +160,7 @@ class StreamingEngine final : public WeightProvider, public SidecarPlacer, priva
   // The parts, for what the calls above do not say: the limits the plan is made under
   // (working memory, sidecar bytes, nesting reserve), device bytes allocated, pinning.
   const ModelResidency& residency() const { return residency_; }
+  ModelBudget& budget() { return budget_; }
   const ModelBudget& budget() const { return budget_; }
   const std::string& last_forward_kind() const { return forwards_.last_kind(); }
   // Note [non-finite values] (runtime/nonfinite.h): what a forward re-run with a per-layer

@@ -86,15 +86,20 @@ class ModelBudget {
  public:
   explicit ModelBudget(ModelResidency& residency) : residency_(residency) {}
 
-  // Residency changes between forwards. Each returns the change in device bytes held.
+  // Residency changes between forwards (InvalidArgument while leases are open), called as
+  // engine.budget().X. Each replans under a changed device limit and returns the change in
+  // device bytes the engine holds (exact, from the accounting). Never copies device->host.
   int64_t partial_load(uint64_t bytes);    // let the model use up to `bytes` more
   int64_t partial_unload(uint64_t bytes);  // free at least `bytes` (down to the minimum)
   int64_t full_load();                     // every layer resident; ResourceError if it does not fit
   int64_t full_unload();                   // the minimum: required layers, ring, scratch
-  // New budget (working memory unchanged); ResourceError if too small. `release_freed`: a
-  // lower budget gives the memory it freed back to the driver.
-  void set_budget(uint64_t budget_bytes, bool release_freed);
-  // New cap (InvalidArgument outside 0..1); replans when attached, else kept for the next attach.
+  // New budget (working memory unchanged); replans. ResourceError if too small. A lower
+  // budget gives the memory it freed back to the driver (DeviceBackend::release_cached_memory)
+  // unless `release_freed` is false (the model cache releases once per budget cut itself).
+  void set_budget(uint64_t budget_bytes, bool release_freed = true);
+  // New cap on resident streamable bytes (fraction 0..1, nullopt: none); replans under the
+  // current limit (or only kept for the next attach when detached). InvalidArgument for a
+  // fraction outside 0..1.
   void set_max_resident(std::optional<double> max_resident);
 
   // Note [device extras]: places `host` as `dtypes` on the device for `what`, the budget

@@ -2,13 +2,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/record_json.h"
+
 namespace sluice::offload {
 
 namespace {
-
-nlohmann::json stat_json(const Stat& s) {
-  return {{"current", s.current}, {"peak", s.peak}, {"allocated", s.allocated}, {"freed", s.freed}};
-}
 
 nlohmann::json ms_or_null(double v) { return v > 0 ? nlohmann::json(v) : nlohmann::json(); }
 
@@ -21,7 +19,7 @@ const PlanKindStats* PlanStats::step() const {
   return nullptr;
 }
 
-std::string EngineStats::to_json(int indent) const {
+nlohmann::json EngineStats::to_json_value() const {
   nlohmann::json j;
   j["model"] = {{"name", model_name},
                 {"total_bytes", model_total_bytes},
@@ -36,7 +34,7 @@ std::string EngineStats::to_json(int indent) const {
                   measured_working_memory ? nlohmann::json(measured_working_memory_bytes) : nlohmann::json()},
                  {"working_memory_grown", working_memory_grown}};
   nlohmann::json kinds = nlohmann::json::object();
-  for (size_t k = 0; k < kMemoryKinds; ++k) kinds[memory_kind_name(static_cast<MemoryKind>(k))] = stat_json(device_memory.by_kind[k]);
+  for (size_t k = 0; k < kMemoryKinds; ++k) kinds[memory_kind_name(static_cast<MemoryKind>(k))] = Counter(device_memory.by_kind[k]);
   // The ledger counts the bytes sluice requested; the allocator's numbers are its own.
   const auto allocator = [&](int64_t v) { return allocator_stats_available ? nlohmann::json(v) : nlohmann::json(); };
   j["device"] = {{"name", device},
@@ -84,11 +82,11 @@ std::string EngineStats::to_json(int indent) const {
   j["prefetch"] = {{"wasted_copies", wasted_prefetch_copies},
                    {"wasted_bytes", wasted_prefetch_bytes},
                    {"mismatched_forwards", mismatched_forwards}};
-  j["pinned"] = stat_json(pinned);
+  j["pinned"] = Counter(pinned);
   j["pinned_bytes"] = pinned_bytes;
   j["pinned_used_bytes"] = pinned.current;
   j["pin_limit_bytes"] = pin_limit_bytes;
-  j["residency_h2d"] = stat_json(residency_h2d);
+  j["residency_h2d"] = Counter(residency_h2d);
   // Seen only where the copy stream is a host thread; a GPU cannot detect it (the strict
   // CPU device's hazard tracker covers the GPU's case in CI).
   j["cpu_device_only"] = {{"slot_violations", slot_violations},
@@ -100,36 +98,22 @@ std::string EngineStats::to_json(int indent) const {
                           {"bounce_ring_limit_bytes", bounce_limit_bytes}};
   j["forward_count"] = forwards;
   nlohmann::json fw = nlohmann::json::array();
-  for (const auto& f : forward_records) {
-    fw.push_back({{"index", f.index},
-                  {"kind", f.kind},
-                  {"bytes_streamed", f.bytes_streamed},
-                  {"bytes_loaded", f.bytes_loaded},
-                  {"planned_bytes", f.planned_bytes},
-                  {"copies", f.copies},
-                  {"demand_copies", f.demand_copies},
-                  {"stalls", f.stalls},
-                  {"stall_source", f.stalls_timed ? "compute-stream events" : "host query (overcounts on a GPU)"},
-                  {"h2d_gbps", f.h2d_gbps},
-                  {"stall_ms", f.stall_ms},
-                  {"upcast_ms", f.upcast_ms},
-                  {"wall_ms", f.wall_ms},
-                  {"diverged", f.diverged},
-                  {"aborted", f.aborted}});
+  for (const ForwardStats& f : forward_records) {
+    nlohmann::json r = f;  // the record's fields (Note [field lists]), and how its stalls were counted
+    r["stall_source"] = f.stalls_timed ? "compute-stream events" : "host query (overcounts on a GPU)";
+    fw.push_back(std::move(r));
   }
   j["forwards"] = std::move(fw);
   nlohmann::json last;  // null before a re-run
   if (nonfinite) {
-    last = {{"forward", nonfinite->forward},
-            {"kind", nonfinite->kind},
-            {"module", nonfinite->module.empty() ? nlohmann::json() : nlohmann::json(nonfinite->module)},
-            {"nonfinite_values", nonfinite->nonfinite_values},
-            {"values", nonfinite->values},
-            {"output_nonfinite_values", nonfinite->output_nonfinite_values},
-            {"output_values", nonfinite->output_values}};
+    last = *nonfinite;
+    last["forward"] = last["forward_index"];  // the key this object had before the record's own
+    if (nonfinite->module.empty()) last["module"] = nullptr;
   }
   j["nonfinite"] = {{"reruns", nonfinite_reruns}, {"last", last}};
-  return j.dump(indent);
+  return j;
 }
+
+std::string EngineStats::to_json(int indent) const { return to_json_value().dump(indent); }
 
 }  // namespace sluice::offload

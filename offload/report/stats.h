@@ -4,12 +4,12 @@
 // device layer (offload/device/memory_stats.h).
 //
 // Tested by (through the stats JSON of the engine, `sluice run --stats-json`, the API and the
-// bindings; one case calls EngineStats::to_json directly): tests/test_engine.cpp ("engine: stats
+// bindings; one case calls EngineStats::to_json directly): tests/offload/engine/test_engine.cpp ("engine: stats
 // JSON carries the documented fields", "engine: the balanced plan is made from measurements and
-// reports its prediction"), tests/test_run.cpp ("run: the stats JSON has the documented fields and
-// each forward streams the non-resident bytes"), tests/test_api.cpp ("api: a preset loads and runs
+// reports its prediction"), tests/cli/test_run.cpp ("run: the stats JSON has the documented fields and
+// each forward streams the non-resident bytes"), tests/api/test_api.cpp ("api: a preset loads and runs
 // and its stats JSON has the documented fields", "api: locate_nonfinite re-runs a forward with a
-// per-layer check and names the first overflowing layer"), tests/test_vram_budget.cpp ("stats json:
+// per-layer check and names the first overflowing layer"), tests/offload/engine/test_vram_budget.cpp ("stats json:
 // the device reports the ledger peak and the allocator's numbers only where it has them"),
 // tests/python/test_bindings.py (test_stats_and_dtypes).
 #include <array>
@@ -18,43 +18,18 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "offload/device/memory_stats.h"
 
 namespace sluice::offload {
 
-// One forward between begin_forward() and end_forward().
-struct ForwardRecord {
-  uint64_t index = 0;           // 0-based count of forwards since attach
-  std::string kind;             // the kind given to begin_forward() ("dit", "adapter"; "" when none)
-  uint64_t bytes_streamed = 0;  // stored bytes copied host->device for this forward
-  uint64_t bytes_loaded = 0;    // stored bytes made resident since the forward before it (an attach, a
-                                // reload after other models of its cache took the device, a residency change)
-  uint64_t planned_bytes = 0;   // stored bytes of the streamed layers it used, under the plan it ran with (a plan
-                                // from measurements may change after it); differs from bytes_streamed only when a
-                                // copy was repeated or dropped (mismatched_forwards)
-  uint64_t copies = 0;          // layer copies issued for this forward
-  uint64_t demand_copies = 0;   // of which issued when the layer was asked for (not prefetched)
-  uint64_t stalls = 0;          // acquires that waited for their copy (see stalls_timed)
-  bool stalls_timed = false;    // stalls measured by compute-stream events (else a host-side query, which overcounts on a GPU)
-  double h2d_gbps = 0;          // bytes_streamed / time the copy stream spent copying (1e9 B/s)
-  double stall_ms = 0;          // compute stream waiting on copies
-  double upcast_ms = 0;         // storage -> compute dtype conversions
-  double wall_ms = 0;           // compute stream, begin to end of the forward
-  bool diverged = false;        // a layer was asked for out of the recorded order
-  bool aborted = false;         // the forward ended by an exception
-};
-
-// What a forward re-run with a per-layer check found (Note [non-finite values] in
-// runtime/nonfinite.h; sluice::LockedModel::locate_nonfinite).
-struct NonFiniteRecord {
-  uint64_t forward = 0;                 // the re-run's ForwardRecord::index
-  std::string kind;                     // its kind ("dit", "adapter")
-  std::string module;                   // the first module, in execution order, whose output held a NaN or Inf; empty: none
-  int64_t nonfinite_values = 0;         // in that module's output
-  int64_t values = 0;                   // that output's elements
-  int64_t output_nonfinite_values = 0;  // in the re-run's output
-  int64_t output_values = 0;
-};
+// One forward between begin_forward() and end_forward(), and what a forward re-run with a
+// per-layer check found (Note [non-finite values] in runtime/nonfinite.h;
+// sluice::LockedModel::locate_nonfinite): the public records, each declared by one list of
+// its fields (Note [field lists] in sluice/stats.hpp), so the API hands them on as they are.
+using ForwardRecord = ForwardStats;
+using NonFiniteRecord = NonFiniteReport;
 
 // The residency plan's prediction for one forward kind, beside what was measured.
 struct PlanKindStats {
@@ -141,6 +116,8 @@ struct EngineStats {
   // last (null before a re-run: {forward,kind,module (null when none),nonfinite_values,
   // values,output_nonfinite_values,output_values})}.
   std::string to_json(int indent = 2) const;
+  // The same document as a value, for a caller that adds to it (cache/cache_queries.cpp).
+  nlohmann::json to_json_value() const;
 };
 
 }  // namespace sluice::offload

@@ -44,7 +44,7 @@
 // No scripts, no external fonts, images or links: it opens in any browser offline.
 //
 // Tested by (directly through render_timeline_svg on a hand-built step, and through `sluice run
-// --timeline` and the API): tests/test_timeline.cpp ("timeline: the renderer puts known spans at
+// --timeline` and the API): tests/offload/report/test_timeline.cpp ("timeline: the renderer puts known spans at
 // known positions and escapes names", "timeline: sluice run --timeline draws one forward's layers
 // on three lanes", "timeline: bad paths and a model without a traced forward are one-line errors"),
 // tests/python/test_offload.py (test_trace_and_timeline_of_an_offloaded_module),

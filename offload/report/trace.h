@@ -22,11 +22,11 @@
 //    wall_ms, bytes_streamed, stall_ms, upcast_ms, stalls, copies (as in ForwardRecord).
 //
 // Tested by (indirectly, through the traces the engine and its forward recorder write and the
-// timeline reads): tests/test_engine.cpp ("engine: trace JSON has copy and upcast and compute
-// tracks"), tests/test_forward_recorder.cpp ("forward recorder: a trace gets a forward span per
-// forward and a span per layer"), tests/test_run.cpp ("run: the trace is valid JSON with copy and
-// upcast and compute tracks"), tests/test_api.cpp ("api: handles outlive the cache and the trace is
-// written"), tests/test_timeline.cpp ("timeline: the forward drawn is the last complete dit one, or
+// timeline reads): tests/offload/engine/test_engine.cpp ("engine: trace JSON has copy and upcast and compute
+// tracks"), tests/offload/engine/test_forward_recorder.cpp ("forward recorder: a trace gets a forward span per
+// forward and a span per layer"), tests/cli/test_run.cpp ("run: the trace is valid JSON with copy and
+// upcast and compute tracks"), tests/api/test_api.cpp ("api: handles outlive the cache and the trace is
+// written"), tests/offload/report/test_timeline.cpp ("timeline: the forward drawn is the last complete dit one, or
 // an earlier one that shows its prefetches"), tests/python/test_offload.py
 // (test_trace_and_timeline_of_an_offloaded_module).
 #include <cstdint>

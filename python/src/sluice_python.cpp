@@ -77,65 +77,72 @@ struct PythonInterrupt : sluice::Interrupted {
   py::error_already_set error;  // its copies and destruction take the GIL themselves
 };
 
-// LockedModel::locate_nonfinite's finding as a dict, or None (GIL held).
+// LockedModel::locate_nonfinite's finding as a dict, or None (GIL held): one key per field
+// of the record (Note [field lists] in sluice/stats.hpp).
 py::object nonfinite_dict(const std::optional<sluice::NonFiniteReport>& r) {
   if (!r) return py::none();
   py::dict d;
-  d["kind"] = r->kind;
-  d["module"] = r->module;
-  d["nonfinite_values"] = r->nonfinite_values;
-  d["values"] = r->values;
-  d["output_nonfinite_values"] = r->output_nonfinite_values;
-  d["output_values"] = r->output_values;
-  d["forward_index"] = r->forward_index;
-  return std::move(d);
+#define SLUICE_DICT_FIELD(type, name) d[#name] = r->name;
+  SLUICE_NONFINITE_REPORT_FIELDS(SLUICE_DICT_FIELD)
+#undef SLUICE_DICT_FIELD
+  return d;
 }
 
 // A prefetch option as Python gives it: "auto" or a number of layers (an int or its string).
-std::string prefetch_option(const py::object& prefetch) {
+std::string prefetch_option(const py::handle& prefetch) {
   return py::isinstance<py::int_>(prefetch) ? std::to_string(prefetch.cast<int64_t>()) : prefetch.cast<std::string>();
 }
 
-sluice::RuntimeOptions runtime_options(const std::string& device, const std::string& vram_budget,
-                                       const std::string& working_memory, int64_t resolution, const std::string& ram_limit,
-                                       const py::object& prefetch, const std::string& pin_memory, const std::string& pin_memory_limit,
-                                       const std::string& policy, bool timing, bool trace, uint64_t device_memory,
-                                       double cpu_copy_gbps, const std::string& vram_headroom, int load_threads) {
-  sluice::RuntimeOptions o;
-  o.device = device;
-  o.vram_budget = vram_budget;
-  o.working_memory = working_memory;
-  o.resolution = resolution;
-  o.ram_limit = ram_limit;
-  o.prefetch = prefetch_option(prefetch);
-  o.pin_memory = pin_memory;
-  o.pin_memory_limit = pin_memory_limit;
-  o.policy = policy;
-  o.timing = timing;
-  o.trace = trace;
-  o.device_memory = device_memory;
-  o.cpu_copy_gbps = cpu_copy_gbps;
-  o.vram_headroom = vram_headroom;
-  o.load_threads = load_threads;
+// An option struct from Python's keyword arguments, by its one field list (Note [field
+// lists] in sluice/stats.hpp): each keyword sets the field of its name, cast to the field's
+// type (a TypeError names a keyword of the wrong type); the others keep the struct's
+// defaults; an unknown keyword is a TypeError naming it, as for a Python function. The
+// prefetch option also takes a number of layers as an int.
+template <typename T>
+void set_option(T& field, const char*, const py::handle& value) {
+  field = value.cast<T>();
+}
+
+void set_option(std::string& field, const char* name, const py::handle& value) {
+  field = std::string(name) == "prefetch" ? prefetch_option(value) : value.cast<std::string>();
+}
+
+template <typename Options, typename Fields>
+Options options_from_kwargs(const char* what, const py::kwargs& kwargs, Fields fields) {
+  Options o;
+  for (const auto& item : kwargs) {
+    const std::string key = py::str(item.first);
+    bool known = false;
+    fields(o, [&](const char* name, auto& field) {
+      if (key != name) return;
+      known = true;
+      try {
+        set_option(field, name, item.second);
+      } catch (const py::cast_error&) {
+        throw py::type_error(std::string(what) + "(): keyword argument '" + key + "' has the wrong type (" +
+                             std::string(py::str(py::type::handle_of(item.second).attr("__name__"))) + ")");
+      }
+    });
+    if (!known) throw py::type_error(std::string(what) + "() got an unexpected keyword argument '" + key + "'");
+  }
   return o;
 }
 
-sluice::LoadOptions load_options(const std::string& storage, const std::string& compute,
-                                 const std::vector<std::string>& extra_skips, bool use_default_skips, bool use_model_skips,
-                                 std::optional<double> max_resident, const std::string& config, uint64_t seed,
-                                 const std::string& name) {
-  sluice::LoadOptions o;
-  o.storage = storage;
-  o.compute = compute;
-  o.extra_skips = extra_skips;
-  o.use_default_skips = use_default_skips;
-  o.use_model_skips = use_model_skips;
-  o.max_resident = max_resident;
-  o.config = config;
-  o.seed = seed;
-  o.name = name;
-  return o;
+#define SLUICE_VISIT_OPTION(type, name, default_value) visit(#name, o.name);
+
+sluice::RuntimeOptions runtime_options(const py::kwargs& kwargs) {
+  return options_from_kwargs<sluice::RuntimeOptions>("RuntimeOptions", kwargs, [](sluice::RuntimeOptions& o, auto&& visit) {
+    SLUICE_RUNTIME_OPTIONS_FIELDS(SLUICE_VISIT_OPTION)
+  });
 }
+
+sluice::LoadOptions load_options(const py::kwargs& kwargs) {
+  return options_from_kwargs<sluice::LoadOptions>("LoadOptions", kwargs, [](sluice::LoadOptions& o, auto&& visit) {
+    SLUICE_LOAD_OPTIONS_FIELDS(SLUICE_VISIT_OPTION)
+  });
+}
+
+#undef SLUICE_VISIT_OPTION
 
 }  // namespace
 
@@ -214,22 +221,21 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("source"), py::arg("storage") = "", release_gil());
 
-  py::class_<sluice::RuntimeOptions>(m, "RuntimeOptions")
-      .def(py::init(&runtime_options), py::arg("device") = "cpu", py::arg("vram_budget") = "",
-           py::arg("working_memory") = "", py::arg("resolution") = 1024, py::arg("ram_limit") = "",
-           py::arg("prefetch") = "auto", py::arg("pin_memory") = "auto", py::arg("pin_memory_limit") = "",
-           py::arg("policy") = "balanced", py::arg("timing") = true, py::arg("trace") = false,
-           py::arg("device_memory") = 0, py::arg("cpu_copy_gbps") = 0.0, py::arg("vram_headroom") = "",
-           py::arg("load_threads") = 0)
-      .def_readonly("device", &sluice::RuntimeOptions::device)
-      .def_readonly("vram_budget", &sluice::RuntimeOptions::vram_budget)
-      .def_readonly("prefetch", &sluice::RuntimeOptions::prefetch);
-
-  py::class_<sluice::LoadOptions>(m, "LoadOptions")
-      .def(py::init(&load_options), py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "auto",
-           py::arg("extra_skips") = std::vector<std::string>{}, py::arg("use_default_skips") = true,
-           py::arg("use_model_skips") = true, py::arg("max_resident") = std::nullopt, py::arg("config") = "",
-           py::arg("seed") = 0, py::arg("name") = "");
+  // Keyword arguments only, named as the C++ fields; each field readable (Note [field lists]).
+#define SLUICE_READ_OPTION(type, name, default_value) options.def_readonly(#name, &Options::name);
+  {
+    using Options = sluice::RuntimeOptions;
+    py::class_<Options> options(m, "RuntimeOptions");
+    options.def(py::init([](const py::kwargs& kwargs) { return runtime_options(kwargs); }));
+    SLUICE_RUNTIME_OPTIONS_FIELDS(SLUICE_READ_OPTION)
+  }
+  {
+    using Options = sluice::LoadOptions;
+    py::class_<Options> options(m, "LoadOptions");
+    options.def(py::init([](const py::kwargs& kwargs) { return load_options(kwargs); }));
+    SLUICE_LOAD_OPTIONS_FIELDS(SLUICE_READ_OPTION)
+  }
+#undef SLUICE_READ_OPTION
 
   py::class_<sluice::LoraHandle>(m, "LoraHandle")
       .def_property_readonly("patched_layers", &sluice::LoraHandle::patched_layers)

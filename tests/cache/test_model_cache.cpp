@@ -120,8 +120,8 @@ void check_accounting(ModelCache& cache, const std::vector<std::shared_ptr<Entry
     CHECK(st.device_bytes <= st.share);
   }
   CHECK(sum == static_cast<uint64_t>(s.vram.current));
-  CHECK(s.vram_reserved <= s.vram_limit);
-  CHECK(alive_peak(cache.device()) <= sluice::testing::allocator_bound(cache.device(), s.vram_limit, s.working_memory));
+  CHECK(s.vram_reserved_bytes <= s.vram_limit_bytes);
+  CHECK(alive_peak(cache.device()) <= sluice::testing::allocator_bound(cache.device(), s.vram_limit_bytes, s.working_memory_bytes));
 }
 
 uint64_t model_bytes(const std::string& preset = "anima-tiny") {
@@ -171,7 +171,7 @@ ModelCache::EntryState needs_of(const std::string& preset, std::optional<double>
 
 }  // namespace
 
-TEST_CASE("model_cache: the RAM estimate equals the loaded model's bytes") {
+TEST_CASE("model_cache: the RAM estimate equals the loaded model's bytes", "[strict][accel]") {
   auto cache = ModelCache::create(options());
   for (const char* preset : {"anima-tiny", "anima-small"}) {
     for (auto storage : {at::kFloat8_e4m3fn, at::kBFloat16}) {
@@ -185,7 +185,7 @@ TEST_CASE("model_cache: the RAM estimate equals the loaded model's bytes") {
   }
 }
 
-TEST_CASE("model_cache: the RAM limit evicts unlocked models least recently used first") {
+TEST_CASE("model_cache: the RAM limit evicts unlocked models least recently used first", "[strict][accel]") {
   const uint64_t size = model_bytes();
   CacheOptions o = options();
   o.ram_limit = size * 5 / 2;  // two models fit, three do not
@@ -221,7 +221,7 @@ TEST_CASE("model_cache: the RAM limit evicts unlocked models least recently used
   CHECK(static_cast<uint64_t>(s.ram.current) <= *o.ram_limit);
 }
 
-TEST_CASE("model_cache: a locked model is never evicted and goes first once unlocked") {
+TEST_CASE("model_cache: a locked model is never evicted and goes first once unlocked", "[strict][accel]") {
   const uint64_t size = model_bytes();
   CacheOptions o = options();
   o.ram_limit = size * 3 / 2;  // one model fits
@@ -247,7 +247,7 @@ TEST_CASE("model_cache: a locked model is never evicted and goes first once unlo
   CHECK(static_cast<uint64_t>(cache->stats().ram.current) <= *o.ram_limit);
 }
 
-TEST_CASE("model_cache: dropping a locked model marks it stale and evicts it at unlock") {
+TEST_CASE("model_cache: dropping a locked model marks it stale and evicts it at unlock", "[strict][accel]") {
   auto cache = ModelCache::create(options());
   const Inputs in = inputs(anima::preset("anima-tiny"));
   auto a = cache->load(spec());
@@ -275,7 +275,7 @@ TEST_CASE("model_cache: dropping a locked model marks it stale and evicts it at 
   CHECK(cache->stats().loads == 2);
 }
 
-TEST_CASE("model_cache: changing the storage dtype or the skip list forces a reload") {
+TEST_CASE("model_cache: changing the storage dtype or the skip list forces a reload", "[strict][accel]") {
   auto cache = ModelCache::create(options());
   auto fp8 = cache->load(spec());
   CHECK(cache->stats().loads == 1);
@@ -318,7 +318,7 @@ TEST_CASE("model_cache: changing the storage dtype or the skip list forces a rel
   CHECK(cache->stats().loads == 3);
 }
 
-TEST_CASE("model_cache: other models are partially unloaded before any is dropped from the device") {
+TEST_CASE("model_cache: other models are partially unloaded before any is dropped from the device", "[strict][accel]") {
   const auto n = needs_of("anima-small");
   REQUIRE(n.minimum < n.full);
   const uint64_t W = 1 * MiB;
@@ -359,7 +359,7 @@ TEST_CASE("model_cache: other models are partially unloaded before any is droppe
   check_accounting(*cache, {a, b, c});
 }
 
-TEST_CASE("model_cache: a model in use keeps its residency and the budget is never exceeded") {
+TEST_CASE("model_cache: a model in use keeps its residency and the budget is never exceeded", "[strict][accel]") {
   const auto n = needs_of("anima-small");
   const uint64_t W = 2 * MiB;
   auto cache = ModelCache::create(options(n.full + n.minimum + W, W));
@@ -390,14 +390,14 @@ TEST_CASE("model_cache: a model in use keeps its residency and the budget is nev
   // Every allocation went through the backend: its hard limit is the budget minus working
   // memory, and nothing is held outside the models.
   const CacheStats s = cache->stats();
-  CHECK(s.vram_limit == n.full + n.minimum);
-  CHECK(alive_peak(cache->device()) <= sluice::testing::allocator_bound(cache->device(), s.vram_limit, s.working_memory));
-  CHECK_THROWS_AS(cache->device().allocate({static_cast<int64_t>(s.vram_limit - s.vram.current + 1)}, at::kByte,
+  CHECK(s.vram_limit_bytes == n.full + n.minimum);
+  CHECK(alive_peak(cache->device()) <= sluice::testing::allocator_bound(cache->device(), s.vram_limit_bytes, s.working_memory_bytes));
+  CHECK_THROWS_AS(cache->device().allocate({static_cast<int64_t>(s.vram_limit_bytes - s.vram.current + 1)}, at::kByte,
                                            offload::MemoryKind::scratch, "probe"),
                   ResourceError);
 }
 
-TEST_CASE("model_cache: an impossible budget names the minimum that would work") {
+TEST_CASE("model_cache: an impossible budget names the minimum that would work", "[strict][accel]") {
   const auto n = needs_of("anima-small");
   const uint64_t W = 3 * MiB;
   std::string msg;
@@ -443,7 +443,7 @@ TEST_CASE("model_cache: an impossible budget names the minimum that would work")
   CHECK_THROWS_AS(ModelCache::create(o)->load(spec("anima-small")), ResourceError);
 }
 
-TEST_CASE("model_cache: outputs are bit-identical across budgets and max_resident and prefetch") {
+TEST_CASE("model_cache: outputs are bit-identical across budgets and max_resident and prefetch", "[strict][accel]") {
   const auto n = needs_of("anima-small");
   const Inputs in = inputs(anima::preset("anima-small"));
   const uint64_t W = 1 * MiB;
@@ -492,11 +492,11 @@ TEST_CASE("model_cache: outputs are bit-identical across budgets and max_residen
     if (c.weights == n.full && !c.cap) CHECK(streamed == 0);
     for (const auto& r : st.forward_records) CHECK(r.bytes_streamed == streamed);
     CHECK(alive_peak(cache->device()) <=
-          sluice::testing::allocator_bound(cache->device(), c.weights, cache->stats().working_memory));
+          sluice::testing::allocator_bound(cache->device(), c.weights, cache->stats().working_memory_bytes));
   }
 }
 
-TEST_CASE("model_cache: stored dtypes hold after a forward that throws on a bad input shape") {
+TEST_CASE("model_cache: stored dtypes hold after a forward that throws on a bad input shape", "[strict][accel]") {
   const auto n = needs_of("anima-small");
   auto cache = ModelCache::create(options((n.minimum + n.full) / 2 + MiB, MiB));
   const Inputs in = inputs(anima::preset("anima-small"));
@@ -521,7 +521,7 @@ TEST_CASE("model_cache: stored dtypes hold after a forward that throws on a bad 
   CHECK(st.slot_violations == 0);
 }
 
-TEST_CASE("model_cache: concurrent users of two models and of the same model match the reference") {
+TEST_CASE("model_cache: concurrent users of two models and of the same model match the reference", "[strict][accel]") {
   const auto n = needs_of("anima-tiny");
   const uint64_t W = 1 * MiB;
   // Both can be locked at once, but not both fully resident: locks move residency around.
@@ -564,7 +564,7 @@ TEST_CASE("model_cache: concurrent users of two models and of the same model mat
   }
 }
 
-TEST_CASE("model_cache: residency changes of one model move only its share") {
+TEST_CASE("model_cache: residency changes of one model move only its share", "[strict][accel]") {
   const auto n = needs_of("anima-small");
   const uint64_t W = 1 * MiB;
   auto cache = ModelCache::create(options(2 * n.full + W, W));
@@ -597,10 +597,10 @@ TEST_CASE("model_cache: residency changes of one model move only its share") {
     cache->set_vram_budget(n.minimum + W + 1000);
     CHECK(cache->entry_state(a).share <= n.minimum + 1000);
     CHECK(cache->entry_state(a).attached);
-    CHECK(cache->stats().vram_limit == n.minimum + 1000);
+    CHECK(cache->stats().vram_limit_bytes == n.minimum + 1000);
     check_accounting(*cache, {a});
     CHECK_THROWS_AS(cache->set_vram_budget(W + 1000), ResourceError);
-    CHECK(cache->stats().vram_limit == n.minimum + 1000);  // unchanged
+    CHECK(cache->stats().vram_limit_bytes == n.minimum + 1000);  // unchanged
   }
   // Unlocked, it is taken off the device instead.
   cache->set_vram_budget(W + 1000);
@@ -610,7 +610,7 @@ TEST_CASE("model_cache: residency changes of one model move only its share") {
   CHECK_THROWS_AS(cache->lock(a), ResourceError);
 }
 
-TEST_CASE("model_cache: queries and other models' locks never wait for a running forward") {
+TEST_CASE("model_cache: queries and other models' locks never wait for a running forward", "[strict][accel]") {
   const auto n = needs_of("anima-tiny");
   const uint64_t W = 1 * MiB;
   CacheOptions o = options(2 * n.full + W, W);
@@ -713,7 +713,7 @@ TEST_CASE("model_cache: queries and other models' locks never wait for a running
   check_accounting(*cache, {a, b});
 }
 
-TEST_CASE("model_cache: the published state follows forwards and residency changes") {
+TEST_CASE("model_cache: the published state follows forwards and residency changes", "[strict][accel]") {
   const auto n = needs_of("anima-small");
   REQUIRE(n.minimum < n.full);
   const uint64_t W = 1 * MiB;
@@ -742,7 +742,8 @@ TEST_CASE("model_cache: the published state follows forwards and residency chang
   CHECK(cache->entry_state(a).residency.empty());
 }
 
-TEST_CASE("model_cache: a forward that uses more than the working memory grows the cache's working memory") {
+TEST_CASE("model_cache: a forward that uses more than the working memory grows the cache's working memory",
+          "[strict][accel]") {
   // Note [measured working memory] (offload/engine/model_budget.h): the engines measure, the cache keeps
   // the working memory out of every share and grows it to a measurement plus an eighth.
   auto counting = std::make_shared<sluice::testing::CountingDevice>(
@@ -754,7 +755,7 @@ TEST_CASE("model_cache: a forward that uses more than the working memory grows t
   Lock l = cache->lock(e);
   const Inputs in = inputs(cache->entry_config(e));
   const at::Tensor ref = forward(*cache, l, in);
-  CHECK(cache->stats().working_memory == 1 * MiB);  // anima-tiny's activations are host memory here
+  CHECK(cache->stats().working_memory_bytes == 1 * MiB);  // anima-tiny's activations are host memory here
   const int64_t activations = 8 * MiB;
   at::Tensor out;
   cache->run(l, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
@@ -766,17 +767,18 @@ TEST_CASE("model_cache: a forward that uses more than the working memory grows t
   });
   CHECK(at::equal(out, ref));
   const CacheStats s = cache->stats();
-  CHECK(s.measured_working_memory >= static_cast<uint64_t>(activations));
-  CHECK(s.working_memory >= s.measured_working_memory);
-  CHECK(s.working_memory < 2 * static_cast<uint64_t>(activations));
-  CHECK(s.vram_limit == s.vram_budget - s.working_memory);
-  CHECK(s.vram_reserved <= s.vram_limit);
+  CHECK(s.measured_working_memory_bytes >= static_cast<uint64_t>(activations));
+  CHECK(s.working_memory_bytes >= s.measured_working_memory_bytes);
+  CHECK(s.working_memory_bytes < 2 * static_cast<uint64_t>(activations));
+  CHECK(s.vram_limit_bytes == s.vram_budget_bytes - s.working_memory_bytes);
+  CHECK(s.vram_reserved_bytes <= s.vram_limit_bytes);
   CHECK(nlohmann::json::parse(cache->stats_json())["measured_working_memory_bytes"].get<uint64_t>() ==
-        s.measured_working_memory);
+        s.measured_working_memory_bytes);
   CHECK(at::equal(forward(*cache, l, in), ref));
 }
 
-TEST_CASE("model_cache: only a lower vram budget and taking models off the device empty the allocator's cache") {
+TEST_CASE("model_cache: only a lower vram budget and taking models off the device empty the allocator's cache",
+          "[strict][accel]") {
   // Note [releasing cached memory] (offload/device/device_allocator.h): making room for another model, a
   // partial unload or a budget raise keep the freed blocks cached for this process.
   auto counting = std::make_shared<sluice::testing::CountingDevice>(
@@ -793,12 +795,12 @@ TEST_CASE("model_cache: only a lower vram budget and taking models off the devic
   cache->set_vram_budget(1024 * MiB);  // a raise
   CHECK(counting->release_calls() == start);
   const CacheStats s = cache->stats();
-  cache->set_vram_budget(s.vram_reserved + s.working_memory - 64 * 1024);  // a cut that unloads
+  cache->set_vram_budget(s.vram_reserved_bytes + s.working_memory_bytes - 64 * 1024);  // a cut that unloads
   // Once for the cut, and once per model it took off the device (a detach), if any.
   CHECK(counting->release_calls() == start + 1 + static_cast<int>(cache->stats().device_drops - s.device_drops));
 }
 
-TEST_CASE("model_cache: concurrent misses reserve their RAM before reading") {
+TEST_CASE("model_cache: concurrent misses reserve their RAM before reading", "[strict][accel]") {
   const uint64_t size = model_bytes();
   CacheOptions o = options();
   o.ram_limit = size * 5 / 2;  // two models fit, three do not
@@ -832,9 +834,9 @@ TEST_CASE("model_cache: concurrent misses reserve their RAM before reading") {
   // Both are being read: their bytes are reserved, and the second miss made room for both
   // by evicting c before it started.
   CacheStats s = cache->stats();
-  CHECK(s.ram_reserved == 2 * size);
+  CHECK(s.ram_reserved_bytes == 2 * size);
   CHECK(s.evictions == 1);
-  CHECK(static_cast<uint64_t>(s.ram.current) + s.ram_reserved <= *o.ram_limit);
+  CHECK(static_cast<uint64_t>(s.ram.current) + s.ram_reserved_bytes <= *o.ram_limit);
   {
     std::lock_guard<std::mutex> g(m);
     go = true;
@@ -845,7 +847,7 @@ TEST_CASE("model_cache: concurrent misses reserve their RAM before reading") {
   REQUIRE(a);
   REQUIRE(b);
   s = cache->stats();
-  CHECK(s.ram_reserved == 0);
+  CHECK(s.ram_reserved_bytes == 0);
   CHECK(static_cast<uint64_t>(s.ram.peak) <= *o.ram_limit);
   CHECK(static_cast<uint64_t>(s.ram.current) == 2 * size);
   CHECK(cache->entry_state(a).in_ram);
@@ -855,11 +857,12 @@ TEST_CASE("model_cache: concurrent misses reserve their RAM before reading") {
   // A read that fails gives its reservation back.
   CHECK_THROWS_WITH(cache->load(named(4, "f")), Catch::Contains("cannot read model 'f'"));
   s = cache->stats();
-  CHECK(s.ram_reserved == 0);
+  CHECK(s.ram_reserved_bytes == 0);
   CHECK(static_cast<uint64_t>(s.ram.current) <= *o.ram_limit);
 }
 
-TEST_CASE("model_cache: of two loads racing to add one model, only the one that added it may drop it") {
+TEST_CASE("model_cache: of two loads racing to add one model, only the one that added it may drop it",
+          "[strict][accel]") {
   // Both loads find no entry and estimate the model outside the cache mutex; the second to
   // take it back finds the entry the first added (RamTier::entry_for) and only found it.
   // before_insert holds them between the two: "winner" goes on once "loser" has looked too,
@@ -957,8 +960,8 @@ TEST_CASE("model_cache: of two loads racing to add one model, only the one that 
 
 // --- On the device SLUICE_TEST_DEVICE names (tests/support/device_env.h) -------------
 
-TEST_CASE("env device: two models sharing a budget too small for both give their fully resident outputs",
-          "[env-device]") {
+TEST_CASE("model_cache: env device: two models sharing a budget too small for both give their fully resident outputs",
+          "[env-device][strict][accel]") {
   SLUICE_TEST_DEVICE_OR_SKIP(dev);
   const auto n = needs_of("anima-tiny");
   REQUIRE(n.minimum < n.full);

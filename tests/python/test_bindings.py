@@ -519,3 +519,23 @@ def test_ctrl_c_stops_a_forward_within_a_layer_and_the_next_forward_is_clean():
             assert torch.equal(m.forward(x, t, ctx, progress=lambda d, e: None), clean)
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_option_structs_take_their_fields_as_keywords():
+    # Note [field lists]: the options' keywords, defaults and attributes come from the C++
+    # structs' one field list; an unknown keyword or a wrong type is a TypeError naming it.
+    from sluice import _C
+
+    o = _C.RuntimeOptions()
+    assert (o.device, o.resolution, o.prefetch, o.policy, o.timing, o.trace) == ("cpu", 1024, "auto", "balanced", True, False)
+    o = _C.RuntimeOptions(device="cpu", prefetch=3, resolution=512, cpu_copy_latency_us=2.5, load_threads=1)
+    assert (o.prefetch, o.resolution, o.cpu_copy_latency_us, o.load_threads) == ("3", 512, 2.5, 1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'vram_budgt'"):
+        _C.RuntimeOptions(vram_budgt="50%")
+    with pytest.raises(TypeError, match="'resolution' has the wrong type"):
+        _C.RuntimeOptions(resolution="big")
+    lo = _C.LoadOptions(max_resident=None, extra_skips=["blocks.0"], seed=7)
+    assert (lo.storage, lo.compute, lo.max_resident, lo.extra_skips, lo.seed) == ("float8_e4m3fn", "auto", None, ["blocks.0"], 7)
+    assert _C.LoadOptions(max_resident=0.5).max_resident == 0.5
+    with pytest.raises(TypeError, match="unexpected keyword argument 'storge'"):
+        _C.LoadOptions(storge="bfloat16")

@@ -305,10 +305,10 @@ TEST_CASE("host memory limit: a cgroup limit below the model goes over the RAM l
   CapturedWarnings warnings;
   auto cache = cache::ModelCache::create(o);
   const cache::CacheStats s0 = cache->stats();
-  CHECK(s0.host_memory_limit.bytes == limit);
-  CHECK(s0.host_memory_limit.source == cg);
-  CHECK(s0.ram_limit == limit);  // min(L, max(4GiB, ...)): the limit itself, not InvokeAI's 4 GiB floor
-  CHECK(s0.pin_limit == 0);      // L <= 4 GiB: nothing pinned unless asked
+  CHECK(s0.host_memory_limit_bytes == limit);
+  CHECK(s0.host_memory_limit_source == cg);
+  CHECK(s0.ram_limit_bytes == limit);  // min(L, max(4GiB, ...)): the limit itself, not InvokeAI's 4 GiB floor
+  CHECK(s0.pin_limit_bytes == 0);      // L <= 4 GiB: nothing pinned unless asked
 
   // As with any RAM limit too small for the model: it is read all the same, over the limit,
   // with one warning, which now says where the limit came from.
@@ -357,11 +357,11 @@ TEST_CASE("host memory limit: limits given explicitly are not capped and say so"
   o.pin_memory_limit = 2 * GiB;
   auto cache = cache::ModelCache::create(o);
   const cache::CacheStats s = cache->stats();
-  CHECK(s.ram_limit == 3 * GiB);
+  CHECK(s.ram_limit_bytes == 3 * GiB);
   CHECK(s.ram_limit_source.empty());
-  CHECK(s.pin_limit == 2 * GiB);
+  CHECK(s.pin_limit_bytes == 2 * GiB);
   CHECK(s.pin_limit_source.empty());
-  CHECK(s.host_memory_limit.bytes == 1 * GiB);  // still reported
+  CHECK(s.host_memory_limit_bytes == 1 * GiB);  // still reported
   const nlohmann::json c = nlohmann::json::parse(cache->stats_json());
   CHECK(c.at("ram_limit_source") == "given");
   CHECK(c.at("pin_limit_source") == "given");

@@ -112,7 +112,7 @@ EngineOptions streaming(std::shared_ptr<DeviceBackend> dev) {
 
 }  // namespace
 
-TEST_CASE("pinned arena: groups are packed in order at 64-byte offsets into exact-size chunks") {
+TEST_CASE("pinned arena: groups are packed in order at 64-byte offsets into exact-size chunks", "[strict]") {
   for (const bool strict : {false, true}) {
     INFO("strict " << strict);
     auto dev = cpu(strict);
@@ -187,7 +187,7 @@ TEST_CASE("pinned arena: groups are packed in order at 64-byte offsets into exac
   }
 }
 
-TEST_CASE("pinned arena: place stops at the first group past the limit and leaves the rest alone") {
+TEST_CASE("pinned arena: place stops at the first group past the limit and leaves the rest alone", "[strict]") {
   auto dev = cpu(strict_device_requested());
   std::vector<PinnedArena::Group> groups;
   for (int i = 0; i < 5; ++i) groups.push_back({filled(4096, i), filled(64, 10 + i)});
@@ -211,7 +211,7 @@ TEST_CASE("pinned arena: place stops at the first group past the limit and leave
   CHECK(static_cast<uint64_t>(arena.pinned().current) == 5 * per_group);
 }
 
-TEST_CASE("pinned arena: a chunk that cannot be had stops placement and gives its reservation back") {
+TEST_CASE("pinned arena: a chunk that cannot be had stops placement and gives its reservation back", "[strict]") {
   fault::ScopedFault f("host.pin", fault::Trigger{2, 1});  // the second chunk
   auto dev = cpu(strict_device_requested());
   PinnedArena arena(std::numeric_limits<uint64_t>::max());
@@ -226,7 +226,7 @@ TEST_CASE("pinned arena: a chunk that cannot be had stops placement and gives it
   CHECK_FALSE(arena.holds(groups[1][0]));
 }
 
-TEST_CASE("pinned arena: pinned / placed <= 1.01 on model-shaped layers") {
+TEST_CASE("pinned arena: pinned / placed <= 1.01 on model-shaped layers", "[strict]") {
   // The linear layers of a DiT block at a width of 1536 (anima-2b's shape class), fp8
   // weights, bf16 biases, f32 per-row scales, plus the odd-sized ones (adaLN, embedders).
   auto dev = cpu(strict_device_requested());
@@ -253,7 +253,8 @@ TEST_CASE("pinned arena: pinned / placed <= 1.01 on model-shaped layers") {
   CHECK(arena.chunks() < 6);  // large chunks, not one per tensor
 }
 
-TEST_CASE("pinned arena: the default limit leaves the OS half of the host memory limit and at least 4 GiB") {
+TEST_CASE("pinned arena: the default limit leaves the OS half of the host memory limit and at least 4 GiB",
+          "[strict]") {
   constexpr uint64_t GiB = uint64_t{1} << 30;
   for (const uint64_t l : {uint64_t{0}, 2 * GiB, 4 * GiB, 6 * GiB, 8 * GiB, 16 * GiB, 64 * GiB, 1024 * GiB}) {
     INFO("host memory limit " << l);
@@ -270,7 +271,7 @@ TEST_CASE("pinned arena: the default limit leaves the OS half of the host memory
   CHECK(PinnedArena(pin).limit_source() == pin.source);
 }
 
-TEST_CASE("pinned arena: engine stats report pinned / streamed <= 1.01, plain and strict, same output") {
+TEST_CASE("pinned arena: engine stats report pinned / streamed <= 1.01, plain and strict, same output", "[strict]") {
   for (const bool strict : {false, true}) {
     INFO("strict " << strict);
     ToyOptions to;
@@ -298,7 +299,7 @@ TEST_CASE("pinned arena: engine stats report pinned / streamed <= 1.01, plain an
   }
 }
 
-TEST_CASE("pinned arena: detach makes no host copy and re-attach pins nothing again") {
+TEST_CASE("pinned arena: detach makes no host copy and re-attach pins nothing again", "[strict]") {
   ToyOptions to;
   to.dim = 1024;
   to.hidden = 4096;
@@ -353,9 +354,9 @@ TEST_CASE("pinned arena: detach makes no host copy and re-attach pins nothing ag
   }
   CHECK(at::equal(run(engine, model, x), ref));
   // Promotion and demotion keep the host copies where they are.
-  engine.full_load();
+  engine.budget().full_load();
   CHECK(at::equal(run(engine, model, x), ref));
-  engine.full_unload();
+  engine.budget().full_unload();
   CHECK(arena->pinned().allocated == pinned.allocated);
   CHECK(at::equal(run(engine, model, x), ref));
   engine.detach();
@@ -411,7 +412,7 @@ at::Tensor forward(cache::ModelCache& cache, const std::shared_ptr<cache::Entry>
 
 }  // namespace
 
-TEST_CASE("pinned arena: one limit for the models of a cache, the rest streams pageable with one warning") {
+TEST_CASE("pinned arena: one limit for the models of a cache, the rest streams pageable with one warning", "[strict]") {
   const Inputs in = inputs(anima::preset("anima-small"));
   // References with pinning off, and each model's streamed bytes.
   auto plain = cache::ModelCache::create(cache_options(PinMode::off, std::nullopt));
@@ -428,8 +429,8 @@ TEST_CASE("pinned arena: one limit for the models of a cache, the rest streams p
     auto e = probe->load(spec("anima-small", 1));
     pinned_a = probe->engine_stats(e).pinned_bytes;
     const auto s = probe->stats();
-    const double ratio = static_cast<double>(s.pinned.current) / static_cast<double>(s.pinned_used);
-    INFO("cache pinned " << s.pinned.current << " / used " << s.pinned_used << " = " << ratio);
+    const double ratio = static_cast<double>(s.pinned.current) / static_cast<double>(s.pinned_used_bytes);
+    INFO("cache pinned " << s.pinned.current << " / used " << s.pinned_used_bytes << " = " << ratio);
     CHECK(ratio <= 1.01);
     CHECK(s.pinned.current == static_cast<int64_t>(pinned_a));
   }
@@ -441,7 +442,7 @@ TEST_CASE("pinned arena: one limit for the models of a cache, the rest streams p
   auto b = cache->load(spec("anima-small", 2));
   CHECK(log::message_count(log::Level::warn) == warnings + 1);  // b's layers past the limit, said once
   const auto s = cache->stats();
-  CHECK(s.pin_limit == limit);
+  CHECK(s.pin_limit_bytes == limit);
   CHECK(static_cast<uint64_t>(s.pinned.current) <= limit);
   CHECK(static_cast<uint64_t>(s.pinned.current) > pinned_a);  // b got some
   const auto sb = cache->engine_stats(b);
@@ -470,7 +471,7 @@ TEST_CASE("pinned arena: one limit for the models of a cache, the rest streams p
   CHECK(cache->stats().pinned.current == 0);
 }
 
-TEST_CASE("pinned arena: a model taken off the device keeps its pinned weights, with no host copy") {
+TEST_CASE("pinned arena: a model taken off the device keeps its pinned weights, with no host copy", "[strict]") {
   const Inputs in = inputs(anima::preset("anima-medium"));
   uint64_t share = 0;
   {
@@ -491,7 +492,7 @@ TEST_CASE("pinned arena: a model taken off the device keeps its pinned weights, 
   REQUIRE(pinned_a > 0);
   REQUIRE(pinned_b > 0);
   const uint64_t ram_a = cache->entry_state(a).ram_bytes, ram_b = cache->entry_state(b).ram_bytes;
-  const Stat arena = cache->stats().pinned;
+  const Counter arena = cache->stats().pinned;
   // A host copy of b's pinned weights would show in the peak RSS.
   REQUIRE(static_cast<double>(pinned_b) > 0.06 * static_cast<double>(proc_status_bytes("VmRSS")));
 
@@ -507,7 +508,7 @@ TEST_CASE("pinned arena: a model taken off the device keeps its pinned weights, 
   REQUIRE_FALSE(cache->entry_state(b).attached);
   CHECK(growth.fraction() <= 0.05);
   CHECK(growth.bytes < pinned_b / 4);  // a host copy of b's weights would be all of them
-  const Stat after = cache->stats().pinned;
+  const Counter after = cache->stats().pinned;
   CHECK(after.current == arena.current);      // both models' weights stay pinned
   CHECK(after.allocated == arena.allocated);  // and nothing was pinned again
   CHECK(cache->entry_state(a).ram_bytes == ram_a);

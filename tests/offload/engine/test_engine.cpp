@@ -99,7 +99,8 @@ uint64_t minimum_from(const std::string& msg) {
 
 }  // namespace
 
-TEST_CASE("engine: outputs are bit-identical to the plain model for every depth and cap and policy") {
+TEST_CASE("engine: outputs are bit-identical to the plain model for every depth and cap and policy",
+          "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -142,7 +143,7 @@ TEST_CASE("engine: outputs are bit-identical to the plain model for every depth 
   }
 }
 
-TEST_CASE("engine: bf16, fp16 and fp32 storage stream like fp8, bit-identical") {
+TEST_CASE("engine: bf16, fp16 and fp32 storage stream like fp8, bit-identical", "[strict][accel]") {
   // The toy computes in fp32: fp32 storage streams the weights themselves (no upcast, the
   // slot is read directly); bf16 and fp16 are upcast from the slot like fp8.
   for (at::ScalarType dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
@@ -182,7 +183,7 @@ TEST_CASE("engine: bf16, fp16 and fp32 storage stream like fp8, bit-identical") 
   }
 }
 
-TEST_CASE("engine: device use stays within budget minus working memory at tight budgets") {
+TEST_CASE("engine: device use stays within budget minus working memory at tight budgets", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -213,7 +214,7 @@ TEST_CASE("engine: device use stays within budget minus working memory at tight 
   check_stored_dtypes(model, before);
 }
 
-TEST_CASE("engine: an impossible budget names the minimum and leaves the model untouched") {
+TEST_CASE("engine: an impossible budget names the minimum and leaves the model untouched", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -245,7 +246,7 @@ TEST_CASE("engine: an impossible budget names the minimum and leaves the model u
   CHECK(at::equal(run(engine, model, x), ref));
 }
 
-TEST_CASE("engine: a layer that throws mid-forward leaves the engine consistent") {
+TEST_CASE("engine: a layer that throws mid-forward leaves the engine consistent", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -272,7 +273,8 @@ TEST_CASE("engine: a layer that throws mid-forward leaves the engine consistent"
   CHECK(s.slot_violations == 0);
 }
 
-TEST_CASE("engine: the layer progress callback counts each forward's layers against the recorded order") {
+TEST_CASE("engine: the layer progress callback counts each forward's layers against the recorded order",
+          "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -327,7 +329,7 @@ class FaultyProvider final : public WeightProvider {
 
 }  // namespace
 
-TEST_CASE("engine: a failing acquire through a provider wrapper is recovered") {
+TEST_CASE("engine: a failing acquire through a provider wrapper is recovered", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -354,7 +356,7 @@ TEST_CASE("engine: a failing acquire through a provider wrapper is recovered") {
   for (auto& [name, l] : managed_layers(*model)) CHECK(l->provider() == nullptr);
 }
 
-TEST_CASE("engine: a forward that leaves the recorded order stays correct and is re-recorded") {
+TEST_CASE("engine: a forward that leaves the recorded order stays correct and is re-recorded", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -395,7 +397,7 @@ TEST_CASE("engine: a forward that leaves the recorded order stays correct and is
   CHECK(s.slot_violations == 0);
 }
 
-TEST_CASE("engine: forwards of different kinds keep their own order") {
+TEST_CASE("engine: forwards of different kinds keep their own order", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -424,7 +426,7 @@ TEST_CASE("engine: forwards of different kinds keep their own order") {
   CHECK(s.forward_records[5].bytes_streamed < streamed_bytes(engine));
 }
 
-TEST_CASE("engine: residency changes move exact bytes and never copy device to host") {
+TEST_CASE("engine: residency changes move exact bytes and never copy device to host", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -435,7 +437,7 @@ TEST_CASE("engine: residency changes move exact bytes and never copy device to h
   engine.attach(*model, "toy");
   CHECK(engine.plan().streamed_count() == 0);
   const int64_t h2d_at_attach = engine.stats().residency_h2d.allocated;
-  CHECK(engine.full_unload() < 0);
+  CHECK(engine.budget().full_unload() < 0);
   CHECK(engine.plan().streamed_count() == 25);  // every block layer and x_embedder
   auto check_consistent = [&] {
     uint64_t resident = 0;
@@ -464,7 +466,7 @@ TEST_CASE("engine: residency changes move exact bytes and never copy device to h
   const uint64_t start_resident = engine.plan().resident_bytes;
   const int64_t h2d_before = engine.stats().residency_h2d.allocated;
 
-  const int64_t loaded = engine.partial_load(40000);
+  const int64_t loaded = engine.budget().partial_load(40000);
   CHECK(loaded > 0);
   CHECK(loaded <= 40000);
   CHECK(engine.device_bytes() == start_bytes + static_cast<uint64_t>(loaded));
@@ -476,27 +478,27 @@ TEST_CASE("engine: residency changes move exact bytes and never copy device to h
   CHECK(h2d.current == static_cast<int64_t>(engine.plan().resident_bytes) - 2 * 64 * 4);
   CHECK(h2d_at_attach > 0);
 
-  const int64_t full = engine.full_load();
+  const int64_t full = engine.budget().full_load();
   CHECK(engine.plan().streamed_count() == 0);
   CHECK(engine.plan().ring_slots == 0);
   CHECK(engine.device_bytes() == start_bytes + static_cast<uint64_t>(loaded) + static_cast<uint64_t>(full));
   check_consistent();
 
-  const int64_t unloaded = engine.partial_unload(30000);
+  const int64_t unloaded = engine.budget().partial_unload(30000);
   CHECK(unloaded <= -30000);
   check_consistent();
 
-  const int64_t min_delta = engine.full_unload();
+  const int64_t min_delta = engine.budget().full_unload();
   CHECK(min_delta <= 0);
   CHECK(engine.device_bytes() <= engine.minimum_budget() - o.working_memory_bytes);
   check_consistent();
 
   // Unloading below the minimum stops at the minimum.
-  CHECK(engine.partial_unload(1ull << 40) == 0);
+  CHECK(engine.budget().partial_unload(1ull << 40) == 0);
   check_consistent();
 }
 
-TEST_CASE("engine: set_budget replans and a too-small budget changes nothing") {
+TEST_CASE("engine: set_budget replans and a too-small budget changes nothing", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -504,35 +506,35 @@ TEST_CASE("engine: set_budget replans and a too-small budget changes nothing") {
   engine.attach(*model, "toy");
   CHECK(engine.plan().streamed_count() == 0);
   const uint64_t minimum = engine.minimum_budget();
-  engine.set_budget(minimum + 50000);
+  engine.budget().set_budget(minimum + 50000);
   CHECK(engine.plan().streamed_count() > 0);
   CHECK(engine.device_bytes() <= minimum + 50000 - MiB);
   CHECK(at::equal(run(engine, model, x), ref));
   const std::string map = engine.plan().residency_map();
-  CHECK_THROWS_AS(engine.set_budget(minimum - 1), sluice::ResourceError);
+  CHECK_THROWS_AS(engine.budget().set_budget(minimum - 1), sluice::ResourceError);
   CHECK(engine.plan().residency_map() == map);
   CHECK(at::equal(run(engine, model, x), ref));
-  engine.set_budget(64 * MiB);
+  engine.budget().set_budget(64 * MiB);
   CHECK(engine.plan().streamed_count() == 0);
   CHECK(at::equal(run(engine, model, x), ref));
 }
 
-TEST_CASE("engine: residency changes are refused during a forward") {
+TEST_CASE("engine: residency changes are refused during a forward", "[strict][accel]") {
   ToyModel model;
   StreamingEngine engine(options(slowed_cpu()));
   engine.attach(*model, "toy");
   engine.begin_forward();
-  CHECK_THROWS_AS(engine.partial_unload(1000), sluice::InvalidArgument);
+  CHECK_THROWS_AS(engine.budget().partial_unload(1000), sluice::InvalidArgument);
   CHECK_THROWS_AS(engine.detach(), sluice::InvalidArgument);
   {
     WeightLease lease(*model->block_list[0]->up);
-    CHECK_THROWS_AS(engine.full_unload(), sluice::InvalidArgument);
+    CHECK_THROWS_AS(engine.budget().full_unload(), sluice::InvalidArgument);
   }
   engine.end_forward();
-  CHECK_NOTHROW(engine.full_unload());
+  CHECK_NOTHROW(engine.budget().full_unload());
 }
 
-TEST_CASE("engine: detach gives the model back as it was") {
+TEST_CASE("engine: detach gives the model back as it was", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -565,7 +567,7 @@ TEST_CASE("engine: detach gives the model back as it was") {
   CHECK(at::equal(run(engine, model, x), ref));
 }
 
-TEST_CASE("engine: pinned bytes stop at the arena's limit and are counted") {
+TEST_CASE("engine: pinned bytes stop at the arena's limit and are counted", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -601,13 +603,13 @@ TEST_CASE("engine: pinned bytes stop at the arena's limit and are counted") {
   CHECK(s.pinned_bytes == expect);
   CHECK(s.pin_limit_bytes == 100000);
   CHECK(at::equal(run(engine, model, x), ref));
-  engine.full_load();
+  engine.budget().full_load();
   CHECK(at::equal(run(engine, model, x), ref));
   engine.detach();
   CHECK(engine.stats().pinned.current == 0);
 }
 
-TEST_CASE("engine: stats JSON carries the documented fields") {
+TEST_CASE("engine: stats JSON carries the documented fields", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const double rate = 200e6;
@@ -656,7 +658,7 @@ TEST_CASE("engine: stats JSON carries the documented fields") {
   CHECK(j["forwards"][1]["wall_ms"].get<double>() >= 0);
 }
 
-TEST_CASE("engine: trace JSON has copy and upcast and compute tracks") {
+TEST_CASE("engine: trace JSON has copy and upcast and compute tracks", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   EngineOptions o = options(slowed_cpu());
@@ -718,7 +720,7 @@ TEST_CASE("engine: trace JSON has copy and upcast and compute tracks") {
   CHECK_THROWS_AS(engine.trace().write("/nonexistent-dir/x.json"), sluice::FileError);
 }
 
-TEST_CASE("engine: nested leases get their own slot and scratch") {
+TEST_CASE("engine: nested leases get their own slot and scratch", "[strict][accel]") {
   ToyModel model;
   EngineOptions o = options(slowed_cpu());
   o.max_resident = 0.0;
@@ -739,7 +741,8 @@ TEST_CASE("engine: nested leases get their own slot and scratch") {
   CHECK(engine.stats().slot_violations == 0);
 }
 
-TEST_CASE("engine: a budget cut and detaching give freed device memory back to the allocator's driver") {
+TEST_CASE("engine: a budget cut and detaching give freed device memory back to the allocator's driver",
+          "[strict][accel]") {
   // The strict CPU device caches freed blocks like a GPU's caching allocator; its reserved
   // bytes fall only when the engine asks for the cache to be emptied, which it does where
   // memory must leave the process (Note [releasing cached memory] in offload/device/device_allocator.h).
@@ -756,17 +759,17 @@ TEST_CASE("engine: a budget cut and detaching give freed device memory back to t
   const int64_t full = reserved();
   CHECK(full >= static_cast<int64_t>(engine.device_bytes()) - static_cast<int64_t>(engine.plan().ring_bytes));
   // Unloading keeps what it freed cached (for this process's next allocations).
-  const int64_t unloaded = -engine.full_unload();
+  const int64_t unloaded = -engine.budget().full_unload();
   REQUIRE(unloaded > 0);
   CHECK(reserved() >= full);
-  engine.full_load();
+  engine.budget().full_load();
   run(engine, model, x);
   const int64_t before_cut = reserved();
   // A budget cut gives it back: everything the cut freed left the cache (`freed` is the
   // demoted layers' bytes minus the ring's reservation, and the ring's slots are at most
   // that reservation).
   const uint64_t held = engine.device_bytes();
-  engine.set_budget(engine.minimum_budget());
+  engine.budget().set_budget(engine.minimum_budget());
   const int64_t freed = static_cast<int64_t>(held) - static_cast<int64_t>(engine.device_bytes());
   REQUIRE(freed > 0);
   CHECK(reserved() <= before_cut - freed);
@@ -776,7 +779,8 @@ TEST_CASE("engine: a budget cut and detaching give freed device memory back to t
   CHECK(dev->allocator_stats().current_bytes == 0);
 }
 
-TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache and a shrinking replan does not") {
+TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache and a shrinking replan does not",
+          "[strict][accel]") {
   // Note [releasing cached memory] (offload/device/device_allocator.h): emptyCache synchronizes the device
   // and empties the cache other models allocate from; a plan that only shrinks keeps its
   // freed blocks cached for the next forward.
@@ -789,18 +793,18 @@ TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache a
   REQUIRE(engine.plan().streamed_count() == 0);
   CHECK(at::equal(run(engine, model, x), ref));
   const int before = counting->release_calls();
-  engine.set_max_resident(0.0);  // shrinks: streams every block layer
+  engine.budget().set_max_resident(0.0);  // shrinks: streams every block layer
   CHECK(engine.plan().streamed_count() > 0);
-  CHECK(engine.partial_unload(MiB) <= 0);
-  CHECK(engine.full_unload() <= 0);
+  CHECK(engine.budget().partial_unload(MiB) <= 0);
+  CHECK(engine.budget().full_unload() <= 0);
   CHECK(at::equal(run(engine, model, x), ref));
   CHECK(counting->release_calls() == before);  // no emptyCache for a plan that shrank
-  engine.set_max_resident(std::nullopt);
-  engine.full_load();
+  engine.budget().set_max_resident(std::nullopt);
+  engine.budget().full_load();
   const int64_t budget = static_cast<int64_t>(engine.minimum_budget()) + 50000;
-  engine.set_budget(static_cast<uint64_t>(budget));  // a budget cut: the freed memory goes back
+  engine.budget().set_budget(static_cast<uint64_t>(budget));  // a budget cut: the freed memory goes back
   CHECK(counting->release_calls() == before + 1);
-  engine.set_budget(64 * MiB);  // a budget raise releases nothing
+  engine.budget().set_budget(64 * MiB);  // a budget raise releases nothing
   CHECK(counting->release_calls() == before + 1);
   engine.detach();
   CHECK(counting->release_calls() == before + 2);
@@ -809,7 +813,7 @@ TEST_CASE("engine: only a detach or a budget cut empties the allocator's cache a
 // [cpu-device]: the CPU device's allocator sees no activations but those CountingDevice plays, so the
 // measurement is exact here; on a torch device the forward's real activations add to it.
 TEST_CASE("engine: a first forward whose activations pass the working memory grows it to the measurement and replans",
-          "[cpu-device]") {
+          "[cpu-device][strict]") {
   // Note [measured working memory]: the activations are device memory the allocator hands
   // out and no ledger of sluice counts (CountingDevice plays them on the CPU device). The
   // first forward of a kind measures allocator peak minus ledger; more than the working
@@ -867,7 +871,8 @@ TEST_CASE("engine: a first forward whose activations pass the working memory gro
   engine.detach();
 }
 
-TEST_CASE("engine: what nested leases held beyond the plan is reserved in later plans and the minimum") {
+TEST_CASE("engine: what nested leases held beyond the plan is reserved in later plans and the minimum",
+          "[strict][accel]") {
   // Note [device extras]: a second scratch buffer and an overflow slot are charged when
   // made; after the forward every plan leaves room for them, so a budget cut to the new
   // minimum still runs the nested forward. Before, the minimum ignored them and that
@@ -894,7 +899,7 @@ TEST_CASE("engine: what nested leases held beyond the plan is reserved in later 
   const uint64_t reserve = engine.residency().limits().nested_reserve;
   CHECK(reserve >= a.upcast_stored().weight.nbytes());  // a second scratch buffer at least
   CHECK(engine.minimum_budget() == minimum_before + reserve);
-  engine.set_budget(engine.minimum_budget());
+  engine.budget().set_budget(engine.minimum_budget());
   dev->reset_allocator_peak();
   for (int f = 0; f < 3; ++f) REQUIRE_NOTHROW(nested());
   CHECK(alive_peak(*dev) <= sluice::testing::allocator_bound(*dev, engine.minimum_budget() - o.working_memory_bytes,
@@ -904,7 +909,7 @@ TEST_CASE("engine: what nested leases held beyond the plan is reserved in later 
 }
 
 
-TEST_CASE("engine: needs() before attach matches the attached engine") {
+TEST_CASE("engine: needs() before attach matches the attached engine", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -941,21 +946,21 @@ TEST_CASE("engine: needs() before attach matches the attached engine") {
   }
 }
 
-TEST_CASE("engine: set_max_resident replans under the current limit") {
+TEST_CASE("engine: set_max_resident replans under the current limit", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
   StreamingEngine engine(options(slowed_cpu()));
   engine.attach(*model, "toy");
   CHECK(engine.plan().streamed_count() == 0);
-  engine.set_max_resident(0.0);
+  engine.budget().set_max_resident(0.0);
   CHECK(engine.plan().streamed_count() == 25);  // every block layer and x_embedder
   CHECK(at::equal(run(engine, model, x), ref));
-  engine.set_max_resident(std::nullopt);
+  engine.budget().set_max_resident(std::nullopt);
   CHECK(engine.plan().streamed_count() == 0);
-  CHECK_THROWS_AS(engine.set_max_resident(1.5), sluice::InvalidArgument);
+  CHECK_THROWS_AS(engine.budget().set_max_resident(1.5), sluice::InvalidArgument);
   engine.detach();
-  engine.set_max_resident(0.0);  // kept for the next attach
+  engine.budget().set_max_resident(0.0);  // kept for the next attach
   engine.attach(*model, "toy");
   CHECK(engine.plan().streamed_count() == 25);
   CHECK(at::equal(run(engine, model, x), ref));
@@ -963,8 +968,8 @@ TEST_CASE("engine: set_max_resident replans under the current limit") {
 
 // --- On the device SLUICE_TEST_DEVICE names (tests/support/device_env.h) -------------
 
-TEST_CASE("env device: every residency gives the fully resident output bit for bit and frees all it held",
-          "[env-device]") {
+TEST_CASE("engine: env device: every residency gives the fully resident output bit for bit and frees all it held",
+          "[env-device][strict][accel]") {
   SLUICE_TEST_DEVICE_OR_SKIP(dev);
   ToyModel m;
   const at::Tensor x = input().to(dev->device());
@@ -990,7 +995,8 @@ TEST_CASE("env device: every residency gives the fully resident output bit for b
   }
 }
 
-TEST_CASE("env device: detach empties the allocator's cache, so reserved memory falls", "[env-device]") {
+TEST_CASE("engine: env device: detach empties the allocator's cache, so reserved memory falls",
+          "[env-device][strict][accel]") {
   // Note [device extras]: freed device memory goes back to the driver for other processes.
   // On a GPU the caching allocator would otherwise keep every block the model used.
   SLUICE_TEST_DEVICE_OR_SKIP(dev);
@@ -1014,7 +1020,7 @@ TEST_CASE("env device: detach empties the allocator's cache, so reserved memory 
 }
 
 // [cpu-device]: its timing bounds model the CPU device's slowed copies.
-TEST_CASE("engine: the balanced plan is made from measurements and reports its prediction", "[cpu-device]") {
+TEST_CASE("engine: the balanced plan is made from measurements and reports its prediction", "[cpu-device][strict]") {
   ToyModel model;
   const at::Tensor x = input();
   const at::Tensor ref = model->forward(x);
@@ -1073,7 +1079,7 @@ TEST_CASE("engine: the balanced plan is made from measurements and reports its p
   CHECK(j["prefetch"]["mismatched_forwards"] == 0);
 
   // A residency change replans with the measured costs: the prediction follows it.
-  engine.set_max_resident(0.0);
+  engine.budget().set_max_resident(0.0);
   s = engine.stats();
   REQUIRE(s.plan.step() != nullptr);
   CHECK(s.plan.step()->copy_ms > first.copy_ms);
@@ -1082,7 +1088,7 @@ TEST_CASE("engine: the balanced plan is made from measurements and reports its p
   CHECK(at::equal(model->forward(x), ref));
 }
 
-TEST_CASE("engine: without timing or with plan_from_measurements off the plan stays as attached") {
+TEST_CASE("engine: without timing or with plan_from_measurements off the plan stays as attached", "[strict][accel]") {
   ToyModel model;
   const at::Tensor x = input();
   for (int variant = 0; variant < 2; ++variant) {

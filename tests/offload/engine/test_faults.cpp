@@ -213,7 +213,7 @@ fault::Trigger nth(uint64_t n, uint64_t count = 1) {
 
 }  // namespace
 
-TEST_CASE("faults: the engine's forward equals the plain model's before any fault") {
+TEST_CASE("faults: the engine's forward equals the plain model's before any fault", "[strict][accel]") {
   Rig rig;
   auto dev = cpu_device();
   StreamingEngine engine(engine_options(dev));
@@ -224,7 +224,7 @@ TEST_CASE("faults: the engine's forward equals the plain model's before any faul
   require_accounting_exact(engine, *rig.model, *dev);
 }
 
-TEST_CASE("faults: a staging slot allocation failing at attach gives the model back") {
+TEST_CASE("faults: a staging slot allocation failing at attach gives the model back", "[strict][accel]") {
   DisarmAll guard;
   Rig rig;
   auto dev = cpu_device();
@@ -244,7 +244,8 @@ TEST_CASE("faults: a staging slot allocation failing at attach gives the model b
   CHECK(same_bits(step(*rig.model, rig.in, &engine), rig.ref));
 }
 
-TEST_CASE("faults: a staging slot allocation failing in a residency change is an error and the ring comes back") {
+TEST_CASE("faults: a staging slot allocation failing in a residency change is an error and the ring comes back",
+          "[strict][accel]") {
   DisarmAll guard;
   Rig rig;
   auto dev = cpu_device();
@@ -259,7 +260,7 @@ TEST_CASE("faults: a staging slot allocation failing in a residency change is an
   {
     // Fails the new ring and the one the failed change tries to leave behind.
     fault::ScopedFault f("device.alloc.ring", nth(1, 2));
-    const std::string msg = error_of<ResourceError>([&] { engine.partial_load(engine.plan().streamed_bytes / 3); });
+    const std::string msg = error_of<ResourceError>([&] { engine.budget().partial_load(engine.plan().streamed_bytes / 3); });
     CHECK_THAT(msg, Catch::Contains("staging slot"));
     CHECK(f.fired() == 2);
   }
@@ -274,7 +275,8 @@ TEST_CASE("faults: a staging slot allocation failing in a residency change is an
   require_unchanged(*rig.model, rig.before);
 }
 
-TEST_CASE("faults: out of device memory for resident weights gives a smaller residency and one warning") {
+TEST_CASE("faults: out of device memory for resident weights gives a smaller residency and one warning",
+          "[strict][accel]") {
   DisarmAll guard;
   Rig rig;
   auto dev = cpu_device();
@@ -302,15 +304,15 @@ TEST_CASE("faults: out of device memory for resident weights gives a smaller res
     require_streamed_once(engine);
   }
   // A later residency change with memory available reaches the full plan.
-  engine.full_load();
+  engine.budget().full_load();
   CHECK(engine.plan().streamed_count() == 0);
   CHECK(same_bits(step(*rig.model, rig.in, &engine), rig.ref));
   // And one failing part way through a residency change degrades the same way.
-  engine.full_unload();
+  engine.budget().full_unload();
   const uint64_t warned2 = warnings();
   {
     fault::ScopedFault f("device.alloc.resident", nth(2));
-    engine.full_load();
+    engine.budget().full_load();
     CHECK(f.fired() == 1);
   }
   CHECK(warnings() == warned2 + 1);
@@ -322,7 +324,7 @@ TEST_CASE("faults: out of device memory for resident weights gives a smaller res
   require_unchanged(*rig.model, rig.before);
 }
 
-TEST_CASE("faults: scratch or parameter allocation failing at attach gives the model back") {
+TEST_CASE("faults: scratch or parameter allocation failing at attach gives the model back", "[strict][accel]") {
   DisarmAll guard;
   Rig rig;
   for (const char* point : {"device.alloc.scratch", "device.alloc.params"}) {
@@ -344,7 +346,7 @@ TEST_CASE("faults: scratch or parameter allocation failing at attach gives the m
   }
 }
 
-TEST_CASE("faults: pinning failing falls back to pageable memory with one warning") {
+TEST_CASE("faults: pinning failing falls back to pageable memory with one warning", "[strict][accel]") {
   DisarmAll guard;
   Rig rig;
   auto dev = cpu_device();
@@ -371,7 +373,7 @@ TEST_CASE("faults: pinning failing falls back to pageable memory with one warnin
 }
 
 // [cpu-device]: only the CPU device's copy stream can fail a copy after its enqueue.
-TEST_CASE("faults: a streamed copy that fails or times out fails that forward only", "[cpu-device]") {
+TEST_CASE("faults: a streamed copy that fails or times out fails that forward only", "[cpu-device][strict]") {
   DisarmAll guard;
   Rig rig;
   for (const char* point : {"copy.h2d", "copy.h2d.timeout"}) {
@@ -400,7 +402,8 @@ TEST_CASE("faults: a streamed copy that fails or times out fails that forward on
   }
 }
 
-TEST_CASE("faults: a copy that cannot be enqueued fails a demand copy and only warns for a prefetch") {
+TEST_CASE("faults: a copy that cannot be enqueued fails a demand copy and only warns for a prefetch",
+          "[strict][accel]") {
   DisarmAll guard;
   Rig rig;
   for (const uint32_t depth : {0u, 2u}) {
@@ -439,7 +442,7 @@ TEST_CASE("faults: a copy that cannot be enqueued fails a demand copy and only w
   }
 }
 
-TEST_CASE("faults: a failed copy while making layers resident undoes the change") {
+TEST_CASE("faults: a failed copy while making layers resident undoes the change", "[strict][accel]") {
   DisarmAll guard;
   Rig rig;
   auto dev = cpu_device();
@@ -462,7 +465,7 @@ TEST_CASE("faults: a failed copy while making layers resident undoes the change"
   const std::string map = engine.plan().residency_map();
   {
     fault::ScopedFault f("copy.h2d", nth(2));
-    const std::string msg = error_of<DeviceError>([&] { engine.full_load(); });
+    const std::string msg = error_of<DeviceError>([&] { engine.budget().full_load(); });
     CHECK_THAT(msg, Catch::Contains("injected fault"));
   }
   CHECK(engine.plan().residency_map() == map);
@@ -473,7 +476,7 @@ TEST_CASE("faults: a failed copy while making layers resident undoes the change"
 }
 
 // [cpu-device]: its random failures include copies failing after their enqueue.
-TEST_CASE("faults: seeded random copy failures never corrupt a forward", "[cpu-device]") {
+TEST_CASE("faults: seeded random copy failures never corrupt a forward", "[cpu-device][strict]") {
   DisarmAll guard;
   Rig rig;
   auto dev = cpu_device();
@@ -506,7 +509,8 @@ TEST_CASE("faults: seeded random copy failures never corrupt a forward", "[cpu-d
   require_unchanged(*rig.model, rig.before);
 }
 
-TEST_CASE("faults: a checkpoint truncated between probe and load is a FileError and changes nothing") {
+TEST_CASE("faults: a checkpoint truncated between probe and load is a FileError and changes nothing",
+          "[strict][accel]") {
   DisarmAll guard;
   TempDir dir;
   const AnimaConfig c = preset("anima-tiny");
@@ -551,7 +555,7 @@ TEST_CASE("faults: a checkpoint truncated between probe and load is a FileError 
   CHECK(same_bits(step(*again, in, &engine), ref));
 }
 
-TEST_CASE("faults: a checkpoint read error is a FileError and changes nothing") {
+TEST_CASE("faults: a checkpoint read error is a FileError and changes nothing", "[strict][accel]") {
   DisarmAll guard;
   TempDir dir;
   const AnimaConfig c = preset("anima-tiny");
@@ -584,7 +588,7 @@ TEST_CASE("faults: a checkpoint read error is a FileError and changes nothing") 
                         before.at("blocks.0.mlp.layer1.weight")));
 }
 
-TEST_CASE("faults: a LoRA loader or patch failure leaves no sidecar and the model unchanged") {
+TEST_CASE("faults: a LoRA loader or patch failure leaves no sidecar and the model unchanged", "[strict][accel]") {
   DisarmAll guard;
   TempDir dir;
   Rig rig;
@@ -639,8 +643,8 @@ TEST_CASE("faults: a LoRA loader or patch failure leaves no sidecar and the mode
 
 // --- On the device SLUICE_TEST_DEVICE names (tests/support/device_env.h) -------------
 
-TEST_CASE("env device: after an allocation, copy or layer fault the next forwards equal the fault-free one",
-          "[env-device]") {
+TEST_CASE("faults: env device: after an allocation, copy or layer fault the next forwards equal the fault-free one",
+          "[env-device][strict][accel]") {
   DisarmAll guard;
   SLUICE_TEST_DEVICE_OR_SKIP(dev);
   AnimaModel model = fp8_tiny();
