@@ -53,12 +53,9 @@ void require_cache_defaults(const OffloadOptions& o) {
                             "' is the ModelCache's when the model goes into one; set it on the cache");
     }
   };
-  check(o.device == d.device, "device");
-  check(o.vram_budget == d.vram_budget, "vram_budget");
-  check(o.working_memory == d.working_memory, "working_memory");
-  check(o.pin_memory == d.pin_memory, "pin_memory");
-  check(o.prefetch == d.prefetch, "prefetch");
-  check(o.trace == d.trace, "trace");
+#define SLUICE_CHECK_DEFAULT(type, name, default_value) check(o.name == d.name, #name);
+  SLUICE_OFFLOAD_CACHE_FIELDS(SLUICE_CHECK_DEFAULT)
+#undef SLUICE_CHECK_DEFAULT
 }
 
 // i as an index into the model's layers; the model names the index it has no layer for.
@@ -71,12 +68,9 @@ size_t layer_index(int64_t i) {
 
 OffloadedModel::OffloadedModel(const OffloadOptions& o) : state_(std::make_unique<detail::OffloadState>()) {
   RuntimeOptions r;
-  r.device = o.device;
-  r.vram_budget = o.vram_budget;
-  r.working_memory = o.working_memory;
-  r.pin_memory = o.pin_memory;
-  r.prefetch = o.prefetch;
-  r.trace = o.trace;
+#define SLUICE_TO_RUNTIME(type, name, default_value) r.name = o.name;  // the cache's fields, named as RuntimeOptions's
+  SLUICE_OFFLOAD_CACHE_FIELDS(SLUICE_TO_RUNTIME)
+#undef SLUICE_TO_RUNTIME
   r.ram_limit = "0";  // the host's model, in RAM already: nothing to evict for it
   ModelCache own(r);
   state_->cache = own.impl_;

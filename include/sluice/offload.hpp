@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include "sluice/stats.hpp"  // SLUICE_DECLARE_OPTION (Note [field lists])
+
 namespace sluice {
 
 namespace detail {
@@ -45,21 +47,26 @@ struct OffloadLayer {
   std::string compute{};
 };
 
+// Two field lists (Note [field lists] in sluice/stats.hpp): the model's fields, and its
+// own cache's, each named as the RuntimeOptions field it becomes.
+#define SLUICE_OFFLOAD_MODEL_FIELDS(F)                                                                        \
+  F(std::string, name, "")                   /* in logs and stats; empty: "offloaded model" */               \
+  F(std::string, storage, "float8_e4m3fn")   /* the layers' storage dtype (bfloat16/float16/float32: no fp8) */ \
+  F(std::string, compute, "bfloat16")        /* what linear() takes and returns, for layers naming none */   \
+  F(std::vector<std::string>, skip, {})      /* layer patterns kept in their own dtype */                    \
+  F(std::optional<double>, max_resident, {}) /* cap on resident streamable bytes, 0..1 */
+// Its own cache's (the constructor without a ModelCache). With a ModelCache these are the
+// cache's: giving one of them other than its default is an InvalidArgument naming it.
+#define SLUICE_OFFLOAD_CACHE_FIELDS(F)                                                                        \
+  F(std::string, device, "cpu")              /* "cpu", "cuda", "cuda:1", ... (as RuntimeOptions::device) */  \
+  F(std::string, vram_budget, "")            /* "6GiB", "50%", "" = all device memory */                     \
+  F(std::string, working_memory, "256MiB")   /* part of the budget kept for activations */                   \
+  F(std::string, pin_memory, "auto")         /* auto | on | off */                                           \
+  F(std::string, prefetch, "auto")           /* most streamed layers copied ahead: "auto" or "0".."65536" */ \
+  F(bool, trace, false)                      /* record per-layer spans for write_trace / write_timeline_svg */
 struct OffloadOptions {
-  // The model.
-  std::string name;                        // in logs and stats; empty: "offloaded model"
-  std::string storage = "float8_e4m3fn";   // the layers' storage dtype (bfloat16/float16/float32: no fp8)
-  std::string compute = "bfloat16";        // what linear() takes and returns, for layers naming none
-  std::vector<std::string> skip;           // layer patterns kept in their own dtype
-  std::optional<double> max_resident;      // cap on resident streamable bytes, 0..1
-  // Its own cache's (the constructor without a ModelCache). With a ModelCache these are the
-  // cache's: giving one of them other than its default is an InvalidArgument naming it.
-  std::string device = "cpu";              // "cpu", "cuda", "cuda:1", ... (as RuntimeOptions::device)
-  std::string vram_budget;                 // "6GiB", "50%", "" = all device memory
-  std::string working_memory = "256MiB";   // part of the budget kept for activations
-  std::string pin_memory = "auto";         // auto | on | off
-  std::string prefetch = "auto";           // most streamed layers copied ahead: "auto" or "0".."65536"
-  bool trace = false;                      // record per-layer spans for write_trace / write_timeline_svg
+  SLUICE_OFFLOAD_MODEL_FIELDS(SLUICE_DECLARE_OPTION)
+  SLUICE_OFFLOAD_CACHE_FIELDS(SLUICE_DECLARE_OPTION)
 };
 
 class ModelCache;

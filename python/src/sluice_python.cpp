@@ -95,8 +95,8 @@ std::string prefetch_option(const py::handle& prefetch) {
 
 // An option struct from Python's keyword arguments, by its one field list (Note [field
 // lists] in sluice/stats.hpp): each keyword sets the field of its name, cast to the field's
-// type (a TypeError names a keyword of the wrong type); the others keep the struct's
-// defaults; an unknown keyword is a TypeError naming it, as for a Python function. The
+// type (a TypeError names a keyword of the wrong type); the others, and those given as None,
+// keep the struct's defaults; an unknown keyword is a TypeError naming it, as for a Python function. The
 // prefetch option also takes a number of layers as an int.
 template <typename T>
 void set_option(T& field, const char*, const py::handle& value) {
@@ -116,6 +116,7 @@ Options options_from_kwargs(const char* what, const py::kwargs& kwargs, Fields f
     fields(o, [&](const char* name, auto& field) {
       if (key != name) return;
       known = true;
+      if (item.second.is_none()) return;  // None: the field's default
       try {
         set_option(field, name, item.second);
       } catch (const py::cast_error&) {
@@ -139,6 +140,13 @@ sluice::RuntimeOptions runtime_options(const py::kwargs& kwargs) {
 sluice::LoadOptions load_options(const py::kwargs& kwargs) {
   return options_from_kwargs<sluice::LoadOptions>("LoadOptions", kwargs, [](sluice::LoadOptions& o, auto&& visit) {
     SLUICE_LOAD_OPTIONS_FIELDS(SLUICE_VISIT_OPTION)
+  });
+}
+
+sluice::OffloadOptions offload_options(const py::kwargs& kwargs) {
+  return options_from_kwargs<sluice::OffloadOptions>("OffloadedModel", kwargs, [](sluice::OffloadOptions& o, auto&& visit) {
+    SLUICE_OFFLOAD_MODEL_FIELDS(SLUICE_VISIT_OPTION)
+    SLUICE_OFFLOAD_CACHE_FIELDS(SLUICE_VISIT_OPTION)
   });
 }
 
@@ -335,33 +343,15 @@ PYBIND11_MODULE(_C, m) {
       // cache's); None: a cache of its own, from those options (None: their defaults).
       // Built a layer at a time (add_layer, then finish), so that the caller frees each
       // original before it hands over the next.
-      .def(py::init([](sluice::ModelCache* cache, const std::string& name, const std::string& storage,
-                       const std::string& compute, std::vector<std::string> skip, std::optional<double> max_resident,
-                       std::optional<std::string> device, std::optional<std::string> vram_budget,
-                       std::optional<std::string> working_memory, std::optional<std::string> pin_memory,
-                       const py::object& prefetch, std::optional<bool> trace) {
-             sluice::OffloadOptions o;
-             o.name = name;
-             o.storage = storage;
-             o.compute = compute;
-             o.skip = std::move(skip);
-             o.max_resident = max_resident;
-             if (device) o.device = *device;
-             if (vram_budget) o.vram_budget = *vram_budget;
-             if (working_memory) o.working_memory = *working_memory;
-             if (pin_memory) o.pin_memory = *pin_memory;
-             if (!prefetch.is_none()) o.prefetch = prefetch_option(prefetch);
-             if (trace) o.trace = *trace;
+      // The other keywords are OffloadOptions's fields (its two field lists); None keeps a
+      // field's default.
+      .def(py::init([](sluice::ModelCache* cache, const py::kwargs& kwargs) {
+             const sluice::OffloadOptions o = offload_options(kwargs);
              py::gil_scoped_release nogil;
              return cache ? std::make_unique<sluice::OffloadedModel>(*cache, o)
                           : std::make_unique<sluice::OffloadedModel>(o);
            }),
-           py::kw_only(), py::arg("cache") = nullptr, py::arg("name") = "",
-           py::arg("storage") = "float8_e4m3fn", py::arg("compute") = "bfloat16",
-           py::arg("skip") = std::vector<std::string>{}, py::arg("max_resident") = std::nullopt,
-           py::arg("device") = std::nullopt, py::arg("vram_budget") = std::nullopt,
-           py::arg("working_memory") = std::nullopt, py::arg("pin_memory") = std::nullopt,
-           py::arg("prefetch") = py::none(), py::arg("trace") = std::nullopt,
+           py::arg("cache") = nullptr,
            py::keep_alive<1, 2>())  // the cache outlives the model (it holds the cache's state too)
       // kind: "linear" | "embedding" | "other"; compute: "" = the model's.
       .def("add_layer",
