@@ -52,6 +52,7 @@ EXTERNAL_NAMES = {
     # system and tools
     "malloc.h", "unistd.h", "mman.h", "dlfcn.h", "memory.max", "meminfo", "pyproject.toml",
     "setup.py", "conftest.py", "CMakeLists.txt", "sluiceConfig.cmake", "catch.hpp", "json.hpp",
+    "CatchAddTests.cmake",
     # what bench/gpu/device_all.sh writes into its output folder
     "compare.md", "offload.md", "compiled.md",
 }

@@ -25,14 +25,15 @@
 // sends every copy from pageable memory through the bounce ring (slower, correct).
 //
 // Tested by (on the torch test accelerator, tests/accel/, the PrivateUse1 device torch code
-// runs on where no GPU is lent): tests/accel/test_accel.cpp ("accel: TorchDevice initialises the
-// device before its first allocation", "accel: a recordStream keeps a block from reuse while
-// the stream still writes it", "accel: copies from pageable memory block the host, from
-// pinned memory they do not", "accel: events order streams, and elapsed time needs timing
-// events that completed", "accel: out of memory is torch's OutOfMemoryError, and emptyCache
-// hands the cache back"), tests/offload/device/test_device.cpp ("env device: the pinned arena gets
-// exact-size page-locked chunks and streams from them"), and every `accel ...` ctest entry
-// (tests/CMakeLists.txt: the engine, model cache, API, fault and LoRA tests through it).
+// runs on where no GPU is lent): tests/accel/test_accel.cpp ("accel: TorchDevice
+// initialises the device before its first allocation", "accel: a recordStream keeps a block
+// from reuse while the stream still writes it", "accel: copies from pageable memory block
+// the host, from pinned memory they do not", "accel: events order streams, and elapsed time
+// needs timing events that completed", "accel: out of memory is torch's OutOfMemoryError,
+// and emptyCache hands the cache back"), tests/offload/device/test_device.cpp ("device: env
+// device: the pinned arena gets exact-size page-locked chunks and streams from them"), and
+// every `accel ...` ctest entry (the cases tagged [accel], tests/README.md: the engine, model
+// cache, API, fault and LoRA tests through it).
 #include <c10/core/Device.h>
 
 #include <cstdint>

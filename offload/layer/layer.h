@@ -17,14 +17,15 @@
 // stored tensor's device, which is what a plain, fully-resident model needs.
 //
 // Tested by (indirectly, through the forwards of Anima, foreign and toy models, with and without a
-// provider): tests/offload/layer/test_fp8_model.cpp ("a throw inside any layer's forward leaves every parameter
-// stored and the next forward unchanged", "fp8 off (storage = compute) is bit-identical to the
-// plain model"), tests/models/test_lora.cpp ("a LoRA sidecar adds scale*(x A^T) B^T with scale =
-// alpha/rank * strength, fp8 weight untouched"), tests/models/anima/test_anima_model.cpp ("managed layers carry
-// their dotted names in execution order"), tests/offload/layer/test_foreign_model.cpp ("foreign model: an fp8
-// embedding looks up its rows and upcasts only those, resident or streamed"), tests/offload/engine/test_engine.cpp
-// ("engine: a layer that throws mid-forward leaves the engine consistent"),
-// tests/python/test_offload_guarantees.py
+// provider): tests/offload/layer/test_fp8_model.cpp ("fp8 model: a throw inside any layer's forward
+// leaves every parameter stored and the next forward unchanged", "fp8 model: fp8 off (storage =
+// compute) is bit-identical to the plain model"), tests/models/test_lora.cpp ("lora: a LoRA sidecar
+// adds scale*(x A^T) B^T with scale = alpha/rank * strength, fp8 weight untouched"),
+// tests/models/anima/test_anima_model.cpp ("anima model: managed layers carry their dotted names in
+// execution order"), tests/offload/layer/test_foreign_model.cpp ("foreign model: an fp8 embedding
+// looks up its rows and upcasts only those, resident or streamed"),
+// tests/offload/engine/test_engine.cpp ("engine: a layer that throws mid-forward leaves the engine
+// consistent"), tests/python/test_offload_guarantees.py
 // (test_an_fp8_embedding_looks_up_rows_without_upcasting_its_table).
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>

@@ -25,14 +25,15 @@
 //    layer is always self-consistent (stored dtype + compute dtype + scale) and usable.
 //
 // Tested by (directly through apply_storage on Anima models, and through load_anima and `sluice
-// inspect --storage`): tests/offload/layer/test_fp8_model.cpp ("apply_storage casts weight and bias of unskipped
-// layers only; norms and buffers untouched", "apply_storage refuses NaN weights and leaves that
-// layer untouched", "apply_storage refuses NaN and Inf weights for every storage dtype, a weight
-// kept as it is too", "apply_storage on a meta model also builds meta scales for scaled storage",
-// "load_anima with fp8 storage yields the fp8 resident size (dead-toggle guard)"),
-// tests/models/anima/test_checkpoint_loader.cpp ("fused load: casting as read stores the bytes of a cast after a
-// plain load, for any thread count"), tests/cli/test_cli.cpp ("inspect --storage reproduces the
-// anima-2b fp8 size table exactly").
+// inspect --storage`): tests/offload/layer/test_fp8_model.cpp ("fp8 model: apply_storage casts
+// weight and bias of unskipped layers only, norms and buffers untouched", "fp8 model: apply_storage
+// refuses NaN weights and leaves that layer untouched", "fp8 model: apply_storage refuses NaN and
+// Inf weights for every storage dtype, a weight kept as it is too", "fp8 model: apply_storage on a
+// meta model also builds meta scales for scaled storage", "fp8 model: load_anima with fp8 storage
+// yields the fp8 resident size (dead-toggle guard)"), tests/models/anima/test_checkpoint_loader.cpp
+// ("checkpoint loader: fused load: casting as read stores the bytes of a cast after a plain load,
+// for any thread count"), tests/cli/test_cli.cpp ("cli: inspect --storage reproduces the anima-2b
+// fp8 size table exactly").
 #include <torch/nn/module.h>
 
 #include <cstdint>

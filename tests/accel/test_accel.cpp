@@ -217,7 +217,7 @@ TEST_CASE("accel: out of memory is torch's OutOfMemoryError, and emptyCache hand
   (void)total;
 }
 
-TEST_CASE("accel: operators run on the device; views stay views; devices do not mix") {
+TEST_CASE("accel: operators run on the device, views stay views, devices do not mix") {
   load_accel();
   const at::Tensor host = at::randn({4, 6});
   at::Tensor d = host.to(accel());

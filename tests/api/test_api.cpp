@@ -111,7 +111,7 @@ class StderrCapture {
 
 }  // namespace
 
-TEST_CASE("api: a preset loads and runs and its stats JSON has the documented fields") {
+TEST_CASE("api: a preset loads and runs and its stats JSON has the documented fields", "[strict][accel]") {
   sluice::ModelCache cache(cpu());
   sluice::Model model = cache.load("anima-tiny");
   CHECK(model.name() == "anima-tiny");
@@ -166,7 +166,7 @@ TEST_CASE("api: a preset loads and runs and its stats JSON has the documented fi
   CHECK(!sluice::version().empty());
 }
 
-TEST_CASE("api: forward with a progress callback reports each layer and returns the same output") {
+TEST_CASE("api: forward with a progress callback reports each layer and returns the same output", "[strict][accel]") {
   sluice::ModelCache cache(cpu());
   sluice::LoadOptions lo;
   lo.max_resident = 0.5;
@@ -196,7 +196,8 @@ TEST_CASE("api: forward with a progress callback reports each layer and returns 
   CHECK(grid.find('S') != std::string::npos);
 }
 
-TEST_CASE("api: a progress callback that throws Interrupted stops the forward before its next layer") {
+TEST_CASE("api: a progress callback that throws Interrupted stops the forward before its next layer",
+          "[strict][accel]") {
   // Issue 29, item 10 (Python's Ctrl-C is built on it): a request to stop ends the forward at
   // the next layer boundary, as an exception does; the next forward is unchanged.
   sluice::ModelCache cache(cpu());
@@ -228,7 +229,7 @@ TEST_CASE("api: a progress callback that throws Interrupted stops the forward be
   CHECK(model.info().storage_dtype == "float8_e4m3fn");
 }
 
-TEST_CASE("api: bytes streamed equal the non-resident bytes and outputs match across budgets") {
+TEST_CASE("api: bytes streamed equal the non-resident bytes and outputs match across budgets", "[strict][accel]") {
   sluice::ModelCache roomy(cpu());
   sluice::Model ref_model = roomy.load("anima-small");
   const Inputs in = inputs(ref_model.info());
@@ -271,7 +272,7 @@ TEST_CASE("api: bytes streamed equal the non-resident bytes and outputs match ac
   CHECK(at::equal(model.lock()(in.x, in.t, in.ctx), ref));
 }
 
-TEST_CASE("api: residency and budget changes at runtime") {
+TEST_CASE("api: residency and budget changes at runtime", "[strict][accel]") {
   sluice::ModelCache cache(cpu("256MiB"));
   sluice::Model model = cache.load("anima-small");
   const Inputs in = inputs(model.info());
@@ -307,7 +308,8 @@ TEST_CASE("api: residency and budget changes at runtime") {
   CHECK_THROWS_AS(cache.set_vram_budget("1MiB"), sluice::ResourceError);
 }
 
-TEST_CASE("api: vram_budget auto is the free device memory minus vram_headroom, at creation and when set again") {
+TEST_CASE("api: vram_budget auto is the free device memory minus vram_headroom, at creation and when set again",
+          "[strict][accel]") {
   sluice::RuntimeOptions o = cpu("auto");
   o.device_memory = 1024 * MiB;  // the CPU device's total; free is the total minus what it holds
   o.vram_headroom = "256MiB";
@@ -335,7 +337,7 @@ TEST_CASE("api: vram_budget auto is the free device memory minus vram_headroom, 
   CHECK_THROWS_WITH(sluice::ModelCache(o), Catch::Contains("vram_headroom: only applies to vram_budget auto"));
 }
 
-TEST_CASE("api: LoRA changes the output and its removal restores it bit-exactly") {
+TEST_CASE("api: LoRA changes the output and its removal restores it bit-exactly", "[strict][accel]") {
   TempDir dir;
   sluice::ModelCache cache(cpu());
   sluice::Model model = cache.load("anima-tiny");
@@ -398,7 +400,8 @@ uint64_t lora_bytes_of(const sluice::Model& m) { return parse(m.stats_json()).at
 
 }  // namespace
 
-TEST_CASE("api: a LoRA's sidecars grow the model's share into the free budget and the share shrinks back") {
+TEST_CASE("api: a LoRA's sidecars grow the model's share into the free budget and the share shrinks back",
+          "[strict][accel]") {
   // Issue 29, item 1 (Note [sidecar share] in cache/sidecar_share.h).
   TempDir dir;
   sluice::ModelCache cache(cpu("4GiB", "64MiB"));
@@ -431,7 +434,8 @@ TEST_CASE("api: a LoRA's sidecars grow the model's share into the free budget an
   CHECK(at::equal(m(in.x, in.t, in.ctx), base));
 }
 
-TEST_CASE("api: an unlocked model gives up residency for another model's LoRA and a budget that cannot hold it refuses in one line") {
+TEST_CASE("api: an unlocked model gives up residency for another model's LoRA and a budget that cannot hold it refuses in one line",
+          "[strict][accel]") {
   TempDir dir;
   uint64_t small_share = 0, tiny_share = 0;
   {
@@ -482,7 +486,7 @@ TEST_CASE("api: an unlocked model gives up residency for another model's LoRA an
   CHECK(alone.residency_map() == tiny_map);
 }
 
-TEST_CASE("api: a LoRA does not outlive the lock it was applied through") {
+TEST_CASE("api: a LoRA does not outlive the lock it was applied through", "[strict][accel]") {
   // Issue 29, item 2 (Note [LoRA lifetime] in include/sluice/sluice.hpp).
   TempDir dir;
   sluice::ModelCache cache(cpu());
@@ -523,7 +527,8 @@ TEST_CASE("api: a LoRA does not outlive the lock it was applied through") {
   CHECK(model.stats().locks == 1);
 }
 
-TEST_CASE("api: the cache's stats list every model it holds and each device total is the sum of its parts") {
+TEST_CASE("api: the cache's stats list every model it holds and each device total is the sum of its parts",
+          "[strict][accel]") {
   // Issue 29, item 6 (Note [stats parts] in cache/cache_queries.h).
   sluice::ModelCache cache(cpu("4GiB", "64MiB"));
   const auto run = [](sluice::Model& model) {
@@ -589,7 +594,7 @@ TEST_CASE("api: the cache's stats list every model it holds and each device tota
   }
 }
 
-TEST_CASE("api: errors name what is at fault") {
+TEST_CASE("api: errors name what is at fault", "[strict][accel]") {
   auto message = [](auto&& fn) -> std::string {
     try {
       fn();
@@ -638,7 +643,7 @@ TEST_CASE("api: errors name what is at fault") {
   CHECK_NOTHROW(exact.load("anima-small").lock());
 }
 
-TEST_CASE("api: a NaN or Inf input is an InvalidArgument naming the input and its first position") {
+TEST_CASE("api: a NaN or Inf input is an InvalidArgument naming the input and its first position", "[strict][accel]") {
   auto message = [](auto&& fn) -> std::string {
     try {
       fn();
@@ -679,7 +684,8 @@ TEST_CASE("api: a NaN or Inf input is an InvalidArgument naming the input and it
   CHECK(at::equal(m(in.x, in.t, in.ctx), ref));
 }
 
-TEST_CASE("api: locate_nonfinite re-runs a forward with a per-layer check and names the first overflowing layer") {
+TEST_CASE("api: locate_nonfinite re-runs a forward with a per-layer check and names the first overflowing layer",
+          "[strict][accel]") {
   TempDir dir;
   sluice::ModelCache cache(cpu());
   sluice::LoadOptions lo;
@@ -735,7 +741,7 @@ TEST_CASE("api: locate_nonfinite re-runs a forward with a per-layer check and na
   CHECK(at::isfinite(m(in.x, in.t, in.ctx)).all().item<bool>());
 }
 
-TEST_CASE("api: the load log line and the residency map are printed at INFO") {
+TEST_CASE("api: the load log line and the residency map are printed at INFO", "[strict][accel]") {
   TempDir dir;
   const auto level = sluice::log::level();
   sluice::log::set_level(sluice::log::Level::info);
@@ -753,7 +759,7 @@ TEST_CASE("api: the load log line and the residency map are printed at INFO") {
   CHECK(std::regex_search(text, std::regex(R"(Residency of 'anima-tiny' \(balanced\): blocks: RR)")));
 }
 
-TEST_CASE("api: handles outlive the cache and the trace is written") {
+TEST_CASE("api: handles outlive the cache and the trace is written", "[strict][accel]") {
   TempDir dir;
   sluice::Model model;
   {
@@ -785,7 +791,8 @@ TEST_CASE("api: handles outlive the cache and the trace is written") {
   CHECK(compute);
 }
 
-TEST_CASE("api: log lines go to an embedder's sink at the level it sets, and to stderr again without one") {
+TEST_CASE("api: log lines go to an embedder's sink at the level it sets, and to stderr again without one",
+          "[strict][accel]") {
   const sluice::LogLevel before = sluice::log_level();
   std::vector<std::pair<sluice::LogLevel, std::string>> got;
   sluice::set_log_level(sluice::LogLevel::info);

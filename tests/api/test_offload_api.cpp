@@ -92,7 +92,7 @@ json held(const ModelCache& cache, const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("offload api: two offloaded models share one cache budget and each forward gets its share") {
+TEST_CASE("offload api: two offloaded models share one cache budget and each forward gets its share", "[strict]") {
   // 3 MiB with 1 MiB of working memory: room for one 2 MiB model (plus a little), not two.
   ModelCache cache(small_cache("3MiB"));
   const HostModel ha = host_model(1), hb = host_model(2);
@@ -119,7 +119,7 @@ TEST_CASE("offload api: two offloaded models share one cache budget and each for
   CHECK(cache.models().empty());  // the OffloadedModels are their handles
 }
 
-TEST_CASE("offload api: an offloaded model and an Anima model run side by side in one cache") {
+TEST_CASE("offload api: an offloaded model and an Anima model run side by side in one cache", "[strict]") {
   RuntimeOptions r;
   r.device = "cpu";
   ModelCache cache(r);
@@ -141,7 +141,7 @@ TEST_CASE("offload api: an offloaded model and an Anima model run side by side i
   CHECK(json::parse(cache.stats_json())["models_held"].size() == 2);
 }
 
-TEST_CASE("offload api: the cache's own options are refused when a model goes into a cache") {
+TEST_CASE("offload api: the cache's own options are refused when a model goes into a cache", "[strict]") {
   ModelCache cache(small_cache("64MiB"));
   const HostModel h = host_model(4);
   for (const char* field : {"device", "vram_budget", "working_memory", "pin_memory", "prefetch"}) {
@@ -160,7 +160,7 @@ TEST_CASE("offload api: the cache's own options are refused when a model goes in
   CHECK(json::parse(cache.stats_json())["models_held"].size() == 1);  // the refused ones left nothing
 }
 
-TEST_CASE("offload api: a budget too small for the model is refused and leaves nothing in the cache") {
+TEST_CASE("offload api: a budget too small for the model is refused and leaves nothing in the cache", "[strict]") {
   ModelCache cache(small_cache("1100KiB"));  // 76 KiB beside the working memory: not one 256 KiB layer
   const HostModel h = host_model(5);
   CHECK_THROWS_AS(OffloadedModel(layers_of(h), extras_of(h), cache, fp32("too big")), ResourceError);
@@ -172,7 +172,7 @@ TEST_CASE("offload api: a budget too small for the model is refused and leaves n
   CHECK_THROWS_WITH(OffloadedModel(layers_of(h), extras_of(h), o), Catch::Contains("the minimum that would work is"));
 }
 
-TEST_CASE("offload api: remove takes the model out of its cache and gives its tensors back") {
+TEST_CASE("offload api: remove takes the model out of its cache and gives its tensors back", "[strict]") {
   ModelCache cache(small_cache("64MiB"));
   const HostModel h = host_model(6);
   const at::Tensor norm_before = h.norm.clone();
@@ -193,7 +193,8 @@ TEST_CASE("offload api: remove takes the model out of its cache and gives its te
   CHECK_THROWS_WITH(m.begin_forward(), Catch::Contains("was removed"));
 }
 
-TEST_CASE("offload api: stored layers are read only after remove and remove waits for no forward of its own") {
+TEST_CASE("offload api: stored layers are read only after remove and remove waits for no forward of its own",
+          "[strict]") {
   ModelCache cache(small_cache("64MiB"));
   const HostModel h = host_model(7);
   OffloadedModel m(layers_of(h), extras_of(h), cache, fp32("m"));
@@ -205,7 +206,8 @@ TEST_CASE("offload api: stored layers are read only after remove and remove wait
   m.remove();
 }
 
-TEST_CASE("offload api: nested forwards count once and a layer called outside a forward is a forward of its own") {
+TEST_CASE("offload api: nested forwards count once and a layer called outside a forward is a forward of its own",
+          "[strict]") {
   ModelCache cache(small_cache("64MiB"));
   const HostModel h = host_model(8);
   OffloadedModel m(layers_of(h), extras_of(h), cache, fp32("m"));
@@ -221,7 +223,7 @@ TEST_CASE("offload api: nested forwards count once and a layer called outside a 
   CHECK(s["forwards"][1]["kind"] == "layer");
 }
 
-TEST_CASE("offload api: a forward from another thread waits for the running one to end") {
+TEST_CASE("offload api: a forward from another thread waits for the running one to end", "[strict]") {
   ModelCache cache(small_cache("64MiB"));
   const HostModel h = host_model(9);
   OffloadedModel m(layers_of(h), extras_of(h), cache, fp32("m"));
@@ -245,7 +247,7 @@ TEST_CASE("offload api: a forward from another thread waits for the running one 
   CHECK(json::parse(m.stats_json())["forward_count"] == 2);
 }
 
-TEST_CASE("offload api: an offloaded model is never evicted from RAM and other models make room for it") {
+TEST_CASE("offload api: an offloaded model is never evicted from RAM and other models make room for it", "[strict]") {
   RuntimeOptions r = small_cache("64MiB");
   r.ram_limit = "3MiB";
   ModelCache cache(r);
@@ -261,7 +263,7 @@ TEST_CASE("offload api: an offloaded model is never evicted from RAM and other m
   CHECK(held(cache, "b")["in_ram"] == true);
 }
 
-TEST_CASE("offload api: destroying a model in the middle of its forward ends the forward and the model") {
+TEST_CASE("offload api: destroying a model in the middle of its forward ends the forward and the model", "[strict]") {
   ModelCache cache(small_cache("64MiB"));
   const HostModel h = host_model(12);
   const at::Tensor norm_before = h.norm.clone();
@@ -276,7 +278,7 @@ TEST_CASE("offload api: destroying a model in the middle of its forward ends the
   CHECK(h.norm.device().is_cpu());
 }
 
-TEST_CASE("offload api: embeddings and host-computed layers stream beside Linear layers") {
+TEST_CASE("offload api: embeddings and host-computed layers stream beside Linear layers", "[strict]") {
   ModelCache cache(small_cache("64MiB"));
   at::manual_seed(13);
   const at::Tensor table = at::randn({50, 16});

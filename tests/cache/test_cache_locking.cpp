@@ -58,7 +58,8 @@ bool eventually(CacheLocking& locking, Pred pred) {
 
 }  // namespace
 
-TEST_CASE("cache_locking: an operation waiting for a model's forward goes before that model's next forward") {
+TEST_CASE("cache_locking: an operation waiting for a model's forward goes before that model's next forward",
+          "[strict][accel]") {
   CacheParts p(roomy_cache_options());
   auto e = p.attached(cache_spec());
   // When the running forward ends, the operation and the next forward wake together; the
@@ -94,7 +95,7 @@ TEST_CASE("cache_locking: an operation waiting for a model's forward goes before
   }
 }
 
-TEST_CASE("cache_locking: waiting for every forward holds back new forwards of all models") {
+TEST_CASE("cache_locking: waiting for every forward holds back new forwards of all models", "[strict][accel]") {
   CacheParts p(roomy_cache_options());
   auto a = p.attached(cache_spec("anima-tiny", 1));
   auto b = p.attached(cache_spec("anima-tiny", 2));
@@ -126,7 +127,8 @@ TEST_CASE("cache_locking: waiting for every forward holds back new forwards of a
   CHECK(order.get() == std::vector<std::string>{"budget", "forward b"});
 }
 
-TEST_CASE("cache_locking: the published snapshot follows residency changes and a refresh leaves it alone during a forward") {
+TEST_CASE("cache_locking: the published snapshot follows residency changes and a refresh leaves it alone during a forward",
+          "[strict][accel]") {
   CacheParts p(roomy_cache_options());
   auto e = p.attached(cache_spec());
   const auto published = [&] {

@@ -36,7 +36,8 @@ CacheOptions options(uint64_t budget, uint64_t working = 1 * MiB) {
 
 }  // namespace
 
-TEST_CASE("device_shares: the wanted share is the target clamped to the model's minimum and wants and never more than the limit") {
+TEST_CASE("device_shares: the wanted share is the target clamped to the model's minimum and wants and never more than the limit",
+          "[strict][accel]") {
   CacheParts p(options(2000 * MiB, 500 * MiB));
   const DeviceShares& shares = p.shares;
   REQUIRE(shares.limit() == 1500 * MiB);
@@ -64,7 +65,8 @@ TEST_CASE("device_shares: the wanted share is the target clamped to the model's 
   CHECK(shares.wanted_share(e) == 300 * MiB);
 }
 
-TEST_CASE("device_shares: the minimum budget leaves exactly the model's minimum beside the working memory") {
+TEST_CASE("device_shares: the minimum budget leaves exactly the model's minimum beside the working memory",
+          "[strict][accel]") {
   CacheOptions o;
   o.working_memory = 64 * MiB;
   CHECK(minimum_vram_budget(300 * MiB, o) == 364 * MiB);
@@ -80,7 +82,8 @@ TEST_CASE("device_shares: the minimum budget leaves exactly the model's minimum 
   }
 }
 
-TEST_CASE("device_shares: the default working memory is 1 GiB at 1024 px and scales with the pixels between 256 MiB and a quarter of the budget") {
+TEST_CASE("device_shares: the default working memory is 1 GiB at 1024 px and scales with the pixels between 256 MiB and a quarter of the budget",
+          "[strict][accel]") {
   CHECK(default_working_memory(64 * GiB, 1024) == 1 * GiB);
   CHECK(default_working_memory(64 * GiB, 2048) == 4 * GiB);
   CHECK(default_working_memory(64 * GiB, 1448) == static_cast<uint64_t>(static_cast<double>(GiB) * (1448.0 / 1024) * (1448.0 / 1024)));
@@ -90,7 +93,8 @@ TEST_CASE("device_shares: the default working memory is 1 GiB at 1024 px and sca
   CHECK(default_working_memory(512 * MiB, 256) == 128 * MiB);  // the quarter goes below the floor
 }
 
-TEST_CASE("device_shares: making room unloads the least recently used partially before taking any model off the device") {
+TEST_CASE("device_shares: making room unloads the least recently used partially before taking any model off the device",
+          "[strict][accel]") {
   CacheParts probe(options(4 * GiB));
   const offload::WeightNeeds n = probe.loaded(cache_spec())->needs;
   REQUIRE(n.minimum < n.wanted);
@@ -147,7 +151,8 @@ TEST_CASE("device_shares: making room unloads the least recently used partially 
   CHECK(p.shares.unreserved() == p.shares.limit());
 }
 
-TEST_CASE("device_shares: a budget cut takes room from unlocked models before locked ones and a raise gives it back") {
+TEST_CASE("device_shares: a budget cut takes room from unlocked models before locked ones and a raise gives it back",
+          "[strict][accel]") {
   CacheParts probe(options(4 * GiB));
   const offload::WeightNeeds n = probe.loaded(cache_spec())->needs;
   REQUIRE(n.minimum < n.wanted);

@@ -77,13 +77,13 @@ int64_t expected_parameters(const nlohmann::json& c) {
 
 }  // namespace
 
-TEST_CASE("the version flag prints the version and exits 0") {
+TEST_CASE("cli: the version flag prints the version and exits 0") {
   const Result r = run_ok({"--version"});
   CHECK(r.out.rfind("sluice ", 0) == 0);
   CHECK(r.err.empty());
 }
 
-TEST_CASE("inspect --config anima-2b --json reports the real model's published totals") {
+TEST_CASE("cli: inspect --config anima-2b --json reports the real model's published totals") {
   const auto j = inspect_json({"--config", "anima-2b"});
   CHECK(j.at("model") == "anima");
   CHECK(j.at("tensors").get<int64_t>() == 685);
@@ -109,7 +109,7 @@ TEST_CASE("inspect --config anima-2b --json reports the real model's published t
   CHECK(expected_parameters(j.at("config")) == params);
 }
 
-TEST_CASE("inspect --config --dtype float32 doubles the bytes and the text output has the totals") {
+TEST_CASE("cli: inspect --config --dtype float32 doubles the bytes and the text output has the totals") {
   const auto j = inspect_json({"--config", "anima-small", "--dtype", "float32"});
   CHECK(j.at("parameters").get<int64_t>() == expected_parameters(j.at("config")));
   CHECK(j.at("bytes").get<int64_t>() == 4 * j.at("parameters").get<int64_t>());
@@ -120,7 +120,7 @@ TEST_CASE("inspect --config --dtype float32 doubles the bytes and the text outpu
 }
 
 // anima-2b's storage sizes (bf16, fp8 with skips), from the CLI on the shape-only anima-2b build.
-TEST_CASE("inspect --storage reproduces the anima-2b fp8 size table exactly") {
+TEST_CASE("cli: inspect --storage reproduces the anima-2b fp8 size table exactly") {
   auto size = [](std::vector<std::string> extra) {
     std::vector<std::string> args{"--config", "anima-2b"};
     args.insert(args.end(), extra.begin(), extra.end());
@@ -143,7 +143,7 @@ TEST_CASE("inspect --storage reproduces the anima-2b fp8 size table exactly") {
   CHECK(r.out.find("param_size  2012.0 MiB") != std::string::npos);
 }
 
-TEST_CASE("inspect --storage lists exactly the 6 modules Anima's declared skips keep on anima-2b") {
+TEST_CASE("cli: inspect --storage lists exactly the 6 modules Anima's declared skips keep on anima-2b") {
   const auto j = inspect_json({"--config", "anima-2b", "--storage", "float8_e4m3fn"});
   const auto& f = j.at("fp8");
   CHECK(f.at("storage") == "float8_e4m3fn");
@@ -161,7 +161,7 @@ TEST_CASE("inspect --storage lists exactly the 6 modules Anima's declared skips 
   CHECK(none.at("fp8").at("cast_layers").get<int64_t>() == f.at("cast_layers").get<int64_t>() + 6);
 }
 
-TEST_CASE("inspect --storage on a checkpoint file reports the what-if size of its config") {
+TEST_CASE("cli: inspect --storage on a checkpoint file reports the what-if size of its config") {
   TempDir dir;
   const std::string ckpt = dir / "tiny.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "3", "--out", ckpt});
@@ -177,7 +177,7 @@ TEST_CASE("inspect --storage on a checkpoint file reports the what-if size of it
   expect_error({"inspect", "--config", "anima-tiny", "--skip", "t_embedder"}, 2, {"--storage"});
 }
 
-TEST_CASE("fp8-report runs on a generated checkpoint: groups candidates and forward errors") {
+TEST_CASE("cli: fp8-report runs on a generated checkpoint: groups candidates and forward errors") {
   TempDir dir;
   const std::string ckpt = dir / "small.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "5", "--out", ckpt});
@@ -214,7 +214,7 @@ TEST_CASE("fp8-report runs on a generated checkpoint: groups candidates and forw
   expect_error({"fp8-report", ckpt, "--storage", "bfloat16"}, 2, {"bfloat16"});
 }
 
-TEST_CASE("make-checkpoint writes a checkpoint that inspect describes") {
+TEST_CASE("cli: make-checkpoint writes a checkpoint that inspect describes") {
   TempDir dir;
   const std::string ckpt = dir / "tiny.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "7", "--out", ckpt, "--dtype", "float32"});
@@ -240,7 +240,7 @@ TEST_CASE("make-checkpoint writes a checkpoint that inspect describes") {
   }
 }
 
-TEST_CASE("make-checkpoint is deterministic per seed") {
+TEST_CASE("cli: make-checkpoint is deterministic per seed") {
   TempDir dir;
   const std::string a = dir / "a.safetensors", b = dir / "b.safetensors", c = dir / "c.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "42", "--out", a});
@@ -257,7 +257,7 @@ TEST_CASE("make-checkpoint is deterministic per seed") {
   for (const auto& t : file->tensors()) CHECK(t.dtype == at::kBFloat16);
 }
 
-TEST_CASE("convert writes an fp8 checkpoint that run streams to the latent of a load-time conversion") {
+TEST_CASE("cli: convert writes an fp8 checkpoint that run streams to the latent of a load-time conversion") {
   TempDir dir;
   const std::string src = dir / "src.safetensors", fp8 = dir / "fp8.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "9", "--out", src});
@@ -288,7 +288,7 @@ TEST_CASE("convert writes an fp8 checkpoint that run streams to the latent of a 
   expect_error({"convert", src, "--out", dir / "no-such-dir/x.safetensors"}, 2, {"--out"});
 }
 
-TEST_CASE("run: an e5m2 checkpoint runs as stored and a --storage that casts it says so once") {
+TEST_CASE("cli: run: an e5m2 checkpoint runs as stored and a --storage that casts it says so once") {
   // Issue 29, item 7: `run --storage` took only float8_e4m3fn and bfloat16, and an e5m2 file
   // from `convert --storage float8_e5m2` was re-cast to e4m3fn with no word.
   TempDir dir;
@@ -332,7 +332,7 @@ TEST_CASE("run: an e5m2 checkpoint runs as stored and a --storage that casts it 
   expect_error({"run", "--synthetic", "anima-tiny", "--storage", "int8"}, 2, {"--storage", "int8"});
 }
 
-TEST_CASE("convert --scale without --scaled stores the scales it names") {
+TEST_CASE("cli: convert --scale without --scaled stores the scales it names") {
   TempDir dir;
   const std::string src = dir / "src.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "9", "--out", src});
@@ -345,7 +345,7 @@ TEST_CASE("convert --scale without --scaled stores the scales it names") {
   CHECK(plain.out.find(" 0 weight scales") != std::string::npos);
 }
 
-TEST_CASE("forward stores weights in float8_e4m3fn by default like run and --storage overrides it") {
+TEST_CASE("cli: forward stores weights in float8_e4m3fn by default like run and --storage overrides it") {
   TempDir dir;
   const std::string ckpt = dir / "tiny.safetensors", in = dir / "in.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt});
@@ -363,7 +363,7 @@ TEST_CASE("forward stores weights in float8_e4m3fn by default like run and --sto
   CHECK_FALSE(at::equal(v, sluice::safetensors::File::open(f32)->tensor("velocity")));
 }
 
-TEST_CASE("forward and convert and make-checkpoint check their output paths before any work") {
+TEST_CASE("cli: forward and convert and make-checkpoint check their output paths before any work") {
   TempDir dir;
   const std::string bad = "/nonexistent-sluice-dir/out.safetensors";
   const std::string ckpt = dir / "tiny.safetensors", in = dir / "in.safetensors";
@@ -392,7 +392,7 @@ TEST_CASE("forward and convert and make-checkpoint check their output paths befo
   }
 }
 
-TEST_CASE("make-checkpoint and fp8-report refuse a seed out of range") {
+TEST_CASE("cli: make-checkpoint and fp8-report refuse a seed out of range") {
   expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed=-1", "--out", "/tmp/x.safetensors"}, 2,
                {"--seed: expected a whole number from 0 to 18446744073709551615, got '-1'"});
   expect_error({"make-checkpoint", "--config", "anima-tiny", "--seed", "18446744073709551616", "--out",
@@ -401,7 +401,7 @@ TEST_CASE("make-checkpoint and fp8-report refuse a seed out of range") {
   expect_error({"fp8-report", "x.safetensors", "--seed=-1"}, 2, {"--seed", "'-1'"});
 }
 
-TEST_CASE("forward writes a velocity shaped like x and the adapter context") {
+TEST_CASE("cli: forward writes a velocity shaped like x and the adapter context") {
   TempDir dir;
   const std::string ckpt = dir / "tiny.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt, "--dtype", "float32"});
@@ -458,7 +458,7 @@ TEST_CASE("forward writes a velocity shaped like x and the adapter context") {
   }
 }
 
-TEST_CASE("forward: --compute names the compute dtype as run does, and --dtype is its alias that says so") {
+TEST_CASE("cli: forward: --compute names the compute dtype as run does, and --dtype is its alias that says so") {
   TempDir dir;
   const std::string ckpt = dir / "tiny.safetensors", in = dir / "in.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt, "--dtype", "float32"});
@@ -492,7 +492,7 @@ TEST_CASE("forward: --compute names the compute dtype as run does, and --dtype i
                {"--dtype", "--compute", "sluice forward --help"});
 }
 
-TEST_CASE("errors: missing or corrupt files exit 1 with one line naming the file") {
+TEST_CASE("cli: errors: missing or corrupt files exit 1 with one line naming the file") {
   TempDir dir;
   const std::string missing = dir / "does_not_exist.safetensors";
   expect_error({"inspect", missing}, 1, {missing});
@@ -533,7 +533,7 @@ TEST_CASE("errors: missing or corrupt files exit 1 with one line naming the file
   expect_error({"inspect", "--config", dir / "absent.json"}, 1, {"absent.json"});
 }
 
-TEST_CASE("errors: unknown presets and bad flags or values exit 2 with one line and a hint") {
+TEST_CASE("cli: errors: unknown presets and bad flags or values exit 2 with one line and a hint") {
   expect_error({"inspect", "--config", "anima-huge"}, 2, {"anima-huge", "sluice inspect --help"});
   expect_error({"make-checkpoint", "--config", "nope", "--seed", "1", "--out", "/tmp/x.safetensors"}, 2,
                {"nope", "sluice make-checkpoint --help"});
@@ -557,7 +557,7 @@ TEST_CASE("errors: unknown presets and bad flags or values exit 2 with one line 
   expect_error({"--log-level", "loud", "inspect", "--config", "anima-tiny"}, 2, {"loud"});
 }
 
-TEST_CASE("errors: wrong input tensors exit 1 with one line naming the tensor") {
+TEST_CASE("cli: errors: wrong input tensors exit 1 with one line naming the tensor") {
   TempDir dir;
   const std::string ckpt = dir / "tiny.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "5", "--out", ckpt, "--dtype", "float32"});
@@ -603,7 +603,7 @@ TEST_CASE("errors: wrong input tensors exit 1 with one line naming the tensor") 
                 {"'qwen_hidden'", "(first at [0, 4, 0]: nan)"});
 }
 
-TEST_CASE("forward: a layer made to overflow exits 1 naming the forward and the first non-finite layer") {
+TEST_CASE("cli: forward: a layer made to overflow exits 1 naming the forward and the first non-finite layer") {
   TempDir dir;
   const std::string good = dir / "tiny.safetensors", in = dir / "in.safetensors", out = dir / "out.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "5", "--out", good, "--dtype", "float32"});
@@ -637,7 +637,7 @@ TEST_CASE("forward: a layer made to overflow exits 1 naming the forward and the 
   }
 }
 
-TEST_CASE("errors: a CUDA device that is not there exits 1 naming it") {
+TEST_CASE("cli: errors: a CUDA device that is not there exits 1 naming it") {
   if (at::hasCUDA()) {
     WARN("a CUDA device is present; the missing-device case needs a machine without one");
     const std::string idx = std::to_string(at::getNumGPUs() + 3);

@@ -59,7 +59,8 @@ nlohmann::json read_json(const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("run: the same seed gives a bit-identical latent for every budget and residency and prefetch and pinning") {
+TEST_CASE("run: the same seed gives a bit-identical latent for every budget and residency and prefetch and pinning",
+          "[strict]") {
   TempDir dir;
   const std::string ref = dir / "ref.safetensors";
   const std::string ref_stats = dir / "ref.json";
@@ -98,7 +99,8 @@ TEST_CASE("run: the same seed gives a bit-identical latent for every budget and 
   CHECK_FALSE(at::equal(read_latent(other), expected));
 }
 
-TEST_CASE("run: bf16 and fp8 storage stream at --max-resident 0.5 and give the fully resident latent bit for bit") {
+TEST_CASE("run: bf16 and fp8 storage stream at --max-resident 0.5 and give the fully resident latent bit for bit",
+          "[strict]") {
   // The issue's acceptance check: `sluice run --synthetic anima-small --device cpu
   // --storage bfloat16 --max-resident 0.5` streams, and its latent equals full residency's.
   for (const char* storage : {"bfloat16", "float8_e4m3fn"}) {
@@ -124,7 +126,7 @@ TEST_CASE("run: bf16 and fp8 storage stream at --max-resident 0.5 and give the f
   }
 }
 
-TEST_CASE("run: prints the residency map and one line per step and writes the final latent") {
+TEST_CASE("run: prints the residency map and one line per step and writes the final latent", "[strict]") {
   TempDir dir;
   const std::string out = dir / "latent.safetensors";
   const Result r = run_ok(small_run({"--max-resident", "0.5", "--output", out}));
@@ -153,7 +155,7 @@ TEST_CASE("run: prints the residency map and one line per step and writes the fi
   CHECK_FALSE(at::allclose(latent, noise, 1e-3, 1e-3));
 }
 
-TEST_CASE("run: the CPU embedded default streams half its streamable weights and shows R and S") {
+TEST_CASE("run: the CPU embedded default streams half its streamable weights and shows R and S", "[strict]") {
   // What `sluice run` with no arguments does on a machine without a GPU (Note [run
   // defaults]); --device cpu only pins that choice on a GPU machine. Its time is measured
   // in docs/BENCHMARKS.md, not here.
@@ -194,7 +196,8 @@ struct OneDnnOffEnv {
 
 }  // namespace
 
-TEST_CASE("run: without native bf16 compute auto takes float32 and says why and the default job shrinks to 256 px") {
+TEST_CASE("run: without native bf16 compute auto takes float32 and says why and the default job shrinks to 256 px",
+          "[strict]") {
   OneDnnOffEnv off;
   TempDir dir;
   const std::string stats = dir / "stats.json";
@@ -211,7 +214,8 @@ TEST_CASE("run: without native bf16 compute auto takes float32 and says why and 
   CHECK(j.at("hardware").get<std::string>().rfind("CPU ", 0) == 0);
 }
 
-TEST_CASE("run: --compute bfloat16 without native bf16 still runs and lands within bf16 precision of the fast path") {
+TEST_CASE("run: --compute bfloat16 without native bf16 still runs and lands within bf16 precision of the fast path",
+          "[strict]") {
   TempDir dir;
   const std::string fast = dir / "fast.safetensors", slow = dir / "slow.safetensors", f32 = dir / "f32.safetensors";
   const std::string stats = dir / "stats.json";
@@ -233,7 +237,7 @@ TEST_CASE("run: --compute bfloat16 without native bf16 still runs and lands with
   CHECK(to_fp32 < 0.05);
 }
 
-TEST_CASE("run: --compute float16 overflows where float32 does not and the run names the layer") {
+TEST_CASE("run: --compute float16 overflows where float32 does not and the run names the layer", "[strict]") {
   // Weights x1e4 in one layer: past fp16's 65504 on its output, far inside fp32's range.
   TempDir dir;
   const std::string good = dir / "good.safetensors", bad = dir / "bad.safetensors";
@@ -252,7 +256,8 @@ TEST_CASE("run: --compute float16 overflows where float32 does not and the run n
   run_ok(f32);
 }
 
-TEST_CASE("run: on a terminal a live line shows the step, layers, elapsed time and ETA; off one, only step lines") {
+TEST_CASE("run: on a terminal a live line shows the step, layers, elapsed time and ETA (off one, only step lines)",
+          "[strict]") {
   const std::vector<std::string> args{"run",          "--device", "cpu", "--synthetic",    "anima-small", "--steps",
                                      "3",            "--resolution", "64", "--max-resident", "0.5"};
   const Result tty = run_cli_tty(args);
@@ -284,7 +289,7 @@ TEST_CASE("run: on a terminal a live line shows the step, layers, elapsed time a
   CHECK(off.out.find("step 3/3  sigma") != std::string::npos);
 }
 
-TEST_CASE("run: long writes and loads show their progress on a terminal, with bytes, rate and ETA") {
+TEST_CASE("run: long writes and loads show their progress on a terminal, with bytes, rate and ETA", "[strict]") {
   TempDir dir;
   const std::string ckpt = dir / "small.safetensors";
   // SLUICE_PROGRESS_AFTER=0: show at once (these take well under the 1 s after which they show).
@@ -318,7 +323,7 @@ static std::string dit_only_config(const TempDir& dir) {
   return path;
 }
 
-TEST_CASE("run: the stats JSON has the documented fields and each forward streams the non-resident bytes") {
+TEST_CASE("run: the stats JSON has the documented fields and each forward streams the non-resident bytes", "[strict]") {
   TempDir dir;
   const std::string config = dit_only_config(dir);
   for (const char* fraction : {"0", "0.5", "1"}) {
@@ -366,7 +371,7 @@ TEST_CASE("run: the stats JSON has the documented fields and each forward stream
   }
 }
 
-TEST_CASE("run: with the adapter each forward streams the non-resident DiT bytes") {
+TEST_CASE("run: with the adapter each forward streams the non-resident DiT bytes", "[strict]") {
   // The LLM adapter's streamed layers are not touched by a DiT forward: the stats split the
   // non-resident bytes by forward kind, and a forward streams exactly its kind's share.
   TempDir dir;
@@ -388,7 +393,7 @@ TEST_CASE("run: with the adapter each forward streams the non-resident DiT bytes
   }
 }
 
-TEST_CASE("run: the trace is valid JSON with copy and upcast and compute tracks") {
+TEST_CASE("run: the trace is valid JSON with copy and upcast and compute tracks", "[strict]") {
   TempDir dir;
   const std::string trace = dir / "trace.json";
   run_ok(small_run({"--max-resident", "0.5", "--trace", trace}));
@@ -421,7 +426,7 @@ TEST_CASE("run: the trace is valid JSON with copy and upcast and compute tracks"
   CHECK(tracks.size() >= 3);
 }
 
-TEST_CASE("run: a context file is used and a wrong one is an error naming the tensor") {
+TEST_CASE("run: a context file is used and a wrong one is an error naming the tensor", "[strict]") {
   TempDir dir;
   const std::string ctx = dir / "ctx.safetensors";
   at::Generator gen = at::detail::createCPUGenerator(3);
@@ -450,7 +455,7 @@ TEST_CASE("run: a context file is used and a wrong one is an error naming the te
   expect_error(small_run({"--context", ctx}), 1, {"'negative_context'", "1 non-finite value (first at [0, 6, 127]: -inf)"});
 }
 
-TEST_CASE("run: a healthy run checks each velocity and never re-runs a forward") {
+TEST_CASE("run: a healthy run checks each velocity and never re-runs a forward", "[strict]") {
   TempDir dir;
   const std::string stats = dir / "stats.json";
   run_ok(small_run({"--max-resident", "0.5", "--stats-json", stats}));
@@ -460,7 +465,8 @@ TEST_CASE("run: a healthy run checks each velocity and never re-runs a forward")
   CHECK(j.at("nonfinite").at("last").is_null());
 }
 
-TEST_CASE("run: a layer made to overflow ends the run with one error naming the step and the kind and that layer") {
+TEST_CASE("run: a layer made to overflow ends the run with one error naming the step and the kind and that layer",
+          "[strict]") {
   // bf16 storage: fp8 would saturate the scaled weight at 448.
   TempDir dir;
   const std::string good = dir / "good.safetensors", bad = dir / "bad.safetensors";
@@ -538,7 +544,8 @@ std::vector<std::string> tiny_run(const std::string& checkpoint, const std::stri
 
 }  // namespace
 
-TEST_CASE("run: a NaN or Inf weight is refused on every storage with one line naming the file and the tensor") {
+TEST_CASE("run: a NaN or Inf weight is refused on every storage with one line naming the file and the tensor",
+          "[strict]") {
   // Issue 29, item 3: fp8 storage refused a NaN weight (without naming the file), bf16
   // storage ran to an all-NaN latent. Every storage dtype, and each way a tensor is read
   // (cast as read, read as stored, converted to the compute dtype), checks it the same way.
@@ -573,7 +580,8 @@ TEST_CASE("run: a NaN or Inf weight is refused on every storage with one line na
   run_ok(tiny_run(fp8, ""));
 }
 
-TEST_CASE("run: an integer or bool tensor where a weight belongs is an error naming the tensor and its dtype") {
+TEST_CASE("run: an integer or bool tensor where a weight belongs is an error naming the tensor and its dtype",
+          "[strict]") {
   TempDir dir;
   const std::string bf16 = dir / "bf16.safetensors", ints = dir / "int8.safetensors", bools = dir / "bool.safetensors";
   run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "3", "--out", bf16});
@@ -587,7 +595,7 @@ TEST_CASE("run: an integer or bool tensor where a weight belongs is an error nam
   }
 }
 
-TEST_CASE("run: --policy front_first keeps whole blocks resident from the front and streams the rest") {
+TEST_CASE("run: --policy front_first keeps whole blocks resident from the front and streams the rest", "[strict]") {
   // Issue 29, item 7: front_first kept mlp.layer1/2 resident in every block and block 0 mixed.
   for (const char* resident : {"0.5", "0.25"}) {
     INFO("max-resident " << resident);
@@ -614,7 +622,7 @@ TEST_CASE("run: --policy front_first keeps whole blocks resident from the front 
   }
 }
 
-TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and says so") {
+TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and says so", "[strict]") {
   // On the CPU device the memory is this machine's RAM, far more than anima-small needs.
   Result r = run_ok(small_run({"--vram-budget", "auto"}));
   INFO(r.out);
@@ -640,7 +648,8 @@ TEST_CASE("run: --vram-budget auto takes the free memory minus the headroom and 
   expect_error(small_run({"--vram-headroom", "lots"}), 2, {"--vram-headroom", "lots"});
 }
 
-TEST_CASE("run: with pinning on, pinned bytes / streamed bytes <= 1.01 in the stats, under --pin-memory-limit") {
+TEST_CASE("run: with pinning on, pinned bytes / streamed bytes <= 1.01 in the stats, under --pin-memory-limit",
+          "[strict]") {
   TempDir dir;
   for (const std::string limit : {"", "1MiB"}) {
     INFO("limit '" << limit << "'");
@@ -666,7 +675,7 @@ TEST_CASE("run: with pinning on, pinned bytes / streamed bytes <= 1.01 in the st
   }
 }
 
-TEST_CASE("run: prints the host memory limit and where it came from, a container's cgroup limit included") {
+TEST_CASE("run: prints the host memory limit and where it came from, a container's cgroup limit included", "[strict]") {
   constexpr uint64_t GiB = uint64_t{1} << 30;
   TempDir dir;
   const std::string stats = dir / "stats.json";
@@ -710,7 +719,7 @@ TEST_CASE("run: prints the host memory limit and where it came from, a container
   CHECK(std::regex_search(r.out, std::regex(R"(\nhost memory limit: \d+\.\dGiB from (physical RAM|cgroup v[12] memory\.(max|limit_in_bytes) \(/sys/fs/cgroup[^)]*\)|MemAvailable \(/proc/meminfo\)[^;]*); model RAM limit \d+\.\dGiB, pinned memory limit \d+(\.\d[KMGT]i)?B\n)")));
 }
 
-TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
+TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line", "[strict]") {
   expect_error(small_run({"--steps", "0"}), 2, {"--steps"});
   expect_error(small_run({"--cfg", "nan"}), 2, {"--cfg"});
   expect_error(small_run({"--max-resident", "1.5"}), 2, {"--max-resident"});
@@ -734,7 +743,7 @@ TEST_CASE("run: bad flags exit 2 and missing files exit 1 with one line") {
   expect_error(small_run({"--vram-budget", "2MiB", "--working-memory", "1MiB"}), 1, {"anima-small", "minimum"});
 }
 
-TEST_CASE("run: sizes print as MiB and a printed minimum budget is accepted back as enough") {
+TEST_CASE("run: sizes print as MiB and a printed minimum budget is accepted back as enough", "[strict]") {
   // 1MB is 10^6 bytes; the minimum is printed in MiB, rounded up, so typing it back works.
   const Result small = run_cli(small_run({"--vram-budget", "1MB"}));
   INFO(small.err);
@@ -750,7 +759,8 @@ TEST_CASE("run: sizes print as MiB and a printed minimum budget is accepted back
   CHECK(std::regex_search(ok.out, std::regex(R"(streamed per forward \d+\.\dMiB)")));
 }
 
-TEST_CASE("run: every output path is checked before the model loads with one line naming the flag and the path") {
+TEST_CASE("run: every output path is checked before the model loads with one line naming the flag and the path",
+          "[strict]") {
   TempDir dir;
   const std::string bad = "/nonexistent-sluice-dir/out.file";
   for (const std::string flag : {"--output", "--stats-json", "--trace", "--timeline"}) {
@@ -775,7 +785,8 @@ TEST_CASE("run: every output path is checked before the model loads with one lin
   CHECK_FALSE(exists(same));
 }
 
-TEST_CASE("run: a budget above the device's memory is an error naming the flag and the budget and the memory") {
+TEST_CASE("run: a budget above the device's memory is an error naming the flag and the budget and the memory",
+          "[strict]") {
   const Result r = run_cli(small_run({"--vram-budget", "10TB"}));
   INFO(r.out << r.err);
   CHECK(r.status == 1);
@@ -788,7 +799,7 @@ TEST_CASE("run: a budget above the device's memory is an error naming the flag a
   run_ok(small_run({"--vram-budget", m[1].str()}));
 }
 
-TEST_CASE("run: a seed out of range is refused with one line naming --seed") {
+TEST_CASE("run: a seed out of range is refused with one line naming --seed", "[strict]") {
   const auto tiny = [](const std::string& seed) {
     return std::vector<std::string>{"run", "--device", "cpu", "--synthetic", "anima-tiny", "--steps", "1",
                                     "--resolution", "64", "--seed=" + seed};
@@ -801,7 +812,7 @@ TEST_CASE("run: a seed out of range is refused with one line naming --seed") {
   CHECK(r.out.find("seed 18446744073709551615,") != std::string::npos);
 }
 
-TEST_CASE("run: bad values name the flag once and say what is expected") {
+TEST_CASE("run: bad values name the flag once and say what is expected", "[strict]") {
   const Result budget = run_cli(small_run({"--vram-budget", "abc"}));
   CHECK(budget.status == 2);
   CHECK(budget.err.rfind("sluice: error: --vram-budget: invalid size 'abc': expected a number", 0) == 0);
@@ -813,7 +824,8 @@ TEST_CASE("run: bad values name the flag once and say what is expected") {
   expect_error(small_run({"--steps", "abc"}), 2, {"--steps: expected a whole number from 1 to 100000, got 'abc'"});
 }
 
-TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model fits its measured working memory") {
+TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model fits its measured working memory",
+          "[strict]") {
   // anima-2b's 2012 MiB of fp8 weights on an 8 GiB card, scaled to anima-small's 10.2 MiB:
   // 42 MiB of device memory, and working memory guessed as 1 GiB scaled alike (5 MiB). At
   // 512 px the forward's activations need more than that guess: the run measures what the
@@ -853,7 +865,7 @@ TEST_CASE("run: on the torch test accelerator a card of 8 GB scaled to the model
   CHECK(slurp(dir / "accel.safetensors") == slurp(dir / "cpu.safetensors"));
 }
 
-TEST_CASE("run: a device library that does not load is an error naming it") {
+TEST_CASE("run: a device library that does not load is an error naming it", "[strict]") {
   setenv("SLUICE_DEVICE_LIBRARY", "/nonexistent/libbackend.so", 1);
   expect_error({"run", "--device", "testaccel", "--synthetic", "anima-tiny", "--steps", "1"}, 2,
                {"SLUICE_DEVICE_LIBRARY", "/nonexistent/libbackend.so"});

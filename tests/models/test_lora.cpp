@@ -118,7 +118,7 @@ struct TempDir {
 
 }  // namespace
 
-TEST_CASE("map_lora_key: the usual layouts and prefixes map onto module names") {
+TEST_CASE("lora: map_lora_key: the usual layouts and prefixes map onto module names", "[strict][accel]") {
   const std::vector<std::string> names = {"t_embedder.1.linear_1", "blocks.0.self_attn.q_proj", "blocks.0.mlp.layer1",
                                           "final_layer.linear", "llm_adapter.blocks.0.mlp.0"};
   struct Case {
@@ -174,7 +174,8 @@ TEST_CASE("map_lora_key: the usual layouts and prefixes map onto module names") 
   CHECK_FALSE(amb->known);
 }
 
-TEST_CASE("a LoRA sidecar adds scale*(x A^T) B^T with scale = alpha/rank * strength, fp8 weight untouched") {
+TEST_CASE("lora: a LoRA sidecar adds scale*(x A^T) B^T with scale = alpha/rank * strength, fp8 weight untouched",
+          "[strict][accel]") {
   AnimaModel m = fp8_tiny();
   auto& l = layer(*m, "blocks.0.mlp.layer1");
   REQUIRE(l.stored_weight().scalar_type() == at::kFloat8_e4m3fn);
@@ -210,7 +211,8 @@ TEST_CASE("a LoRA sidecar adds scale*(x A^T) B^T with scale = alpha/rank * stren
   CHECK(at::equal(linear->forward(x), base));
 }
 
-TEST_CASE("patching a whole fp8 model from a file: storage unchanged, effect present, removal exact") {
+TEST_CASE("lora: patching a whole fp8 model from a file: storage unchanged, effect present, removal exact",
+          "[strict][accel]") {
   TempDir tmp;
   AnimaModel m = fp8_tiny();
   const Inputs in = inputs();
@@ -253,7 +255,7 @@ TEST_CASE("patching a whole fp8 model from a file: storage unchanged, effect pre
   CHECK(at::equal(step(*m, in), base));
 }
 
-TEST_CASE("a bf16 (skipped) layer alone can be patched") {
+TEST_CASE("lora: a bf16 (skipped) layer alone can be patched", "[strict][accel]") {
   AnimaModel m = fp8_tiny();
   const Inputs in = inputs();
   const at::Tensor base = m->forward(in.x, in.t, in.ctx);
@@ -264,7 +266,7 @@ TEST_CASE("a bf16 (skipped) layer alone can be patched") {
   CHECK_FALSE(at::equal(m->forward(in.x, in.t, in.ctx), base));
 }
 
-TEST_CASE("stacked scopes: removing the first leaves exactly the second's effect") {
+TEST_CASE("lora: stacked scopes: removing the first leaves exactly the second's effect", "[strict][accel]") {
   AnimaModel m = fp8_tiny();
   const Inputs in = inputs();
   const at::Tensor base = step(*m, in);
@@ -301,7 +303,7 @@ TEST_CASE("stacked scopes: removing the first leaves exactly the second's effect
   CHECK(at::equal(step(*m, in), base));
 }
 
-TEST_CASE("bad LoRA files are CheckpointErrors naming what is wrong") {
+TEST_CASE("lora: bad LoRA files are CheckpointErrors naming what is wrong", "[strict][accel]") {
   AnimaModel m = fp8_tiny();
   Tensors ok;
   add_pair(ok, *m, "blocks.0.mlp.layer1", 4, 1, "blocks.0.mlp.layer1.lora_A.weight", "blocks.0.mlp.layer1.lora_B.weight");
@@ -400,7 +402,8 @@ uint64_t lora_bytes_in_stats(offload::StreamingEngine& e) {
 
 }  // namespace
 
-TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the model exactly streams more layers") {
+TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the model exactly streams more layers",
+          "[strict][accel]") {
   // Note [device extras] (offload/engine/model_budget.h): the engine places the sidecars under the
   // model's budget; the plan streams layers to make room, and the allocator's own count of
   // device bytes alive never passes the budget.
@@ -440,7 +443,8 @@ TEST_CASE("lora: a rank-64 LoRA on every Linear under a budget that fits the mod
   engine.detach();
 }
 
-TEST_CASE("lora: sidecars placed by the engine give the outputs of the patched model, and removal restores them") {
+TEST_CASE("lora: sidecars placed by the engine give the outputs of the patched model, and removal restores them",
+          "[strict][accel]") {
   AnimaModel m = fp8_tiny();
   const Inputs in = inputs();
   const at::Tensor plain = step(*m, in);
@@ -477,7 +481,8 @@ TEST_CASE("lora: sidecars placed by the engine give the outputs of the patched m
   CHECK(engine.plan().streamed_count() == 0);
 }
 
-TEST_CASE("lora: sidecars that cannot fit even with every layer streamed give one error naming the LoRA") {
+TEST_CASE("lora: sidecars that cannot fit even with every layer streamed give one error naming the LoRA",
+          "[strict][accel]") {
   AnimaModel m = fp8_tiny();
   const Inputs in = inputs();
   const at::Tensor plain = step(*m, in);

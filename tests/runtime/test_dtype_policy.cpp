@@ -34,7 +34,7 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 
 }  // namespace
 
-TEST_CASE("dtype names parse both ways, with aliases and case-insensitively") {
+TEST_CASE("dtype policy: dtype names parse both ways, with aliases and case-insensitively") {
   for (at::ScalarType t : {at::kFloat8_e4m3fn, at::kFloat8_e5m2, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2fnuz,
                            at::kBFloat16, at::kHalf, at::kFloat}) {
     CHECK(sluice::parse_storage_dtype(sluice::dtype_name(t)) == t);
@@ -51,7 +51,7 @@ TEST_CASE("dtype names parse both ways, with aliases and case-insensitively") {
   CHECK(sluice::parse_compute_dtype("torch.float32") == at::kFloat);
 }
 
-TEST_CASE("a bad dtype name is named and the valid ones are listed") {
+TEST_CASE("dtype policy: a bad dtype name is named and the valid ones are listed") {
   const std::string m = message_of([] { sluice::parse_storage_dtype("float8_e3m4"); });
   CHECK(contains(m, "'float8_e3m4'"));
   CHECK(contains(m, "float8_e4m3fn"));
@@ -62,7 +62,7 @@ TEST_CASE("a bad dtype name is named and the valid ones are listed") {
   CHECK(contains(c, "float16"));
 }
 
-TEST_CASE("an fp8 compute dtype is refused as storage-only") {
+TEST_CASE("dtype policy: an fp8 compute dtype is refused as storage-only") {
   const std::string m = message_of([] { sluice::parse_compute_dtype("fp8"); });
   CHECK(contains(m, "'fp8'"));
   CHECK(contains(m, "storage dtype only"));
@@ -74,7 +74,7 @@ TEST_CASE("an fp8 compute dtype is refused as storage-only") {
   CHECK(message_of([] { sluice::check_storage_dtype(at::kFloat8_e4m3fnuz); }).empty());
 }
 
-TEST_CASE("fp8_max_finite is the largest finite value each encoding decodes to") {
+TEST_CASE("dtype policy: fp8_max_finite is the largest finite value each encoding decodes to") {
   for (at::ScalarType t : kFp8) {
     const auto& tab = sluice::fp8_tables(t);
     float largest = 0;
@@ -88,7 +88,7 @@ TEST_CASE("fp8_max_finite is the largest finite value each encoding decodes to")
   CHECK_THROWS_AS(sluice::fp8_max_finite(at::kBFloat16), sluice::InvalidArgument);
 }
 
-TEST_CASE("resolve_dtypes: defaults, honoured non-fp8 storage, validation") {
+TEST_CASE("dtype policy: resolve_dtypes: defaults, honoured non-fp8 storage, validation") {
   const DtypePair d = sluice::resolve_dtypes(std::nullopt, std::nullopt, at::kCPU);
   CHECK(d.storage == at::kFloat8_e4m3fn);
   CHECK(d.compute == at::kBFloat16);
@@ -103,7 +103,7 @@ TEST_CASE("resolve_dtypes: defaults, honoured non-fp8 storage, validation") {
   CHECK_THROWS_AS(sluice::resolve_dtypes(at::kInt, std::nullopt, at::kCPU), sluice::InvalidArgument);
 }
 
-TEST_CASE("CPU and CUDA are answered without a probe") {
+TEST_CASE("dtype policy: CPU and CUDA are answered without a probe") {
   sluice::detail::reset_fp8_probe_cache();
   int calls = 0;
   sluice::detail::ScopedFp8ProbeOverride fake([&](at::Device, at::ScalarType) {
@@ -116,7 +116,7 @@ TEST_CASE("CPU and CUDA are answered without a probe") {
   CHECK(sluice::detail::fp8_probe_stats().probes == 0);
 }
 
-TEST_CASE("the real probe passes on CPU for every fp8 dtype and fails on meta") {
+TEST_CASE("dtype policy: the real probe passes on CPU for every fp8 dtype and fails on meta") {
   for (at::ScalarType t : kFp8) CHECK(sluice::detail::probe_fp8_storage(at::kCPU, t));
   // meta tensors hold no data, so the read-back cannot compare: a backend that cannot hold
   // the bytes must be reported as such, not crash.
@@ -124,7 +124,7 @@ TEST_CASE("the real probe passes on CPU for every fp8 dtype and fails on meta") 
   CHECK_THROWS_AS(sluice::detail::probe_fp8_storage(at::kCPU, at::kBFloat16), sluice::InvalidArgument);
 }
 
-TEST_CASE("probe successes are cached per device and dtype, failures are not") {
+TEST_CASE("dtype policy: probe successes are cached per device and dtype, failures are not") {
   sluice::detail::reset_fp8_probe_cache();
   int calls = 0;
   sluice::detail::ScopedFp8ProbeOverride fake([&](at::Device d, at::ScalarType) {
@@ -153,7 +153,7 @@ TEST_CASE("probe successes are cached per device and dtype, failures are not") {
   CHECK(s.cache_hits == 2);
 }
 
-TEST_CASE("resolve_dtypes falls back to the compute dtype where fp8 cannot be stored") {
+TEST_CASE("dtype policy: resolve_dtypes falls back to the compute dtype where fp8 cannot be stored") {
   sluice::detail::reset_fp8_probe_cache();
   {
     sluice::detail::ScopedFp8ProbeOverride fake([](at::Device d, at::ScalarType) { return d.index() == 0; });
@@ -170,7 +170,7 @@ TEST_CASE("resolve_dtypes falls back to the compute dtype where fp8 cannot be st
   CHECK(sluice::detail::fp8_probe_stats().failures == 2);
 }
 
-TEST_CASE("policy and scale-mode names parse, and Fp8Options defaults are the documented ones") {
+TEST_CASE("dtype policy: policy and scale-mode names parse, and Fp8Options defaults are the documented ones") {
   CHECK(sluice::parse_out_of_range_policy("Saturate") == sluice::OutOfRangePolicy::saturate);
   CHECK(sluice::parse_out_of_range_policy("refuse") == sluice::OutOfRangePolicy::refuse);
   CHECK(sluice::parse_scale_mode("per_channel") == sluice::ScaleMode::per_channel);
@@ -210,7 +210,7 @@ const sluice::Fp16Verdict kUnfit{false, "overflows past 65504"};
 
 }  // namespace
 
-TEST_CASE("compute auto follows torch's bf16 capability on the CPU") {
+TEST_CASE("dtype policy: compute auto follows torch's bf16 capability on the CPU") {
   const sluice::NativeAnswer bf16 = sluice::native_matmul(at::kCPU, at::kBFloat16);
   const sluice::ComputeChoice c = sluice::choose_compute_dtype("auto", at::kCPU, kUnfit);
   CHECK(c.automatic);
@@ -226,7 +226,7 @@ TEST_CASE("compute auto follows torch's bf16 capability on the CPU") {
   CHECK(c.dtype == (bf16.native ? at::kBFloat16 : at::kFloat));
 }
 
-TEST_CASE("compute auto picks float32 where torch's oneDNN is off and says why") {
+TEST_CASE("dtype policy: compute auto picks float32 where torch's oneDNN is off and says why") {
   OneDnnOff off;
   CHECK_FALSE(sluice::native_matmul(at::kCPU, at::kBFloat16).native);
   CHECK_FALSE(sluice::native_matmul(at::kCPU, at::kHalf).native);
@@ -238,7 +238,7 @@ TEST_CASE("compute auto picks float32 where torch's oneDNN is off and says why")
   }
 }
 
-TEST_CASE("an explicit compute dtype always wins over auto") {
+TEST_CASE("dtype policy: an explicit compute dtype always wins over auto") {
   OneDnnOff off;
   for (const auto& [name, t] : {std::pair<const char*, at::ScalarType>{"bfloat16", at::kBFloat16},
                                 {"fp16", at::kHalf}, {"float32", at::kFloat}}) {
@@ -252,7 +252,7 @@ TEST_CASE("an explicit compute dtype always wins over auto") {
   CHECK(contains(message_of([] { sluice::choose_compute_dtype("e4m3fn", at::kCPU, kFit); }), "storage dtype only"));
 }
 
-TEST_CASE("the CPU is named with its model and vector extensions") {
+TEST_CASE("dtype policy: the CPU is named with its model and vector extensions") {
   const std::string s = sluice::cpu_summary();
   CHECK_FALSE(sluice::cpu_description().model.empty());
   CHECK(contains(s, sluice::cpu_description().model));

@@ -28,7 +28,7 @@ std::string pattern(const std::string& point, int n) {
 
 }  // namespace
 
-TEST_CASE("fault injection: disarmed points never fire and count nothing") {
+TEST_CASE("fault injection: disarmed points never fire and count nothing", "[strict]") {
   DisarmAll guard;
   CHECK(pattern("test.never", 5) == ".....");
   CHECK(fault::hits("test.never") == 0);
@@ -37,7 +37,7 @@ TEST_CASE("fault injection: disarmed points never fire and count nothing") {
   CHECK(fault::hits("test.never") == 0);
 }
 
-TEST_CASE("fault injection: nth and count fail exactly those hits") {
+TEST_CASE("fault injection: nth and count fail exactly those hits", "[strict]") {
   DisarmAll guard;
   fault::Trigger t;
   t.nth = 3;
@@ -59,7 +59,7 @@ TEST_CASE("fault injection: nth and count fail exactly those hits") {
   CHECK(fault::fired("test.nth") == 4);  // counters survive disarm
 }
 
-TEST_CASE("fault injection: count_only counts without failing") {
+TEST_CASE("fault injection: count_only counts without failing", "[strict]") {
   DisarmAll guard;
   fault::Trigger t;
   t.count_only = true;
@@ -70,7 +70,7 @@ TEST_CASE("fault injection: count_only counts without failing") {
   CHECK(fault::fired("test.count") == 0);
 }
 
-TEST_CASE("fault injection: probability triggers are seeded and near their rate") {
+TEST_CASE("fault injection: probability triggers are seeded and near their rate", "[strict]") {
   DisarmAll guard;
   fault::Trigger t;
   t.probability = 0.2;
@@ -91,7 +91,7 @@ TEST_CASE("fault injection: probability triggers are seeded and near their rate"
   CHECK(pattern("test.p", 4) == "xxxx");
 }
 
-TEST_CASE("fault injection: bad triggers and specs are InvalidArgument naming the part") {
+TEST_CASE("fault injection: bad triggers and specs are InvalidArgument naming the part", "[strict]") {
   DisarmAll guard;
   fault::Trigger t;
   t.probability = 1.5;
@@ -110,7 +110,7 @@ TEST_CASE("fault injection: bad triggers and specs are InvalidArgument naming th
   CHECK(pattern("a", 3) == "...");
 }
 
-TEST_CASE("fault injection: specs arm several points") {
+TEST_CASE("fault injection: specs arm several points", "[strict]") {
   DisarmAll guard;
   fault::arm_from_spec(" test.s1:nth=2 ; test.s2:nth=1,count=all;test.s3:count_only;test.s4:p=1,seed=3");
   CHECK(pattern("test.s1", 3) == ".x.");
@@ -123,7 +123,7 @@ TEST_CASE("fault injection: specs arm several points") {
   CHECK(fault::total_fired() == before + 1);
 }
 
-TEST_CASE("fault injection: hits from many threads are all counted and nth fires once") {
+TEST_CASE("fault injection: hits from many threads are all counted and nth fires once", "[strict]") {
   DisarmAll guard;
   fault::Trigger t;
   t.nth = 5000;
@@ -141,7 +141,7 @@ TEST_CASE("fault injection: hits from many threads are all counted and nth fires
   CHECK(fault::fired("test.mt") == 1);
 }
 
-TEST_CASE("fault injection: every wired point is listed with what it simulates") {
+TEST_CASE("fault injection: every wired point is listed with what it simulates", "[strict]") {
   std::vector<std::string> names;
   for (const auto& p : fault::known_points()) {
     CHECK(std::string(p.simulates).size() > 10);

@@ -53,7 +53,7 @@ uint16_t bits16(const at::Tensor& t, int64_t i) { return static_cast<const uint1
 
 }  // namespace
 
-TEST_CASE("fp8 tables equal ATen's conversion for all 256 bytes of every fp8 dtype") {
+TEST_CASE("fp8: tables equal ATen's conversion for all 256 bytes of every fp8 dtype") {
   for (at::ScalarType t : kFp8) {
     const sluice::Fp8Tables& tab = sluice::fp8_tables(t);
     const at::Tensor x = all_bytes(t);
@@ -76,7 +76,7 @@ TEST_CASE("fp8 tables equal ATen's conversion for all 256 bytes of every fp8 dty
   CHECK_THROWS_AS(sluice::fp8_tables(at::kBFloat16), sluice::InvalidArgument);
 }
 
-TEST_CASE("the CUDA kernel's bit-level decode equals ATen for all 256 bytes of every format") {
+TEST_CASE("fp8: the CUDA kernel's bit-level decode equals ATen for all 256 bytes of every format") {
   using sluice::fp8::Format;
   const std::pair<at::ScalarType, Format> formats[] = {{at::kFloat8_e4m3fn, Format::e4m3fn},
                                                        {at::kFloat8_e5m2, Format::e5m2},
@@ -97,7 +97,7 @@ TEST_CASE("the CUDA kernel's bit-level decode equals ATen for all 256 bytes of e
   }
 }
 
-TEST_CASE("CPU upcast equals ATen .to() for every fp8/compute pair, odd sizes and strided input") {
+TEST_CASE("fp8: CPU upcast equals ATen .to() for every fp8/compute pair, odd sizes and strided input") {
   // 9 and 13 exercise the 8-wide loop's tail; 600001 spans several parallel_for chunks.
   // (The large size runs for one compute dtype only: ATen's fp8 reference is slow.)
   for (int64_t n : {int64_t{1}, int64_t{9}, int64_t{13}, int64_t{4099}, int64_t{600001}}) {
@@ -117,7 +117,7 @@ TEST_CASE("CPU upcast equals ATen .to() for every fp8/compute pair, odd sizes an
   CHECK(same_values(up, strided.to(at::kBFloat16)));
 }
 
-TEST_CASE("upcast returns the stored tensor itself when no conversion is needed") {
+TEST_CASE("fp8: upcast returns the stored tensor itself when no conversion is needed") {
   const at::Tensor w = at::randn({4, 4}).to(at::kBFloat16);
   CHECK(sluice::upcast(w, at::kBFloat16, at::Tensor()).unsafeGetTensorImpl() == w.unsafeGetTensorImpl());
   const at::Tensor f = sluice::upcast(w, at::kFloat, at::Tensor());
@@ -131,7 +131,7 @@ TEST_CASE("upcast returns the stored tensor itself when no conversion is needed"
   CHECK(same_values(sluice::upcast(x, at::kDouble, at::Tensor()).to(at::kFloat), x.to(at::kFloat)));
 }
 
-TEST_CASE("scaled CPU upcast equals (stored.to(float) * scale).to(compute) exactly") {
+TEST_CASE("fp8: scaled CPU upcast equals (stored.to(float) * scale).to(compute) exactly") {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   for (at::ScalarType t : kFp8) {
     for (at::ScalarType c : kCompute) {
@@ -156,7 +156,7 @@ TEST_CASE("scaled CPU upcast equals (stored.to(float) * scale).to(compute) exact
                     (x.to(at::kFloat) * 0.5f).to(at::kBFloat16)));
 }
 
-TEST_CASE("upcast_into fills a preallocated buffer and checks it") {
+TEST_CASE("fp8: upcast_into fills a preallocated buffer and checks it") {
   const at::Tensor x = random_fp8({64, 48}, at::kFloat8_e5m2, 9);
   at::Tensor flat = at::empty({64 * 48}, at::kHalf);
   sluice::upcast_into(x, at::Tensor(), flat);
@@ -199,7 +199,7 @@ class CountingCpuAllocator final : public c10::Allocator {
 
 }  // namespace
 
-TEST_CASE("the ATen upcast path writes into the buffer without a temporary of its size") {
+TEST_CASE("fp8: the ATen upcast path writes into the buffer without a temporary of its size") {
   // On a device without a kernel, a temporary the size of the layer would be device memory
   // outside the budget. copy_ converts on the fly, so nothing that large is allocated.
   const at::Tensor stored = at::randn({512, 256});  // fp32 storage, bf16 compute: the ATen path
@@ -214,7 +214,7 @@ TEST_CASE("the ATen upcast path writes into the buffer without a temporary of it
   CHECK(at::equal(out.view({512, 256}), stored.to(at::kBFloat16)));
 }
 
-TEST_CASE("the ATen upcast path is bit-identical to (stored.to(float) * scale).to(compute)") {
+TEST_CASE("fp8: the ATen upcast path is bit-identical to (stored.to(float) * scale).to(compute)") {
   // The path devices without a kernel take (copy_, then the scale in place), run on the CPU.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
   for (at::ScalarType t : kFp8) {
@@ -234,7 +234,7 @@ TEST_CASE("the ATen upcast path is bit-identical to (stored.to(float) * scale).t
   }
 }
 
-TEST_CASE("fp8 -> bf16/fp16 -> fp8 round-trips every non-NaN byte bitwise") {
+TEST_CASE("fp8: fp8 -> bf16/fp16 -> fp8 round-trips every non-NaN byte bitwise") {
   for (at::ScalarType t : kFp8) {
     const at::Tensor x = all_bytes(t);
     const at::Tensor not_nan = ~at::isnan(x.to(at::kFloat));
@@ -253,7 +253,7 @@ TEST_CASE("fp8 -> bf16/fp16 -> fp8 round-trips every non-NaN byte bitwise") {
   }
 }
 
-TEST_CASE("cast_to_storage saturates out-of-range values to +-max finite and counts them") {
+TEST_CASE("fp8: cast_to_storage saturates out-of-range values to +-max finite and counts them") {
   for (at::ScalarType t : kFp8) {
     const double max = sluice::fp8_max_finite(t);
     INFO(sluice::dtype_name(t));
@@ -274,7 +274,7 @@ TEST_CASE("cast_to_storage saturates out-of-range values to +-max finite and cou
   CHECK_FALSE(at::isnan(r.stored.to(at::kFloat)).any().item<bool>());
 }
 
-TEST_CASE("refuse policy and non-finite input raise InvalidArgument naming the tensor") {
+TEST_CASE("fp8: refuse policy and non-finite input raise InvalidArgument naming the tensor") {
   sluice::Fp8Options refuse;
   refuse.out_of_range = sluice::OutOfRangePolicy::refuse;
   auto message_of = [](auto&& f) -> std::string {
@@ -300,7 +300,7 @@ TEST_CASE("refuse policy and non-finite input raise InvalidArgument naming the t
   CHECK_THROWS_AS(sluice::cast_to_storage(at::tensor({1, 2}), at::kFloat8_e4m3fn, "ids"), sluice::InvalidArgument);
 }
 
-TEST_CASE("scaled storage: per-tensor and per-channel scales, exact at the top of each row") {
+TEST_CASE("fp8: scaled storage: per-tensor and per-channel scales, exact at the top of each row") {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
   at::Tensor w = at::randn({16, 64}, gen);
   w[3] *= 5000;     // a row far beyond e4m3fn's range
@@ -349,7 +349,7 @@ TEST_CASE("scaled storage: per-tensor and per-channel scales, exact at the top o
   CHECK(at::equal(zero.scale, at::ones({4})));
 }
 
-TEST_CASE("non-fp8 storage is a plain conversion") {
+TEST_CASE("fp8: non-fp8 storage is a plain conversion") {
   const at::Tensor w = at::randn({8, 8});
   const auto r = sluice::cast_to_storage(w, at::kBFloat16, "w");
   CHECK(r.stored.scalar_type() == at::kBFloat16);
@@ -371,7 +371,7 @@ bool fake_meta_upcast(const at::Tensor& stored, const at::Tensor& scale, const a
 }
 }  // namespace
 
-TEST_CASE("a registered device kernel receives fp8 upcasts for its device type") {
+TEST_CASE("fp8: a registered device kernel receives fp8 upcasts for its device type") {
   const at::Tensor x = at::empty({8, 3}, at::TensorOptions().dtype(at::kFloat8_e4m3fn).device(at::kMeta));
   g_fake_calls = 0;
   sluice::register_device_upcast(at::kMeta, &fake_meta_upcast);
@@ -397,7 +397,7 @@ TEST_CASE("a registered device kernel receives fp8 upcasts for its device type")
   sluice::register_device_upcast(at::kCPU, nullptr);
 }
 
-TEST_CASE("register_cuda_kernels installs the CUDA kernel exactly when the build has it") {
+TEST_CASE("fp8: register_cuda_kernels installs the CUDA kernel exactly when the build has it") {
   sluice::register_device_upcast(at::kCUDA, nullptr);
   const bool installed = sluice::offload::register_cuda_kernels();
   CHECK(installed == sluice::offload::has_cuda_kernels());
@@ -411,7 +411,7 @@ TEST_CASE("register_cuda_kernels installs the CUDA kernel exactly when the build
 }
 
 #ifdef SLUICE_HAS_CUDA
-TEST_CASE("CUDA kernel equals the CPU tables, scaled and unscaled, aligned and not") {
+TEST_CASE("fp8: CUDA kernel equals the CPU tables, scaled and unscaled, aligned and not") {
   if (!at::hasCUDA()) {
     WARN("no CUDA device: CUDA kernel case skipped");
     return;

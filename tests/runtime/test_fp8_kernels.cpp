@@ -42,7 +42,7 @@ const std::vector<int64_t> kLengths = {0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63
 
 }  // namespace
 
-TEST_CASE("fp8 kernels list the variants this CPU runs") {
+TEST_CASE("fp8 kernels: list the variants this CPU runs") {
   const std::vector<k::Isa> isas = k::available_isas();
   REQUIRE(!isas.empty());
   CHECK(isas.front() == k::Isa::generic);
@@ -72,7 +72,7 @@ TEST_CASE("fp8 kernel probe of SLUICE_FP8_ISA", "[.fp8-isa-probe]") {
   CHECK(std::string(k::isa_name(k::active_isa())) == expect);
 }
 
-TEST_CASE("SLUICE_FP8_ISA picks the fp8 kernel variant") {
+TEST_CASE("fp8 kernels: SLUICE_FP8_ISA picks the fp8 kernel variant") {
   const std::vector<k::Isa> isas = k::available_isas();
   const std::string best = k::isa_name(isas.back());
   std::vector<std::pair<std::string, std::string>> cases;  // SLUICE_FP8_ISA, expected variant
@@ -97,7 +97,7 @@ TEST_CASE("SLUICE_FP8_ISA picks the fp8 kernel variant") {
   }
 }
 
-TEST_CASE("cast_bf16_e4m3fn gives c10's byte for every finite bf16 pattern in every variant") {
+TEST_CASE("fp8 kernels: cast_bf16_e4m3fn gives c10's byte for every finite bf16 pattern in every variant") {
   const std::vector<uint16_t> in = finite_patterns();
   REQUIRE(in.size() == 65536 - 256);  // exponent all ones: 127 NaN and 1 inf pattern per sign
   std::vector<uint8_t> ref(in.size());
@@ -131,7 +131,7 @@ TEST_CASE("cast_bf16_e4m3fn gives c10's byte for every finite bf16 pattern in ev
   CHECK(reference_e4m3fn(c10::BFloat16(-0.0f).x) == 0x80);
 }
 
-TEST_CASE("cast_bf16_e4m3fn and stats_16 handle any length and misaligned pointers in every variant") {
+TEST_CASE("fp8 kernels: cast_bf16_e4m3fn and stats_16 handle any length and misaligned pointers in every variant") {
   // Every finite pattern shuffled (each vector mixes normals, denormals, saturated values
   // and both signs), plus randn * 0.02 as DiT weights are, half of them below 2^-6.
   std::vector<uint16_t> shuffled = finite_patterns();
@@ -182,7 +182,7 @@ TEST_CASE("cast_bf16_e4m3fn and stats_16 handle any length and misaligned pointe
   }
 }
 
-TEST_CASE("cast_bf16_e4m3fn counts saturation past the counters' flush in every variant") {
+TEST_CASE("fp8 kernels: cast_bf16_e4m3fn counts saturation past the counters' flush in every variant") {
   // 2^20 elements all beyond 448: each 16-bit lane counter of the vector variants is
   // flushed several times on the way.
   const int64_t n = int64_t{1} << 20;
@@ -200,7 +200,7 @@ TEST_CASE("cast_bf16_e4m3fn counts saturation past the counters' flush in every 
   }
 }
 
-TEST_CASE("count_masked counts what a plain loop counts in every variant") {
+TEST_CASE("fp8 kernels: count_masked counts what a plain loop counts in every variant") {
   std::mt19937 rng(3);
   std::vector<uint8_t> b(2 * 4096 + 999);
   for (auto& v : b) v = static_cast<uint8_t>(rng());

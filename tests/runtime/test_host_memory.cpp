@@ -11,7 +11,7 @@ using sluice::host_empty;
 using sluice::host_memory_stats;
 using sluice::to_host_owned;
 
-TEST_CASE("host_empty returns 64-byte aligned mimalloc memory of the right shape") {
+TEST_CASE("host memory: host_empty returns 64-byte aligned mimalloc memory of the right shape") {
   for (const auto dtype : {at::kFloat, at::kBFloat16, at::kFloat8_e4m3fn, at::kBool, at::kLong}) {
     at::Tensor t = host_empty({3, 5, 7}, dtype);
     CHECK(t.device().is_cpu());
@@ -28,7 +28,7 @@ TEST_CASE("host_empty returns 64-byte aligned mimalloc memory of the right shape
   CHECK(host_empty({4, 0}, at::kFloat).numel() == 0);
 }
 
-TEST_CASE("host memory stats follow allocations and frees exactly") {
+TEST_CASE("host memory: stats follow allocations and frees exactly") {
   auto& stats = host_memory_stats();
   const int64_t base = stats.current_bytes();
   const int64_t base_allocated = stats.allocated_bytes();
@@ -69,7 +69,7 @@ TEST_CASE("host memory stats follow allocations and frees exactly") {
   CHECK(stats.current_bytes() == base);  // reset_accumulated leaves live bytes alone
 }
 
-TEST_CASE("host memory freed on other threads is accounted for") {
+TEST_CASE("host memory: memory freed on other threads is accounted for") {
   auto& stats = host_memory_stats();
   const int64_t base = stats.current_bytes();
   std::vector<at::Tensor> tensors;
@@ -88,14 +88,14 @@ TEST_CASE("host memory freed on other threads is accounted for") {
   CHECK(stats.current_bytes() == base);
 }
 
-TEST_CASE("host_empty rejects bad sizes with InvalidArgument") {
+TEST_CASE("host memory: host_empty rejects bad sizes with InvalidArgument") {
   CHECK_THROWS_AS(host_empty({2, -1}, at::kFloat), sluice::InvalidArgument);
   CHECK_THROWS_AS(host_empty({int64_t{1} << 40, int64_t{1} << 40}, at::kFloat), sluice::InvalidArgument);
   // A zero dim does not hide an overflowing product.
   CHECK_THROWS_AS(host_empty({int64_t{1} << 40, int64_t{1} << 40, 0}, at::kFloat), sluice::InvalidArgument);
 }
 
-TEST_CASE("to_host_owned copies and converts into owned mimalloc memory") {
+TEST_CASE("host memory: to_host_owned copies and converts into owned mimalloc memory") {
   at::manual_seed(7);
   const at::Tensor src = at::randn({6, 10}).to(at::kBFloat16).t();  // non-contiguous
   REQUIRE_FALSE(src.is_contiguous());
@@ -129,7 +129,7 @@ TEST_CASE("to_host_owned copies and converts into owned mimalloc memory") {
   }
 }
 
-TEST_CASE("large host blocks are mappings of their own, 2 MiB aligned, counted exactly") {
+TEST_CASE("host memory: large host blocks are mappings of their own, 2 MiB aligned, counted exactly") {
   auto& stats = host_memory_stats();
   const int64_t base = stats.current_bytes();
   const int64_t big = static_cast<int64_t>(sluice::kHugeBlockMin) + 12345;  // not a page multiple

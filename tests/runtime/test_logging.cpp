@@ -7,7 +7,7 @@
 
 using sluice::log::Level;
 
-TEST_CASE("parse_level accepts every level name, case-insensitively") {
+TEST_CASE("logging: parse_level accepts every level name, case-insensitively") {
   CHECK(sluice::log::parse_level("trace") == Level::trace);
   CHECK(sluice::log::parse_level("DEBUG") == Level::debug);
   CHECK(sluice::log::parse_level("Info") == Level::info);
@@ -17,7 +17,7 @@ TEST_CASE("parse_level accepts every level name, case-insensitively") {
   CHECK(sluice::log::parse_level("off") == Level::off);
 }
 
-TEST_CASE("parse_level names the bad value") {
+TEST_CASE("logging: parse_level names the bad value") {
   try {
     sluice::log::parse_level("verbose");
     FAIL("no exception");
@@ -26,7 +26,7 @@ TEST_CASE("parse_level names the bad value") {
   }
 }
 
-TEST_CASE("set_level gates enabled()") {
+TEST_CASE("logging: set_level gates enabled()") {
   const Level before = sluice::log::level();
   sluice::log::set_level(Level::warn);
   CHECK_FALSE(sluice::log::enabled(Level::info));
@@ -36,7 +36,7 @@ TEST_CASE("set_level gates enabled()") {
   sluice::log::set_level(before);
 }
 
-TEST_CASE("progress: the line gives bytes done of the total, the rate and the time left") {
+TEST_CASE("logging: progress: the line gives bytes done of the total, the rate and the time left") {
   const uint64_t GiB = 1024ull * 1024 * 1024;
   CHECK(sluice::progress::format("reading a.safetensors", GiB, 4 * GiB, 2.0) ==
         "reading a.safetensors  1.00 GiB / 4.00 GiB  537 MB/s  ETA 6 s");
@@ -48,7 +48,7 @@ TEST_CASE("progress: the line gives bytes done of the total, the rate and the ti
   CHECK(sluice::progress::format_duration(-1) == "?");
 }
 
-TEST_CASE("progress: with the status line off (not a terminal) a task only counts") {
+TEST_CASE("logging: progress: with the status line off (not a terminal) a task only counts") {
   // Under ctest stderr is a file: the line is unavailable, so enable() leaves it off. (Run
   // by hand on a terminal, there is nothing to check here; tests/cli/test_run.cpp checks the
   // terminal side through a pseudo-terminal.)

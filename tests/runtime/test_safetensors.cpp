@@ -182,7 +182,7 @@ bool mapped_in_process(const std::string& path) {
 // ---------------------------------------------------------------------------------------
 // Round trips
 
-TEST_CASE("every dtype round-trips bit-exactly, including 0-d and zero-size shapes") {
+TEST_CASE("safetensors: every dtype round-trips bit-exactly, including 0-d and zero-size shapes") {
   TempDir dir;
   std::mt19937 rng(1234);
   const std::vector<std::vector<int64_t>> shapes = {{}, {0}, {5}, {2, 3, 4}, {3, 0, 2}};
@@ -217,7 +217,7 @@ TEST_CASE("every dtype round-trips bit-exactly, including 0-d and zero-size shap
   }
 }
 
-TEST_CASE("a 64-dimensional tensor is accepted") {
+TEST_CASE("safetensors: a 64-dimensional tensor is accepted") {
   std::string dims = "[1";
   for (int i = 1; i < 64; ++i) {
     dims += i == 10 ? ",2" : ",1";
@@ -229,7 +229,7 @@ TEST_CASE("a 64-dimensional tensor is accepted") {
   CHECK(h.tensors[0].numel() == 2);
 }
 
-TEST_CASE("dtype names map both ways") {
+TEST_CASE("safetensors: dtype names map both ways") {
   for (const auto& [name, dtype] : kDtypes) {
     CHECK(st::dtype_name(dtype) == name);
     CHECK(st::dtype_from_name(name, "x") == dtype);
@@ -238,7 +238,7 @@ TEST_CASE("dtype names map both ways") {
   CHECK_THROWS_AS(st::dtype_from_name("F128", "x"), sluice::FileError);
 }
 
-TEST_CASE("metadata round-trips") {
+TEST_CASE("safetensors: metadata round-trips") {
   TempDir dir;
   const std::map<std::string, std::string> meta = {
       {"format", "pt"}, {"empty", ""}, {"quoted", "a \"b\" \\ c\nd"}, {"unicode", "\xc3\xbcnic\xc3\xb8" "de"}};
@@ -249,7 +249,7 @@ TEST_CASE("metadata round-trips") {
   CHECK(at::equal(f->tensor("w"), at::arange(6, at::kFloat)));
 }
 
-TEST_CASE("save writes the layout the format specifies") {
+TEST_CASE("safetensors: save writes the layout the format specifies") {
   TempDir dir;
   const std::string path = dir.file("layout.safetensors");
   const at::Tensor a = at::ones({3}, at::kByte);     // 3 bytes
@@ -281,7 +281,7 @@ TEST_CASE("save writes the layout the format specifies") {
   CHECK(list_dir(dir.path).size() == 1);
 }
 
-TEST_CASE("save replaces an existing file") {
+TEST_CASE("safetensors: save replaces an existing file") {
   TempDir dir;
   const std::string path = dir.file("x.safetensors");
   st::save(path, {{"old", at::ones({4})}});
@@ -291,7 +291,7 @@ TEST_CASE("save replaces an existing file") {
   CHECK(f->contains("new"));
 }
 
-TEST_CASE("a hand-written file reads as the format defines it") {
+TEST_CASE("safetensors: a hand-written file reads as the format defines it") {
   // I16 [2,2] = [[1, 2], [-1, -32768]] little-endian, and an odd-length header.
   const std::string header = "{\"w\":{\"dtype\":\"I16\",\"shape\":[2,2],\"data_offsets\":[0,8]},"
                              "\"__metadata__\":{\"k\":\"v\"}}";
@@ -312,7 +312,7 @@ TEST_CASE("a hand-written file reads as the format defines it") {
   CHECK(at::equal(w, at::tensor({1, 2, -1, -32768}, at::kShort).reshape({2, 2})));
 }
 
-TEST_CASE("files interoperate with the reference safetensors package") {
+TEST_CASE("safetensors: files interoperate with the reference safetensors package") {
   TempDir dir;
   std::mt19937 rng(99);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -355,7 +355,7 @@ TEST_CASE("files interoperate with the reference safetensors package") {
 // ---------------------------------------------------------------------------------------
 // Zero-copy views
 
-TEST_CASE("tensors are zero-copy views that keep the mapping alive") {
+TEST_CASE("safetensors: tensors are zero-copy views that keep the mapping alive") {
   TempDir dir;
   const std::string path = dir.file("z.safetensors");
   const at::Tensor a = at::randn({16, 16});
@@ -392,7 +392,7 @@ TEST_CASE("tensors are zero-copy views that keep the mapping alive") {
   CHECK_FALSE(mapped_in_process(path));
 }
 
-TEST_CASE("a tensor whose bytes are not aligned to its element size is copied") {
+TEST_CASE("safetensors: a tensor whose bytes are not aligned to its element size is copied") {
   TempDir dir;
   const std::string path = dir.file("u.safetensors");
   const at::Tensor pad = at::ones({1}, at::kByte);
@@ -409,7 +409,7 @@ TEST_CASE("a tensor whose bytes are not aligned to its element size is copied") 
   CHECK(static_cast<const uint8_t*>(f->tensor("pad").data_ptr()) == f->data() + f->data_offset());
 }
 
-TEST_CASE("asking for a missing tensor names the file and the tensor") {
+TEST_CASE("safetensors: asking for a missing tensor names the file and the tensor") {
   TempDir dir;
   const std::string path = dir.file("m.safetensors");
   st::save(path, {{"a", at::ones({2})}});
@@ -423,7 +423,7 @@ TEST_CASE("asking for a missing tensor names the file and the tensor") {
 // ---------------------------------------------------------------------------------------
 // Writer rejections
 
-TEST_CASE("save rejects bad tensor lists with InvalidArgument naming the tensor") {
+TEST_CASE("safetensors: save rejects bad tensor lists with InvalidArgument naming the tensor") {
   TempDir dir;
   const std::string path = dir.file("bad.safetensors");
   const auto check_invalid = [&](const std::vector<std::pair<std::string, at::Tensor>>& ts, const std::string& name) {
@@ -444,7 +444,7 @@ TEST_CASE("save rejects bad tensor lists with InvalidArgument naming the tensor"
   SECTION("undefined tensor") { check_invalid({{"undef", at::Tensor()}}, "undef"); }
 }
 
-TEST_CASE("save into a missing directory is a FileError") {
+TEST_CASE("safetensors: save into a missing directory is a FileError") {
   TempDir dir;
   CHECK_THROWS_AS(st::save(dir.file("no/such/dir/x.safetensors"), {{"a", at::ones({1})}}), sluice::FileError);
 }
@@ -452,7 +452,7 @@ TEST_CASE("save into a missing directory is a FileError") {
 // ---------------------------------------------------------------------------------------
 // Invalid headers: one case per class
 
-TEST_CASE("invalid: file too short for the header length") {
+TEST_CASE("safetensors: invalid: file too short for the header length") {
   SECTION("empty") { check_rejected(Bytes{}, {"too short"}); }
   SECTION("seven bytes") { check_rejected(Bytes(7, 0), {"too short"}); }
   SECTION("through File::open") {
@@ -467,7 +467,7 @@ TEST_CASE("invalid: file too short for the header length") {
   }
 }
 
-TEST_CASE("invalid: header length runs past the file") {
+TEST_CASE("safetensors: invalid: header length runs past the file") {
   Bytes img = make_image("{}", 0);
   SECTION("by one byte") {
     set_le64(img, 3);
@@ -487,7 +487,7 @@ TEST_CASE("invalid: header length runs past the file") {
   }
 }
 
-TEST_CASE("invalid: header is not JSON") {
+TEST_CASE("safetensors: invalid: header is not JSON") {
   SECTION("garbage") { check_rejected("{\"a\": nope}", 0, {"not valid JSON"}); }
   SECTION("cut off") { check_rejected("{\"a\":{\"dtype\":\"F32\"", 0, {"not valid JSON"}); }
   SECTION("ill-formed UTF-8") { check_rejected("{\"\xff\xfe\":{}}", 0, {"not valid JSON"}); }
@@ -501,7 +501,7 @@ TEST_CASE("invalid: header is not JSON") {
   SECTION("deeply nested root list") { check_rejected(std::string(100000, '['), 0, {"not a JSON object"}); }
 }
 
-TEST_CASE("invalid: header is not an object") {
+TEST_CASE("safetensors: invalid: header is not an object") {
   SECTION("array") { check_rejected("[1,2]", 0, {"not a JSON object"}); }
   SECTION("string") { check_rejected("\"x\"", 0, {"not a JSON object"}); }
   SECTION("null") { check_rejected("null", 0, {"not a JSON object"}); }
@@ -515,7 +515,7 @@ TEST_CASE("invalid: header is not an object") {
   }
 }
 
-TEST_CASE("invalid: unknown dtype") {
+TEST_CASE("safetensors: invalid: unknown dtype") {
   SECTION("unknown name") { check_rejected("{" + entry("blk.w", "F128", "[1]", "[0,16]") + "}", 16, {"blk.w", "F128"}); }
   SECTION("wrong case") { check_rejected("{" + entry("blk.w", "f32", "[1]", "[0,4]") + "}", 4, {"blk.w", "unknown dtype"}); }
   SECTION("not a string") {
@@ -523,7 +523,7 @@ TEST_CASE("invalid: unknown dtype") {
   }
 }
 
-TEST_CASE("invalid: bad shape") {
+TEST_CASE("safetensors: invalid: bad shape") {
   SECTION("negative dimension") { check_rejected("{" + entry("blk.w", "F32", "[2,-1]", "[0,8]") + "}", 8, {"blk.w", "negative"}); }
   SECTION("fractional dimension") { check_rejected("{" + entry("blk.w", "F32", "[2.0]", "[0,8]") + "}", 8, {"blk.w", "integers"}); }
   SECTION("dimension past int64") {
@@ -545,13 +545,13 @@ TEST_CASE("invalid: bad shape") {
   }
 }
 
-TEST_CASE("invalid: shape and byte range disagree") {
+TEST_CASE("safetensors: invalid: shape and byte range disagree") {
   SECTION("too few bytes") { check_rejected("{" + entry("blk.w", "F32", "[3]", "[0,8]") + "}", 8, {"blk.w", "needs 12 bytes"}); }
   SECTION("too many bytes") { check_rejected("{" + entry("blk.w", "BF16", "[2]", "[0,8]") + "}", 8, {"blk.w", "needs 4 bytes"}); }
   SECTION("zero-size shape with bytes") { check_rejected("{" + entry("blk.w", "F32", "[0,2]", "[0,8]") + "}", 8, {"blk.w", "needs 0 bytes"}); }
 }
 
-TEST_CASE("invalid: data_offsets malformed or out of range") {
+TEST_CASE("safetensors: invalid: data_offsets malformed or out of range") {
   SECTION("past the data") { check_rejected("{" + entry("blk.w", "F32", "[4]", "[0,16]") + "}", 8, {"blk.w", "past the end"}); }
   SECTION("backwards") { check_rejected("{" + entry("blk.w", "F32", "[0]", "[8,0]") + "}", 8, {"blk.w", "backwards"}); }
   SECTION("negative") { check_rejected("{" + entry("blk.w", "F32", "[2]", "[-8,0]") + "}", 8, {"blk.w", "data_offsets"}); }
@@ -559,7 +559,7 @@ TEST_CASE("invalid: data_offsets malformed or out of range") {
   SECTION("not integers") { check_rejected("{" + entry("blk.w", "F32", "[2]", "[\"0\",8]") + "}", 8, {"blk.w", "data_offsets"}); }
 }
 
-TEST_CASE("invalid: overlapping ranges") {
+TEST_CASE("safetensors: invalid: overlapping ranges") {
   SECTION("partial overlap") {
     check_rejected("{" + entry("a", "F32", "[2]", "[0,8]") + "," + entry("blk.b", "F32", "[2]", "[4,12]") + "}", 12,
                    {"blk.b", "overlap", "'a'"});
@@ -574,7 +574,7 @@ TEST_CASE("invalid: overlapping ranges") {
   }
 }
 
-TEST_CASE("invalid: hole in the data section") {
+TEST_CASE("safetensors: invalid: hole in the data section") {
   SECTION("between tensors") {
     check_rejected("{" + entry("a", "F32", "[1]", "[0,4]") + "," + entry("blk.b", "F32", "[1]", "[8,12]") + "}", 12,
                    {"blk.b", "hole", "[4, 8)"});
@@ -584,12 +584,12 @@ TEST_CASE("invalid: hole in the data section") {
   }
 }
 
-TEST_CASE("invalid: trailing bytes after the last tensor") {
+TEST_CASE("safetensors: invalid: trailing bytes after the last tensor") {
   SECTION("after a tensor") { check_rejected("{" + entry("a", "F32", "[1]", "[0,4]") + "}", 7, {"3 trailing bytes"}); }
   SECTION("no tensors at all") { check_rejected("{}", 5, {"5 trailing bytes"}); }
 }
 
-TEST_CASE("invalid: duplicate names") {
+TEST_CASE("safetensors: invalid: duplicate names") {
   SECTION("tensor name twice") {
     check_rejected("{" + entry("blk.w", "F32", "[1]", "[0,4]") + "," + entry("blk.w", "F32", "[1]", "[0,4]") + "}", 4,
                    {"blk.w", "twice"});
@@ -603,13 +603,13 @@ TEST_CASE("invalid: duplicate names") {
   }
 }
 
-TEST_CASE("invalid: bad metadata") {
+TEST_CASE("safetensors: invalid: bad metadata") {
   SECTION("non-string value") { check_rejected("{\"__metadata__\":{\"step\":1000}}", 0, {"__metadata__", "step", "not a string"}); }
   SECTION("not an object") { check_rejected("{\"__metadata__\":[\"a\"]}", 0, {"__metadata__", "not an object"}); }
   SECTION("null") { check_rejected("{\"__metadata__\":null}", 0, {"__metadata__"}); }
 }
 
-TEST_CASE("File::open reports unopenable paths with their name") {
+TEST_CASE("safetensors: File::open reports unopenable paths with their name") {
   TempDir dir;
   SECTION("missing") {
     const std::string path = dir.file("missing.safetensors");
@@ -749,7 +749,7 @@ std::string invariant_violation(const st::Header& h, uint64_t size) {
 
 }  // namespace
 
-TEST_CASE("randomly corrupted files are parsed validly or rejected with FileError") {
+TEST_CASE("safetensors: randomly corrupted files are parsed validly or rejected with FileError") {
   TempDir dir;
   std::mt19937 trng(5);
   std::vector<Bytes> pool;

@@ -28,7 +28,7 @@ std::string error_of(const std::string& s, std::optional<uint64_t> total = std::
 
 }  // namespace
 
-TEST_CASE("parse_size: plain bytes and binary suffixes") {
+TEST_CASE("size parse: parse_size: plain bytes and binary suffixes") {
   CHECK(parse("4096") == 4096);
   CHECK(parse("0") == 0);
   CHECK(parse("4096B") == 4096);
@@ -45,7 +45,7 @@ TEST_CASE("parse_size: plain bytes and binary suffixes") {
   CHECK(parse("+7") == 7);
 }
 
-TEST_CASE("parse_size: decimal suffixes") {
+TEST_CASE("size parse: parse_size: decimal suffixes") {
   CHECK(parse("1.5GB") == 1500000000ull);
   CHECK(parse("1KB") == 1000);
   CHECK(parse("2mb") == 2000000);
@@ -54,7 +54,7 @@ TEST_CASE("parse_size: decimal suffixes") {
   CHECK(parse("1.0") == 1);
 }
 
-TEST_CASE("parse_size: percentages of a total") {
+TEST_CASE("size parse: parse_size: percentages of a total") {
   CHECK(parse("50%", 1000) == 500);
   CHECK(parse("12.5%", 800) == 100);
   CHECK(parse("100%", 12345) == 12345);
@@ -64,7 +64,7 @@ TEST_CASE("parse_size: percentages of a total") {
   CHECK(parse("50%", big) == big / 2);
 }
 
-TEST_CASE("parse_size: rejects bad input naming the flag and value") {
+TEST_CASE("size parse: parse_size: rejects bad input naming the flag and value") {
   for (const char* bad : {"", "   ", "-1", "-1GiB", "abc", "1e9", "12XB", "GiB", ".", "1.5", "1..5G", "1 2G", "0x10",
                           "5%%", "%", "1.5.5", "NaN", "inf", "1GiBx"}) {
     INFO(bad);
@@ -78,7 +78,7 @@ TEST_CASE("parse_size: rejects bad input naming the flag and value") {
   CHECK(error_of("50%").find("percentage") != std::string::npos);
 }
 
-TEST_CASE("parse_size: rejects overflow") {
+TEST_CASE("size parse: parse_size: rejects overflow") {
   CHECK(parse("9223372036854775807") == 9223372036854775807ull);
   CHECK_FALSE(error_of("9223372036854775808").empty());
   CHECK_FALSE(error_of("99999999999999999999999999999").empty());
@@ -87,14 +87,14 @@ TEST_CASE("parse_size: rejects overflow") {
   CHECK_FALSE(error_of("18446744073709551616G").empty());
 }
 
-TEST_CASE("parse_size: non-printable input is shown safely") {
+TEST_CASE("size parse: parse_size: non-printable input is shown safely") {
   const std::string msg = error_of(std::string("1\x01G\0x", 5));
   REQUIRE_FALSE(msg.empty());
   for (char c : msg) CHECK(c != '\x01');
   CHECK(msg.find('\0') == std::string::npos);
 }
 
-TEST_CASE("parse_size: random input either parses or throws InvalidArgument") {
+TEST_CASE("size parse: parse_size: random input either parses or throws InvalidArgument") {
   std::mt19937 rng(1234);
   const std::string alphabet = "0123456789.%+-eEKkMmGgTtIiBb x\t\x7f";
   std::uniform_int_distribution<size_t> len(0, 24), pick(0, alphabet.size() - 1);
@@ -113,7 +113,7 @@ TEST_CASE("parse_size: random input either parses or throws InvalidArgument") {
   CHECK(parsed > 0);
 }
 
-TEST_CASE("format_mib and format_bytes") {
+TEST_CASE("size parse: format_mib and format_bytes") {
   CHECK(format_mib(1006ull << 20) == "1006.0MiB");
   CHECK(format_mib(0) == "0.0MiB");
   CHECK(format_mib((2012ull << 20) + (1ull << 19)) == "2012.5MiB");
@@ -123,7 +123,7 @@ TEST_CASE("format_mib and format_bytes") {
   CHECK(format_bytes(1023ull << 20) == "1023.0MiB");
 }
 
-TEST_CASE("format_mib and format_bytes round up to what parse_size reads back as enough") {
+TEST_CASE("size parse: format_mib and format_bytes round up to what parse_size reads back as enough") {
   // anima-small's minimum budget: 2.43 MiB is printed 2.5MiB, not 2.4MiB (which is less).
   CHECK(format_mib(2543274) == "2.5MiB");
   CHECK(format_mib(1) == "0.1MiB");
@@ -144,7 +144,7 @@ TEST_CASE("format_mib and format_bytes round up to what parse_size reads back as
   CHECK(parse("0.1KiB") == 103);
 }
 
-TEST_CASE("parse_size of format_mib and format_bytes is at least the bytes and within a printed tenth") {
+TEST_CASE("size parse: parse_size of format_mib and format_bytes is at least the bytes and within a printed tenth") {
   std::mt19937_64 rng(29);
   std::vector<uint64_t> xs;
   for (uint64_t x = 0; x < 5000; ++x) xs.push_back(x);

@@ -99,7 +99,7 @@ std::vector<std::string> matched(const SkipList& skips, const std::vector<std::s
 
 }  // namespace
 
-TEST_CASE("the anima-2b fixture has the published checkpoint's 685 tensors and 2,091,068,928 parameters") {
+TEST_CASE("skip patterns: the anima-2b fixture has the published checkpoint's 685 tensors and 2,091,068,928 parameters") {
   const auto params = anima_2b_params();
   int64_t total = 0;
   for (const auto& p : params) total += p.numel;
@@ -107,7 +107,7 @@ TEST_CASE("the anima-2b fixture has the published checkpoint's 685 tensors and 2
   CHECK(total == 2091068928);
 }
 
-TEST_CASE("Anima's declared patterns match exactly its 6 embedder/final-layer modules") {
+TEST_CASE("skip patterns: Anima's declared patterns match exactly its 6 embedder/final-layer modules") {
   sluice::Fp8Options opts;  // defaults on, model list on
   const SkipList skips = SkipList::from_options(opts, kAnimaDeclared);
   const std::vector<std::string> expect = {"x_embedder.proj.1",          "t_embedder.1.linear_1",
@@ -118,12 +118,12 @@ TEST_CASE("Anima's declared patterns match exactly its 6 embedder/final-layer mo
   CHECK(*skips.matches("final_layer.adaln_modulation.1") == "final_layer");
 }
 
-TEST_CASE("the default patterns match no Linear or Embedding of anima-2b") {
+TEST_CASE("skip patterns: the default patterns match no Linear or Embedding of anima-2b") {
   const SkipList defaults(sluice::default_skip_patterns());
   CHECK(matched(defaults, anima_2b_layers()).empty());
 }
 
-TEST_CASE("param_size of anima-2b under each skip list equals its known size table") {
+TEST_CASE("skip patterns: param_size of anima-2b under each skip list equals its known size table") {
   sluice::Fp8Options none;
   none.use_default_skips = false;
   none.use_model_skips = false;
@@ -144,7 +144,7 @@ TEST_CASE("param_size of anima-2b under each skip list equals its known size tab
   CHECK(std::abs(param_size_mib(SkipList::from_options(none, kAnimaDeclared)) - 1994.2) < 0.05);
 }
 
-TEST_CASE("plain patterns match whole dotted components, not substrings") {
+TEST_CASE("skip patterns: plain patterns match whole dotted components, not substrings") {
   const SkipList skips({"t_embedder"});
   CHECK(skips.matches("t_embedder.1.linear_1"));
   CHECK(skips.matches("net.t_embedder"));
@@ -170,7 +170,7 @@ TEST_CASE("plain patterns match whole dotted components, not substrings") {
   CHECK_FALSE(norm.matches("transformer_blocks.0.norm1.linear"));
 }
 
-TEST_CASE("regex patterns are searched in the full dotted name") {
+TEST_CASE("skip patterns: regex patterns are searched in the full dotted name") {
   CHECK(sluice::is_regex_pattern("^proj_in$"));
   CHECK(sluice::is_regex_pattern("\\w*norm\\w*"));
   CHECK_FALSE(sluice::is_regex_pattern("final_layer.linear"));
@@ -194,14 +194,14 @@ TEST_CASE("regex patterns are searched in the full dotted name") {
   CHECK_FALSE(anchored.matches("llm_adapter.blocks.0.mlp.0"));
 }
 
-TEST_CASE("matches reports the first matching pattern in list order") {
+TEST_CASE("skip patterns: matches reports the first matching pattern in list order") {
   const SkipList skips({"mlp", "layer1", "blocks"});
   CHECK(*skips.matches("blocks.3.mlp.layer1") == "mlp");
   CHECK(*skips.matches("blocks.3.self_attn.q_proj") == "blocks");
   CHECK_FALSE(skips.matches("final_layer.linear"));
 }
 
-TEST_CASE("from_options orders defaults, model list and extras, drops what is turned off, dedups") {
+TEST_CASE("skip patterns: from_options orders defaults, model list and extras, drops what is turned off, dedups") {
   sluice::Fp8Options o;
   o.extra_skip_patterns = {"adaln_modulation\\w*", "t_embedder"};
   auto all = SkipList::from_options(o, kAnimaDeclared).patterns();
@@ -219,7 +219,7 @@ TEST_CASE("from_options orders defaults, model list and extras, drops what is tu
   CHECK(extras_only.matches("blocks.0.adaln_modulation_mlp.1"));
 }
 
-TEST_CASE("bad patterns are refused with their text in the message") {
+TEST_CASE("skip patterns: bad patterns are refused with their text in the message") {
   auto message_of = [](const std::vector<std::string>& patterns) -> std::string {
     try {
       SkipList s(patterns);

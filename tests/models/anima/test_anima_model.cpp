@@ -80,7 +80,7 @@ std::set<std::string> design_names() {
 
 }  // namespace
 
-TEST_CASE("anima-2b shape-only build has exactly the checkpoint's names and shapes") {
+TEST_CASE("anima model: anima-2b shape-only build has exactly the checkpoint's names and shapes", "[strict]") {
   AnimaModel model(preset("anima-2b"), BuildOptions{at::kBFloat16, at::kMeta});
   const auto params = model->named_parameters();
   CHECK(params.size() == 685);
@@ -132,7 +132,7 @@ TEST_CASE("anima-2b shape-only build has exactly the checkpoint's names and shap
   }
 }
 
-TEST_CASE("anima-2b parameter totals match the published checkpoint") {
+TEST_CASE("anima model: anima-2b parameter totals match the published checkpoint", "[strict]") {
   AnimaModel model(preset("anima-2b"), BuildOptions{at::kBFloat16, at::kMeta});
   const ModelSummary s = summarize(*model);
   CHECK(s.tensors == 685);
@@ -161,7 +161,7 @@ TEST_CASE("anima-2b parameter totals match the published checkpoint") {
   CHECK(block0 == 69206528LL);
 }
 
-TEST_CASE("managed layers carry their dotted names in execution order") {
+TEST_CASE("anima model: managed layers carry their dotted names in execution order", "[strict]") {
   AnimaModel model(preset("anima-tiny"), BuildOptions{at::kFloat, at::kMeta});
   const auto layers = sluice::offload::managed_layers(*model);
   // 1 x_embedder + 2 t_embedder + 2 blocks * (6 adaln + 8 attention + 2 mlp) + 3 final_layer
@@ -179,7 +179,7 @@ TEST_CASE("managed layers carry their dotted names in execution order") {
   CHECK(layers.back().first == "llm_adapter.out_proj");
 }
 
-TEST_CASE("a model without adapter has no llm_adapter tensors and refuses encode_text") {
+TEST_CASE("anima model: a model without adapter has no llm_adapter tensors and refuses encode_text", "[strict]") {
   AnimaConfig c = preset("anima-tiny");
   c.adapter.enabled = false;
   AnimaModel model(c, BuildOptions{});
@@ -190,7 +190,7 @@ TEST_CASE("a model without adapter has no llm_adapter tensors and refuses encode
   CHECK(msg.find("no LLM adapter") != std::string::npos);
 }
 
-TEST_CASE("tiny forward: output shaped like x, finite, deterministic, seed-dependent") {
+TEST_CASE("anima model: tiny forward: output shaped like x, finite, deterministic, seed-dependent", "[strict]") {
   const AnimaConfig c = preset("anima-tiny");
   AnimaModel model = random_model(c, 11);
   at::manual_seed(0);
@@ -209,7 +209,7 @@ TEST_CASE("tiny forward: output shaped like x, finite, deterministic, seed-depen
   CHECK_FALSE(at::allclose(y, random_model(c, 12)->forward(x, t, ctx)));
 }
 
-TEST_CASE("odd sizes are zero-padded to the patch grid and cropped back") {
+TEST_CASE("anima model: odd sizes are zero-padded to the patch grid and cropped back", "[strict]") {
   AnimaModel model = random_model(preset("anima-tiny"), 3);
   at::manual_seed(1);
   const at::Tensor x = at::randn({1, 16, 1, 5, 7});
@@ -224,7 +224,7 @@ TEST_CASE("odd sizes are zero-padded to the patch grid and cropped back") {
   CHECK(at::allclose(y, y_padded.narrow(3, 0, 5).narrow(4, 0, 7), 1e-5, 1e-6));
 }
 
-TEST_CASE("a batch of two equals two single runs") {
+TEST_CASE("anima model: a batch of two equals two single runs", "[strict]") {
   AnimaModel model = random_model(preset("anima-tiny"), 4);
   at::manual_seed(2);
   const at::Tensor x = at::randn({2, 16, 1, 6, 4});
@@ -238,7 +238,7 @@ TEST_CASE("a batch of two equals two single runs") {
   CHECK_FALSE(at::allclose(y[0], y[1]));
 }
 
-TEST_CASE("several frames attend to each other") {
+TEST_CASE("anima model: several frames attend to each other", "[strict]") {
   AnimaModel model = random_model(preset("anima-tiny"), 5);
   at::manual_seed(3);
   const at::Tensor x = at::randn({1, 16, 3, 4, 4});
@@ -251,7 +251,7 @@ TEST_CASE("several frames attend to each other") {
   CHECK(rel_l2(y.narrow(2, 1, 1), single) > 1e-3);
 }
 
-TEST_CASE("fp16 and bf16 compute stay finite and close to fp32") {
+TEST_CASE("anima model: fp16 and bf16 compute stay finite and close to fp32", "[strict]") {
   const AnimaConfig c = preset("anima-tiny");
   AnimaModel model = random_model(c, 6);
   at::manual_seed(4);
@@ -277,7 +277,7 @@ TEST_CASE("fp16 and bf16 compute stay finite and close to fp32") {
   CHECK_THROWS_AS(model->set_compute_dtype(at::kDouble), sluice::InvalidArgument);
 }
 
-TEST_CASE("encode_text: zero padding to output_tokens and per-token weights") {
+TEST_CASE("anima model: encode_text: zero padding to output_tokens and per-token weights", "[strict]") {
   const AnimaConfig c = preset("anima-tiny");  // output_tokens 24, model_dim 32
   AnimaModel model = random_model(c, 7);
   at::manual_seed(5);
@@ -301,7 +301,7 @@ TEST_CASE("encode_text: zero padding to output_tokens and per-token weights") {
   CHECK(at::isfinite(y).all().item<bool>());
 }
 
-TEST_CASE("input validation names the input and both shapes") {
+TEST_CASE("anima model: input validation names the input and both shapes", "[strict]") {
   AnimaModel model = random_model(preset("anima-tiny"), 8);
   const at::Tensor x = at::randn({1, 16, 1, 4, 4});
   const at::Tensor t = at::full({1}, 0.5);
@@ -336,7 +336,7 @@ TEST_CASE("input validation names the input and both shapes") {
   CHECK(m.find("t5_weights has shape [1, 4], expected [1, 3]") != std::string::npos);
 }
 
-TEST_CASE("invalid configs are rejected at build time") {
+TEST_CASE("anima model: invalid configs are rejected at build time", "[strict]") {
   AnimaConfig c = preset("anima-tiny");
   c.num_heads = 8;  // head_dim 8: too small for 3D RoPE
   CHECK_THROWS_AS(AnimaModel(c, BuildOptions{at::kFloat, at::kMeta}), sluice::InvalidArgument);
@@ -345,7 +345,7 @@ TEST_CASE("invalid configs are rejected at build time") {
                   sluice::InvalidArgument);
 }
 
-TEST_CASE("timestep sinusoid is [cos, sin] with freq_k = exp(-ln(1e4) k / half)") {
+TEST_CASE("anima model: timestep sinusoid is [cos, sin] with freq_k = exp(-ln(1e4) k / half)", "[strict]") {
   const at::Tensor s = timestep_sinusoid(at::tensor({0.5, 3.0}, at::kFloat), 8);
   REQUIRE(shape(s) == std::vector<int64_t>{2, 1, 8});
   CHECK(s.scalar_type() == at::kFloat);
@@ -358,7 +358,7 @@ TEST_CASE("timestep sinusoid is [cos, sin] with freq_k = exp(-ln(1e4) k / half)"
     }
 }
 
-TEST_CASE("patchify and unpatchify put every value back where it came from") {
+TEST_CASE("anima model: patchify and unpatchify put every value back where it came from", "[strict]") {
   // Blocks made inert (all adaLN weights zero => gates zero), the patch embedder copying
   // the 68 patch features (c r m n) into the first 68 channels, and the final linear
   // picking them back out in the output order (p1 p2 t C), both orders written from the

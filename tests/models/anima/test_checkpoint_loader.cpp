@@ -104,7 +104,7 @@ void check_equal_to_file(AnimaModel& model, const Tensors& file, const std::stri
 
 }  // namespace
 
-TEST_CASE("generator -> loader round trip is bitwise") {
+TEST_CASE("checkpoint loader: generator -> loader round trip is bitwise") {
   Scratch s;
   const AnimaConfig c = preset("anima-tiny");
   for (const auto dtype : {at::kFloat, at::kBFloat16}) {
@@ -129,7 +129,7 @@ TEST_CASE("generator -> loader round trip is bitwise") {
   }
 }
 
-TEST_CASE("loaded weights are owned copies, not views of the file") {
+TEST_CASE("checkpoint loader: loaded weights are owned copies, not views of the file") {
   Scratch s;
   const std::string path = s.path("tiny.safetensors");
   write_random_checkpoint(preset("anima-tiny"), 5, at::kFloat, path);
@@ -148,7 +148,7 @@ TEST_CASE("loaded weights are owned copies, not views of the file") {
   CHECK(param.is_contiguous());
 }
 
-TEST_CASE("generator is deterministic per seed and records its config") {
+TEST_CASE("checkpoint loader: generator is deterministic per seed and records its config") {
   Scratch s;
   const AnimaConfig c = preset("anima-tiny");
   write_random_checkpoint(c, 7, at::kBFloat16, s.path("a.safetensors"));
@@ -178,7 +178,7 @@ TEST_CASE("generator is deterministic per seed and records its config") {
   CHECK(w.std().item<float>() == Approx(1.0 / 16.0).epsilon(0.1));
 }
 
-TEST_CASE("generated weights keep activations finite at anima-2b depth") {
+TEST_CASE("checkpoint loader: generated weights keep activations finite at anima-2b depth") {
   // anima-2b's depth (28 blocks, 6 adapter blocks) and head sizes at a narrow width.
   AnimaConfig c = preset("anima-2b");
   c.model_channels = 128;
@@ -207,7 +207,7 @@ TEST_CASE("generated weights keep activations finite at anima-2b depth") {
   CHECK(at::isfinite(y16).all().item<bool>());
 }
 
-TEST_CASE("prefixes: net., model.diffusion_model. with foreign keys, none") {
+TEST_CASE("checkpoint loader: prefixes: net., model.diffusion_model. with foreign keys, none") {
   Scratch s;
   const AnimaConfig c = preset("anima-tiny");
   write_random_checkpoint(c, 1, at::kFloat, s.path("net.safetensors"));
@@ -243,7 +243,7 @@ TEST_CASE("prefixes: net., model.diffusion_model. with foreign keys, none") {
   check_equal_to_file(m2, bare, "");
 }
 
-TEST_CASE("non-model keys are dropped") {
+TEST_CASE("checkpoint loader: non-model keys are dropped") {
   Scratch s;
   write_random_checkpoint(preset("anima-tiny"), 2, at::kFloat, s.path("a.safetensors"));
   Tensors t = read_all(s.path("a.safetensors"));
@@ -258,7 +258,7 @@ TEST_CASE("non-model keys are dropped") {
   check_equal_to_file(m, t, "net.");
 }
 
-TEST_CASE("config inference from shapes (tiny, small, no adaLN-LoRA)") {
+TEST_CASE("checkpoint loader: config inference from shapes (tiny, small, no adaLN-LoRA)") {
   Scratch s;
   AnimaConfig nolora = preset("anima-tiny");
   nolora.use_adaln_lora = false;
@@ -305,7 +305,7 @@ TEST_CASE("config inference from shapes (tiny, small, no adaLN-LoRA)") {
   }
 }
 
-TEST_CASE("missing, unexpected and mismatched keys are CheckpointErrors naming them") {
+TEST_CASE("checkpoint loader: missing, unexpected and mismatched keys are CheckpointErrors naming them") {
   Scratch s;
   write_random_checkpoint(preset("anima-tiny"), 4, at::kFloat, s.path("good.safetensors"));
   const Tensors good = read_all(s.path("good.safetensors"));
@@ -346,7 +346,7 @@ TEST_CASE("missing, unexpected and mismatched keys are CheckpointErrors naming t
   CHECK(has(m, "1 missing key: net.final_layer.linear.weight; 1 unexpected key: net.extra; 1 shape mismatch: "));
 }
 
-TEST_CASE("non-Anima files are rejected") {
+TEST_CASE("checkpoint loader: non-Anima files are rejected") {
   Scratch s;
   st::save(s.path("vae.safetensors"), {{"encoder.conv_in.weight", at::ones({4, 3})}, {"decoder.norm.bias", at::ones({4})}});
   const CheckpointProbe p = probe_checkpoint(*st::File::open(s.path("vae.safetensors")));
@@ -359,7 +359,7 @@ TEST_CASE("non-Anima files are rejected") {
   CHECK_THROWS_AS(load_anima(s.path("does-not-exist.safetensors")), sluice::FileError);
 }
 
-TEST_CASE("a DiT-only file loads without adapter") {
+TEST_CASE("checkpoint loader: a DiT-only file loads without adapter") {
   Scratch s;
   write_random_checkpoint(preset("anima-tiny"), 6, at::kFloat, s.path("a.safetensors"));
   const Tensors dit = without(read_all(s.path("a.safetensors")), "net.llm_adapter.");
@@ -379,7 +379,7 @@ TEST_CASE("a DiT-only file loads without adapter") {
   CHECK(has(load_error(s.path("dit.safetensors"), o), "missing keys: net.llm_adapter."));
 }
 
-TEST_CASE("a --config override must match the file") {
+TEST_CASE("checkpoint loader: a --config override must match the file") {
   Scratch s;
   write_random_checkpoint(preset("anima-tiny"), 9, at::kFloat, s.path("tiny.safetensors"));
   LoadOptions o;
@@ -399,7 +399,7 @@ TEST_CASE("a --config override must match the file") {
   CHECK(model->encode_text(at::randn({1, 3, 32}), at::zeros({1, 3}, at::kLong)).size(1) == 40);
 }
 
-TEST_CASE("scaled fp8 weights are dequantized, quantization markers rejected") {
+TEST_CASE("checkpoint loader: scaled fp8 weights are dequantized, quantization markers rejected") {
   Scratch s;
   write_random_checkpoint(preset("anima-tiny"), 10, at::kFloat, s.path("a.safetensors"));
   Tensors t = read_all(s.path("a.safetensors"));
@@ -514,7 +514,7 @@ void check_same_storage(AnimaModel& a, AnimaModel& b) {
 
 }  // namespace
 
-TEST_CASE("convert: a converted checkpoint holds the stored bytes of a load-time conversion and loads with no cast") {
+TEST_CASE("checkpoint loader: convert: a converted checkpoint holds the stored bytes of a load-time conversion and loads with no cast") {
   Scratch s;
   write_random_checkpoint(preset("anima-small"), 3, at::kBFloat16, s.path("src.safetensors"));
   for (const sluice::ScaleMode mode :
@@ -586,7 +586,7 @@ TEST_CASE("convert: a converted checkpoint holds the stored bytes of a load-time
   }
 }
 
-TEST_CASE("fused load: casting as read stores the bytes of a cast after a plain load, for any thread count") {
+TEST_CASE("checkpoint loader: fused load: casting as read stores the bytes of a cast after a plain load, for any thread count") {
   Scratch s;
   write_random_checkpoint(preset("anima-small"), 5, at::kBFloat16, s.path("src.safetensors"));
   for (const sluice::ScaleMode mode :
@@ -629,7 +629,7 @@ TEST_CASE("fused load: casting as read stores the bytes of a cast after a plain 
   CHECK(m->named_parameters()["t_embedder.1.linear_1.weight"].scalar_type() == at::kBFloat16);  // a skip
 }
 
-TEST_CASE("convert: refuses its input as output and a non-fp8 storage; an fp8 NaN in a file is refused on load") {
+TEST_CASE("checkpoint loader: convert: refuses its input as output and a non-fp8 storage, and an fp8 NaN in a file is refused on load") {
   Scratch s;
   write_random_checkpoint(preset("anima-tiny"), 4, at::kBFloat16, s.path("src.safetensors"));
   CHECK_THROWS_AS(convert_checkpoint(s.path("src.safetensors"), s.path("src.safetensors"), fp8(sluice::ScaleMode::none)),
@@ -649,7 +649,7 @@ TEST_CASE("convert: refuses its input as output and a non-fp8 storage; an fp8 Na
                     Catch::Contains("blocks.0.mlp.layer1.weight") && Catch::Contains("NaN"));
 }
 
-TEST_CASE("load: NaN and Inf weights are refused naming the file and the tensor for every storage and read path") {
+TEST_CASE("checkpoint loader: load: NaN and Inf weights are refused naming the file and the tensor for every storage and read path") {
   // Issue 29, item 3: fp8 storage refused a NaN weight, bf16 storage (and a load with no
   // storage) kept it. Each file dtype, each storage dtype and each way a tensor is read
   // (cast as read, read as stored, converted to the compute dtype, a skipped layer, a norm).
@@ -705,7 +705,7 @@ TEST_CASE("load: NaN and Inf weights are refused naming the file and the tensor 
   }
 }
 
-TEST_CASE("load: an integer or bool tensor where a weight belongs is a CheckpointError naming its dtype") {
+TEST_CASE("checkpoint loader: load: an integer or bool tensor where a weight belongs is a CheckpointError naming its dtype") {
   Scratch s;
   write_random_checkpoint(preset("anima-tiny"), 5, at::kBFloat16, s.path("ok.safetensors"));
   for (const at::ScalarType dtype : {at::kChar, at::kByte, at::kInt, at::kBool}) {

@@ -70,7 +70,7 @@ const Fp8GroupStats& group(const Fp8Report& r, const std::string& g) {
 
 }  // namespace
 
-TEST_CASE("fp8 report groups follow the module tree") {
+TEST_CASE("fp8 report: groups follow the module tree") {
   CHECK(fp8_report_group("t_embedder.1.linear_1") == "t_embedder");
   CHECK(fp8_report_group("x_embedder.proj.1") == "x_embedder");
   CHECK(fp8_report_group("final_layer.adaln_modulation.1") == "final_layer");
@@ -173,7 +173,7 @@ TEST_CASE("fp8 report: statistics against planted values, sizes against an indep
   CHECK(group(r5, "mlp").roundtrip_rel_error > 1.5 * group(r, "mlp").roundtrip_rel_error);
 }
 
-TEST_CASE("fp8 report --forward: one velocity error per candidate; planted t_embedder dominates") {
+TEST_CASE("fp8 report: --forward gives one velocity error per candidate, planted t_embedder dominates") {
   TempDir tmp;
   const std::string path = planted_checkpoint(tmp, /*saturating=*/true);
   Fp8ReportOptions o;
@@ -209,7 +209,7 @@ TEST_CASE("fp8 report --forward: one velocity error per candidate; planted t_emb
   CHECK(fp8_report_to_text(r).find("declared+adaln_modulation") != std::string::npos);
 }
 
-TEST_CASE("fp8 report refuses non-fp8 storage and non-Anima files") {
+TEST_CASE("fp8 report: refuses non-fp8 storage and non-Anima files") {
   TempDir tmp;
   Fp8ReportOptions o;
   o.storage = at::kBFloat16;

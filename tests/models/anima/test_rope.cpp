@@ -27,7 +27,7 @@ double cosmos_angle(int64_t head_dim, double theta, double rt, double rh, double
 
 }  // namespace
 
-TEST_CASE("3D RoPE splits the head like Cosmos") {
+TEST_CASE("rope: 3D RoPE splits the head like Cosmos") {
   auto s = rope::split_3d(128);
   CHECK(s.dim_t == 44);
   CHECK(s.dim_h == 42);
@@ -43,7 +43,7 @@ TEST_CASE("3D RoPE splits the head like Cosmos") {
   CHECK_THROWS_AS(rope::split_3d(13), sluice::InvalidArgument);
 }
 
-TEST_CASE("3D RoPE tables match hand-computed angles (anima-2b head)") {
+TEST_CASE("rope: 3D RoPE tables match hand-computed angles (anima-2b head)") {
   rope::Params3D p;  // head_dim 128, theta 1e4, ratios t 1, h 4, w 4
   const int64_t T = 2, H = 3, W = 5;
   const auto tables = rope::tables_3d(T, H, W, p, at::kCPU);
@@ -72,7 +72,7 @@ TEST_CASE("3D RoPE tables match hand-computed angles (anima-2b head)") {
   CHECK(s[(1 * H + 1) * W + 3][43] == Approx(std::sin(3.0)).margin(1e-6));
 }
 
-TEST_CASE("3D RoPE tables with a small head and other ratios") {
+TEST_CASE("rope: 3D RoPE tables with a small head and other ratios") {
   rope::Params3D p;
   p.head_dim = 16;
   p.theta = 500.0;
@@ -89,7 +89,7 @@ TEST_CASE("3D RoPE tables with a small head and other ratios") {
     }
 }
 
-TEST_CASE("3D RoPE rotation pairs element k with k + head_dim/2") {
+TEST_CASE("rope: 3D RoPE rotation pairs element k with k + head_dim/2") {
   rope::Params3D p;
   p.head_dim = 24;
   const int64_t T = 1, H = 2, W = 3, heads = 2, D = 24;
@@ -115,7 +115,7 @@ TEST_CASE("3D RoPE rotation pairs element k with k + head_dim/2") {
   CHECK(rope::apply_3d(x.to(at::kBFloat16), tables).scalar_type() == at::kBFloat16);
 }
 
-TEST_CASE("adapter RoPE tables and rotate-half rotation match hand-computed values") {
+TEST_CASE("rope: adapter RoPE tables and rotate-half rotation match hand-computed values") {
   const int64_t L = 6, D = 8;
   const double theta = 10000.0;
   const auto tables = rope::tables_1d(L, D, theta, at::kCPU);
@@ -144,7 +144,7 @@ TEST_CASE("adapter RoPE tables and rotate-half rotation match hand-computed valu
   CHECK(at::allclose(y.norm(2, -1), x.norm(2, -1), 1e-5, 1e-5));
 }
 
-TEST_CASE("adapter RoPE scores depend only on the relative position") {
+TEST_CASE("rope: adapter RoPE scores depend only on the relative position") {
   const int64_t L = 9, D = 16;
   const auto tables = rope::tables_1d(L, D, 10000.0, at::kCPU);
   at::manual_seed(7);

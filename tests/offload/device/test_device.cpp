@@ -36,7 +36,7 @@ CpuDeviceOptions plain() {
 }
 }  // namespace
 
-TEST_CASE("cpu device: allocations are accounted until their last reference goes") {
+TEST_CASE("device: cpu device: allocations are accounted until their last reference goes", "[strict]") {
   auto dev = make_cpu_device();
   auto budget = std::make_shared<MemoryLedger>("test budget", 10000);
   {
@@ -62,7 +62,7 @@ TEST_CASE("cpu device: allocations are accounted until their last reference goes
   CHECK(s.total.freed == 500);
 }
 
-TEST_CASE("cpu device: a limit or an injected fault fails the allocation and changes nothing") {
+TEST_CASE("device: cpu device: a limit or an injected fault fails the allocation and changes nothing", "[strict]") {
   auto dev = make_cpu_device();
   auto budget = std::make_shared<MemoryLedger>("test budget", 1000);
   at::Tensor a = dev->allocate({900}, at::kByte, MemoryKind::resident, "a", budget);
@@ -79,7 +79,7 @@ TEST_CASE("cpu device: a limit or an injected fault fails the allocation and cha
   CHECK(budget->current() == 910);
 }
 
-TEST_CASE("cpu device: copies run on the copy stream and events order them") {
+TEST_CASE("device: cpu device: copies run on the copy stream and events order them", "[strict]") {
   CpuDeviceOptions opt = plain();
   opt.copy_latency_us = 30000;  // 30 ms per copy
   auto dev = make_cpu_device(opt);
@@ -109,7 +109,7 @@ TEST_CASE("cpu device: copies run on the copy stream and events order them") {
   CHECK(at::equal(dst, src));
 }
 
-TEST_CASE("cpu device: the copy stream is FIFO and elapsed times are measured") {
+TEST_CASE("device: cpu device: the copy stream is FIFO and elapsed times are measured", "[strict]") {
   CpuDeviceOptions opt = plain();
   opt.copy_bytes_per_second = 1e6;  // 1 MB/s: 20 KB takes 20 ms
   auto dev = make_cpu_device(opt);
@@ -131,7 +131,7 @@ TEST_CASE("cpu device: the copy stream is FIFO and elapsed times are measured") 
   CHECK(at::equal(d2, src * 2));
 }
 
-TEST_CASE("cpu device: the copy stream waits on events before later copies") {
+TEST_CASE("device: cpu device: the copy stream waits on events before later copies", "[strict]") {
   CpuDeviceOptions opt = plain();
   opt.copy_latency_us = 20000;
   auto dev = make_cpu_device(opt);
@@ -157,7 +157,7 @@ TEST_CASE("cpu device: the copy stream waits on events before later copies") {
   CHECK(at::equal(dst2, src));
 }
 
-TEST_CASE("cpu device: pinning is a no-op and total memory defaults to RAM") {
+TEST_CASE("device: cpu device: pinning is a no-op and total memory defaults to RAM", "[strict]") {
   auto dev = make_cpu_device(plain());
   CHECK_FALSE(dev->pins_memory());
   at::Tensor t = at::ones({4});
@@ -171,7 +171,7 @@ TEST_CASE("cpu device: pinning is a no-op and total memory defaults to RAM") {
   CHECK(make_cpu_device(opt)->total_memory() == 12345);
 }
 
-TEST_CASE("make_device: cpu and errors naming the flag") {
+TEST_CASE("device: make_device: cpu and errors naming the flag", "[strict]") {
   auto cpu = make_device("cpu", 4096);
   CHECK(cpu->device().is_cpu());
   CHECK(cpu->total_memory() == 4096);
@@ -180,7 +180,7 @@ TEST_CASE("make_device: cpu and errors naming the flag") {
   if (!at::hasCUDA()) CHECK_THROWS_AS(make_device("cuda:0"), sluice::InvalidArgument);
 }
 
-TEST_CASE("cpu device: a failed copy is reported once by the next event wait or by synchronize") {
+TEST_CASE("device: cpu device: a failed copy is reported once by the next event wait or by synchronize", "[strict]") {
   struct Disarm {
     ~Disarm() { sluice::fault::disarm_all(); }
   } disarm;
@@ -229,8 +229,8 @@ TEST_CASE("cpu device: a failed copy is reported once by the next event wait or 
 
 // --- On the device SLUICE_TEST_DEVICE names (tests/support/device_env.h) -------------
 
-TEST_CASE("env device: copies from pinned and pageable memory arrive, in order, and the ledger returns to zero",
-          "[env-device]") {
+TEST_CASE("device: env device: copies from pinned and pageable memory arrive, in order, and the ledger returns to zero",
+          "[env-device][strict][accel]") {
   SLUICE_TEST_DEVICE_OR_SKIP(dev);
   if (!dev->device().is_cpu()) CHECK(dev->total_memory() > 0);
   constexpr int64_t n = 1 << 20;  // 4 MiB of float
@@ -266,8 +266,8 @@ TEST_CASE("env device: copies from pinned and pageable memory arrive, in order, 
   CHECK(dev->memory_stats().total.current == 0);
 }
 
-TEST_CASE("env device: events time device work and an injected enqueue fault leaves the device usable",
-          "[env-device]") {
+TEST_CASE("device: env device: events time device work and an injected enqueue fault leaves the device usable",
+          "[env-device][strict][accel]") {
   struct Disarm {
     ~Disarm() { sluice::fault::disarm_all(); }
   } disarm;
@@ -295,7 +295,8 @@ TEST_CASE("env device: events time device work and an injected enqueue fault lea
   CHECK(dst.sum().item<float>() == static_cast<float>(1 << 18));
 }
 
-TEST_CASE("env device: the pinned arena gets exact-size page-locked chunks and streams from them", "[env-device]") {
+TEST_CASE("device: env device: the pinned arena gets exact-size page-locked chunks and streams from them",
+          "[env-device][strict][accel]") {
   SLUICE_TEST_DEVICE_OR_SKIP(dev);
   // Three 24 MiB tensors with odd sizes: two chunks (48 MiB + 24 MiB and their tails), never
   // rounded to a power of two; on a GPU the memory comes from the driver, page-locked.

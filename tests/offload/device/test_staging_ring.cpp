@@ -22,7 +22,7 @@ void make_slots(DeviceBackend& dev, StagingRing& ring, int n, uint64_t bytes) {
 }
 }  // namespace
 
-TEST_CASE("staging ring: slots are ring memory charged to the budget, within the capacity") {
+TEST_CASE("staging ring: slots are ring memory charged to the budget, within the capacity", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   auto budget = std::make_shared<MemoryLedger>("budget", 4096);
   {
@@ -53,7 +53,7 @@ TEST_CASE("staging ring: slots are ring memory charged to the budget, within the
   CHECK(budget->current() == 0);
 }
 
-TEST_CASE("staging ring: small layers share the capacity and a large one frees others") {
+TEST_CASE("staging ring: small layers share the capacity and a large one frees others", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   StagingRing ring(*dev, nullptr, 4096);
   at::Tensor x = at::ones({64});  // 256 bytes
@@ -78,7 +78,7 @@ TEST_CASE("staging ring: small layers share the capacity and a large one frees o
   CHECK(ring.wasted_copies() == 0);  // everything dropped had been read
 }
 
-TEST_CASE("staging ring: dropping unread copies counts them as wasted") {
+TEST_CASE("staging ring: dropping unread copies counts them as wasted", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   StagingRing ring(*dev, nullptr, 1024);
   at::Tensor x = at::ones({64});
@@ -96,7 +96,7 @@ TEST_CASE("staging ring: dropping unread copies counts them as wasted") {
   CHECK(ring.wasted_copies() == 1);
 }
 
-TEST_CASE("staging ring: fill packs parts and views read them back") {
+TEST_CASE("staging ring: fill packs parts and views read them back", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   StagingRing ring(*dev, nullptr, 8192);
   REQUIRE(ring.pick(4096, 1, true) == 0);
@@ -114,7 +114,7 @@ TEST_CASE("staging ring: fill packs parts and views read them back") {
   CHECK(ring.violations() == 0);
 }
 
-TEST_CASE("staging ring: pick never returns a slot in use or an unread prefetch") {
+TEST_CASE("staging ring: pick never returns a slot in use or an unread prefetch", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   StagingRing ring(*dev, nullptr, 3 * 256);
   make_slots(*dev, ring, 3, 256);
@@ -141,7 +141,7 @@ TEST_CASE("staging ring: pick never returns a slot in use or an unread prefetch"
   CHECK(ring.violations() == 0);
 }
 
-TEST_CASE("staging ring: a copy landing in a slot that is in use is detected") {
+TEST_CASE("staging ring: a copy landing in a slot that is in use is detected", "[strict][accel]") {
   CpuDeviceOptions opt;
   opt.copy_latency_us = 30000;
   auto dev = make_cpu_device(opt);
@@ -168,7 +168,7 @@ TEST_CASE("staging ring: a copy landing in a slot that is in use is detected") {
   CHECK(ring.violations() == 1);
 }
 
-TEST_CASE("staging ring: overwriting waits for the slot's last reader") {
+TEST_CASE("staging ring: overwriting waits for the slot's last reader", "[strict][accel]") {
   // FENCE(F2) in staging_ring.cpp. On the plain CPU device the reader is the calling thread
   // and its compute_done is complete when recorded, so a missing wait would go unseen. The
   // strict device's hazard tracker decides by happens-before instead: a fill of a slot whose

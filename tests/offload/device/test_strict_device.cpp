@@ -29,7 +29,7 @@ at::Tensor host_bytes(int64_t n, uint8_t seed) {
 
 }  // namespace
 
-TEST_CASE("strict device: is strict only when asked") {
+TEST_CASE("strict_device: is strict only when asked") {
   CpuDeviceOptions plain;
   plain.strict = false;
   auto dev = make_cpu_device(plain);
@@ -40,7 +40,7 @@ TEST_CASE("strict device: is strict only when asked") {
   CHECK(strict->pins_memory());
 }
 
-TEST_CASE("strict device: reading a copy destination before waiting for the copy is a hazard") {
+TEST_CASE("strict_device: reading a copy destination before waiting for the copy is a hazard") {
   auto dev = strict_cpu();
   HazardTracker& t = *hazard_tracker(*dev);
   at::Tensor dst = dev->allocate({4096}, at::kByte, MemoryKind::ring, "staging slot");
@@ -64,7 +64,7 @@ TEST_CASE("strict device: reading a copy destination before waiting for the copy
   }
 }
 
-TEST_CASE("strict device: compute events read as done only once the host waited for them") {
+TEST_CASE("strict_device: compute events read as done only once the host waited for them") {
   auto dev = strict_cpu();
   auto e = dev->create_event();
   dev->record(*e, StreamKind::compute);
@@ -77,7 +77,7 @@ TEST_CASE("strict device: compute events read as done only once the host waited 
   CHECK(c->query());
 }
 
-TEST_CASE("strict device: a freed block goes to the next allocation at once and poisoned unless the copy stream used it") {
+TEST_CASE("strict_device: a freed block goes to the next allocation at once and poisoned unless the copy stream used it") {
   auto dev = strict_cpu();
   HazardTracker& t = *hazard_tracker(*dev);
   SECTION("compute-only block: reused at once") {
@@ -117,7 +117,7 @@ TEST_CASE("strict device: a freed block goes to the next allocation at once and 
   }
 }
 
-TEST_CASE("strict device: compute streams are told apart by CpuComputeStreamGuard") {
+TEST_CASE("strict_device: compute streams are told apart by CpuComputeStreamGuard") {
   auto dev = strict_cpu();
   HazardTracker& t = *hazard_tracker(*dev);
   CHECK(dev->compute_stream_id() == 0);
@@ -144,7 +144,7 @@ TEST_CASE("strict device: compute streams are told apart by CpuComputeStreamGuar
   }
 }
 
-TEST_CASE("strict device: only pin() makes pinned memory") {
+TEST_CASE("strict_device: only pin() makes pinned memory") {
   auto dev = strict_cpu();
   const at::Tensor pageable = host_bytes(64, 0);
   CHECK_FALSE(dev->is_pinned(pageable));
@@ -154,7 +154,7 @@ TEST_CASE("strict device: only pin() makes pinned memory") {
   CHECK(at::equal(pinned, pageable));
 }
 
-TEST_CASE("bounce ring: pageable copies land exactly piece by piece through pinned slots") {
+TEST_CASE("strict_device: bounce ring: pageable copies land exactly piece by piece through pinned slots") {
   auto dev = strict_cpu(HazardTracker::Policy::abort);
   BounceRing ring(*dev, 2, 1000);
   REQUIRE(ring.pinned());
@@ -175,7 +175,7 @@ TEST_CASE("bounce ring: pageable copies land exactly piece by piece through pinn
   CHECK(hazard_tracker(*dev)->hazards() == 0);
 }
 
-TEST_CASE("bounce ring: without pinned slots copies are synchronous and counted") {
+TEST_CASE("strict_device: bounce ring: without pinned slots copies are synchronous and counted") {
   auto dev = strict_cpu(HazardTracker::Policy::abort);
   sluice::fault::ScopedFault fault("host.pin.bounce", sluice::fault::Trigger{1, 1});
   BounceRing ring(*dev, 2, 1000);

@@ -47,7 +47,7 @@ void unread_copy(DeviceBackend& dev, StagingRing& ring, int64_t layer_id, uint64
 
 }  // namespace
 
-TEST_CASE("forward buffers: the planned scratch is charged to the ledger and handed out first") {
+TEST_CASE("forward buffers: the planned scratch is charged to the ledger and handed out first", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   auto ledger = std::make_shared<MemoryLedger>("model budget");
   ForwardBuffers buffers(*dev);
@@ -74,7 +74,8 @@ TEST_CASE("forward buffers: the planned scratch is charged to the ledger and han
   CHECK(ledger->current() == 0);
 }
 
-TEST_CASE("forward buffers: a second lease makes a buffer beyond the plan until the scratch is trimmed") {
+TEST_CASE("forward buffers: a second lease makes a buffer beyond the plan until the scratch is trimmed",
+          "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   auto ledger = std::make_shared<MemoryLedger>("model budget");
   ForwardBuffers buffers(*dev);
@@ -119,7 +120,8 @@ TEST_CASE("forward buffers: a second lease makes a buffer beyond the plan until 
   CHECK(ledger->current() == 0);
 }
 
-TEST_CASE("forward buffers: a nested lease's buffer is made of the lease's size, not the planned one") {
+TEST_CASE("forward buffers: a nested lease's buffer is made of the lease's size, not the planned one",
+          "[strict][accel]") {
   // The planned buffer is the largest layer's (Note [upcast scratch]); a nested lease of a
   // smaller layer charges the ledger only what it asked for.
   auto dev = sluice::testing::test_device_or_cpu();
@@ -156,7 +158,8 @@ TEST_CASE("forward buffers: a nested lease's buffer is made of the lease's size,
   CHECK(ledger->current() == 0);
 }
 
-TEST_CASE("forward buffers: a nested buffer that does not fit the budget leaves the beyond-plan flag alone") {
+TEST_CASE("forward buffers: a nested buffer that does not fit the budget leaves the beyond-plan flag alone",
+          "[strict][accel]") {
   // The flag tells the forward that it holds more than the plan now (Note [upcast
   // scratch]); a failed allocation made nothing, so it must stay unset.
   auto dev = sluice::testing::test_device_or_cpu();
@@ -180,7 +183,7 @@ TEST_CASE("forward buffers: a nested buffer that does not fit the budget leaves 
   CHECK(ledger->current() == 0);
 }
 
-TEST_CASE("forward buffers: trimming the scratch keeps the buffers that leases still hold") {
+TEST_CASE("forward buffers: trimming the scratch keeps the buffers that leases still hold", "[strict][accel]") {
   // A plan change (trim_scratch) may come while a lease holds a nested buffer: that buffer
   // stays at the lease's index, with its memory; only the free ones go.
   auto dev = sluice::testing::test_device_or_cpu();
@@ -227,7 +230,7 @@ TEST_CASE("forward buffers: trimming the scratch keeps the buffers that leases s
   CHECK(ledger->current() == 0);
 }
 
-TEST_CASE("forward buffers: a scratch beyond the budget throws ResourceError") {
+TEST_CASE("forward buffers: a scratch beyond the budget throws ResourceError", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   SECTION("the planned one at begin_model") {
     auto ledger = std::make_shared<MemoryLedger>("model budget", kScratch - 1);
@@ -250,7 +253,7 @@ TEST_CASE("forward buffers: a scratch beyond the budget throws ResourceError") {
   }
 }
 
-TEST_CASE("forward buffers: no planned scratch holds nothing") {
+TEST_CASE("forward buffers: no planned scratch holds nothing", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   auto ledger = std::make_shared<MemoryLedger>("model budget");
   ForwardBuffers buffers(*dev);
@@ -262,7 +265,8 @@ TEST_CASE("forward buffers: no planned scratch holds nothing") {
   buffers.end_model();
 }
 
-TEST_CASE("forward buffers: make_ring charges its capacity and makes the streamed layers' slots in order") {
+TEST_CASE("forward buffers: make_ring charges its capacity and makes the streamed layers' slots in order",
+          "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   auto ledger = std::make_shared<MemoryLedger>("model budget");
   ForwardBuffers buffers(*dev);
@@ -312,7 +316,7 @@ TEST_CASE("forward buffers: make_ring charges its capacity and makes the streame
   CHECK(ledger->current() == 0);
 }
 
-TEST_CASE("forward buffers: retire_ring says whether there was a ring and keeps its counters") {
+TEST_CASE("forward buffers: retire_ring says whether there was a ring and keeps its counters", "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   auto ledger = std::make_shared<MemoryLedger>("model budget");
   ForwardBuffers buffers(*dev);
@@ -362,7 +366,8 @@ TEST_CASE("forward buffers: retire_ring says whether there was a ring and keeps 
   CHECK(buffers.wasted_bytes() == 1024 + 2048 + 256);
 }
 
-TEST_CASE("forward buffers: end_model gives the ledger back to zero with a nested scratch and a ring") {
+TEST_CASE("forward buffers: end_model gives the ledger back to zero with a nested scratch and a ring",
+          "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   auto ledger = std::make_shared<MemoryLedger>("model budget");
   {

@@ -130,7 +130,8 @@ std::shared_ptr<DeviceBackend> cpu_device() { return std::shared_ptr<DeviceBacke
 
 }  // namespace
 
-TEST_CASE("forward recorder: closed forwards resolve into records in order with the kind and index given") {
+TEST_CASE("forward recorder: closed forwards resolve into records in order with the kind and index given",
+          "[strict][accel]") {
   Rig rig(sluice::testing::test_device_or_cpu());
   CHECK(rig.recorder.records().empty());
   const std::vector<std::string> kinds = {"dit", "adapter", ""};
@@ -168,7 +169,7 @@ TEST_CASE("forward recorder: closed forwards resolve into records in order with 
   CHECK(rig.recorder.records().size() == 3);
 }
 
-TEST_CASE("forward recorder: records keeps at most max_forward_records and drops the oldest") {
+TEST_CASE("forward recorder: records keeps at most max_forward_records and drops the oldest", "[strict][accel]") {
   Rig rig(sluice::testing::test_device_or_cpu(), with_records(3));
   for (uint64_t i = 0; i < 5; ++i) {
     rig.forward(i, "dit");
@@ -189,7 +190,7 @@ TEST_CASE("forward recorder: records keeps at most max_forward_records and drops
   CHECK(rig.recorder.records()[2].index == 9);
 }
 
-TEST_CASE("forward recorder: prefetches for the next forward become its own unless it opens fresh") {
+TEST_CASE("forward recorder: prefetches for the next forward become its own unless it opens fresh", "[strict][accel]") {
   Rig rig(sluice::testing::test_device_or_cpu());
   auto prefetch = [&](uint64_t bytes) {
     ForwardAcc& next = rig.recorder.next();
@@ -239,7 +240,7 @@ TEST_CASE("forward recorder: prefetches for the next forward become its own unle
   CHECK_FALSE(rig.recorder.records().empty());
 }
 
-TEST_CASE("forward recorder: note_acquire marks acquires only in a forward measured in detail") {
+TEST_CASE("forward recorder: note_acquire marks acquires only in a forward measured in detail", "[strict][accel]") {
   Rig rig(sluice::testing::test_device_or_cpu());
   rig.recorder.open(false, false);
   rig.recorder.anchor();
@@ -270,7 +271,7 @@ TEST_CASE("forward recorder: note_acquire marks acquires only in a forward measu
   CHECK(rig.recorder.records().size() == 2);
 }
 
-TEST_CASE("forward recorder: resolved events go back to the pool") {
+TEST_CASE("forward recorder: resolved events go back to the pool", "[strict][accel]") {
   Rig rig(sluice::testing::test_device_or_cpu());
   rig.recorder.open(false, false);
   rig.recorder.anchor();
@@ -294,7 +295,7 @@ TEST_CASE("forward recorder: resolved events go back to the pool") {
   CHECK(used.count(fresh.get()) == 0);
 }
 
-TEST_CASE("forward recorder: clear drops the unresolved forwards and keeps the records") {
+TEST_CASE("forward recorder: clear drops the unresolved forwards and keeps the records", "[strict][accel]") {
   Rig rig(sluice::testing::test_device_or_cpu());
   rig.forward(0, "dit");
   rig.recorder.resolve(true);
@@ -307,7 +308,7 @@ TEST_CASE("forward recorder: clear drops the unresolved forwards and keeps the r
   CHECK(rig.recorder.records()[0].index == 0);
 }
 
-TEST_CASE("forward recorder: a trace gets a forward span per forward and a span per layer") {
+TEST_CASE("forward recorder: a trace gets a forward span per forward and a span per layer", "[strict][accel]") {
   Rig rig(sluice::testing::test_device_or_cpu(), traced());
   const std::string up = rig.residency.records().at(kUp0).name;
   const std::string embedder = rig.residency.records().at(kEmbedder).name;
@@ -345,7 +346,7 @@ TEST_CASE("forward recorder: a trace gets a forward span per forward and a span 
   CHECK(spans[4]["args"]["forward"] == 1);
 }
 
-TEST_CASE("forward recorder: without tracing nothing is traced") {
+TEST_CASE("forward recorder: without tracing nothing is traced", "[strict][accel]") {
   Rig rig(sluice::testing::test_device_or_cpu());
   rig.recorder.open(false, false);
   rig.recorder.anchor();
@@ -356,7 +357,8 @@ TEST_CASE("forward recorder: without tracing nothing is traced") {
   CHECK(rig.recorder.trace().size() == 0);
 }
 
-TEST_CASE("forward recorder: the calibrator hears of complete forwards only when planning from measurements") {
+TEST_CASE("forward recorder: the calibrator hears of complete forwards only when planning from measurements",
+          "[strict][accel]") {
   SECTION("planning from measurements") {
     Rig rig(sluice::testing::test_device_or_cpu());
     CHECK(rig.recorder.records().empty());
@@ -390,7 +392,8 @@ TEST_CASE("forward recorder: the calibrator hears of complete forwards only when
 
 // [cpu-device]: span lengths come from sleeps between compute-stream records, which the CPU
 // device times by the host's clock.
-TEST_CASE("forward recorder: a stall shorter than the threshold is no stall and a longer one is", "[cpu-device]") {
+TEST_CASE("forward recorder: a stall shorter than the threshold is no stall and a longer one is",
+          "[cpu-device][strict]") {
   const bool trace = GENERATE(false, true);
   INFO("trace " << trace);
   EngineOptions o;
@@ -421,7 +424,8 @@ TEST_CASE("forward recorder: a stall shorter than the threshold is no stall and 
   }
 }
 
-TEST_CASE("forward recorder: timed copies give the record a rate and the calibrator a copy fit", "[cpu-device]") {
+TEST_CASE("forward recorder: timed copies give the record a rate and the calibrator a copy fit",
+          "[cpu-device][strict]") {
   SECTION("a complete forward") {
     Rig rig(cpu_device());
     CHECK_FALSE(rig.residency.calibrator().copy_fit().has_value());
@@ -452,7 +456,8 @@ TEST_CASE("forward recorder: timed copies give the record a rate and the calibra
   }
 }
 
-TEST_CASE("forward recorder: a complete forward measured in detail gives the calibrator a profile", "[cpu-device]") {
+TEST_CASE("forward recorder: a complete forward measured in detail gives the calibrator a profile",
+          "[cpu-device][strict]") {
   const bool complete = GENERATE(true, false);
   INFO("complete " << complete);
   Rig rig(cpu_device());

@@ -82,7 +82,7 @@ bool one_line(const std::string& s) { return s.find('\n') == std::string::npos; 
 
 }  // namespace
 
-TEST_CASE("model records: layers are collected in execution order with their index") {
+TEST_CASE("model records: layers are collected in execution order with their index", "[strict][accel]") {
   ToyModel model = small_toy(2);
   ModelRecords records;
   records.collect(*model, "toy", {}, false, true);
@@ -108,7 +108,7 @@ TEST_CASE("model records: layers are collected in execution order with their ind
   CHECK(records.at(0).block == -1);
 }
 
-TEST_CASE("model records: find returns -1 for a layer of another model") {
+TEST_CASE("model records: find returns -1 for a layer of another model", "[strict][accel]") {
   ToyModel model = small_toy(1);
   ToyModel other = small_toy(1);
   ModelRecords records;
@@ -125,7 +125,7 @@ TEST_CASE("model records: find returns -1 for a layer of another model") {
   CHECK(records.scratch_bytes() == 0);
 }
 
-TEST_CASE("model records: required comes from the patterns and unconverted storage") {
+TEST_CASE("model records: required comes from the patterns and unconverted storage", "[strict][accel]") {
   ToyModel model = small_toy(2);
   EngineOptions defaults;
   SECTION("the default pattern keeps final_layer only") {
@@ -175,7 +175,7 @@ TEST_CASE("model records: required comes from the patterns and unconverted stora
   }
 }
 
-TEST_CASE("model records: an embedding is always required") {
+TEST_CASE("model records: an embedding is always required", "[strict][accel]") {
   EmbedModel model;
   ModelRecords records;
   records.collect(*model, "embed", {}, false, true);
@@ -188,7 +188,7 @@ TEST_CASE("model records: an embedding is always required") {
   CHECK(records.scratch_bytes() == records.at(1).scratch_bytes);
 }
 
-TEST_CASE("model records: extras are the other parameters and buffers with their bytes") {
+TEST_CASE("model records: extras are the other parameters and buffers with their bytes", "[strict][accel]") {
   ToyModel model = small_toy(2);
   ModelRecords records;
   records.collect(*model, "toy", {}, false, true);
@@ -223,7 +223,7 @@ TEST_CASE("model records: extras are the other parameters and buffers with their
   CHECK(records.scratch_bytes() > 0);
 }
 
-TEST_CASE("model records: the embedding model's extras include its buffer") {
+TEST_CASE("model records: the embedding model's extras include its buffer", "[strict][accel]") {
   EmbedModel model;
   ModelRecords records;
   records.collect(*model, "embed", {}, false, true);
@@ -232,7 +232,7 @@ TEST_CASE("model records: the embedding model's extras include its buffer") {
   CHECK(records.stored_bytes() == records.at(0).stored_bytes + records.at(1).stored_bytes + records.extra_bytes());
 }
 
-TEST_CASE("model records: a layer that already has a provider is refused naming it on one line") {
+TEST_CASE("model records: a layer that already has a provider is refused naming it on one line", "[strict][accel]") {
   ToyModel model = small_toy(2);
   IdleProvider provider;
   CHECK_NOTHROW(ModelRecords::check_attachable(*model, "toy"));
@@ -253,7 +253,7 @@ TEST_CASE("model records: a layer that already has a provider is refused naming 
   CHECK_NOTHROW(ModelRecords::check_attachable(*model, "toy"));
 }
 
-TEST_CASE("model records: a layer off the host is refused naming it on one line") {
+TEST_CASE("model records: a layer off the host is refused naming it on one line", "[strict][accel]") {
   ToyModel model = small_toy(2);
   const auto meta = at::TensorOptions().device(at::kMeta);
   SECTION("its weight") {
@@ -312,7 +312,8 @@ TEST_CASE("model records: a layer off the host is refused naming it on one line"
   }
 }
 
-TEST_CASE("model records: extras go to the device and back to the very same host memory bit for bit") {
+TEST_CASE("model records: extras go to the device and back to the very same host memory bit for bit",
+          "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   ToyModel model = small_toy(2);
   IdleProvider provider;
@@ -371,7 +372,8 @@ TEST_CASE("model records: extras go to the device and back to the very same host
   CHECK(dev->memory_stats().total.current == 0);
 }
 
-TEST_CASE("model records: extras that do not fit the budget throw ResourceError and leave the model on the host") {
+TEST_CASE("model records: extras that do not fit the budget throw ResourceError and leave the model on the host",
+          "[strict][accel]") {
   auto dev = sluice::testing::test_device_or_cpu();
   ToyModel model = small_toy(1);
   const void* norm_ptr = model->norm_weight.data_ptr();
@@ -396,7 +398,8 @@ TEST_CASE("model records: extras that do not fit the budget throw ResourceError 
   CHECK(dev->memory_stats().total.current == 0);
 }
 
-TEST_CASE("model records: an allocation failing after the first extra gives the placed ones back after their copies") {
+TEST_CASE("model records: an allocation failing after the first extra gives the placed ones back after their copies",
+          "[strict][accel]") {
   // The strict device runs copies on its copy stream: restore_to_host() frees the extras
   // placed so far, and each free must wait for its queued copy (record_use in place_extras;
   // without it the strict device reports a free while the copy stream may still write).

@@ -127,7 +127,8 @@ using Calls = std::vector<std::string>;
 
 }  // namespace
 
-TEST_CASE("model residency: attach tells plan_changing then streamed_changed and never before_change") {
+TEST_CASE("model residency: attach tells plan_changing then streamed_changed and never before_change",
+          "[strict][accel]") {
   Rig rig;
   rig.attach_tight();
   CHECK(rig.observer.calls == Calls{"plan_changing", "streamed_changed"});
@@ -157,7 +158,8 @@ TEST_CASE("model residency: attach tells plan_changing then streamed_changed and
   CHECK(rig.observer.calls.size() == 2);
 }
 
-TEST_CASE("model residency: replan tells before_change first and ring_dropped only when a ring existed") {
+TEST_CASE("model residency: replan tells before_change first and ring_dropped only when a ring existed",
+          "[strict][accel]") {
   Rig rig;
   rig.attach_tight();
   REQUIRE(rig.residency.buffers().ring() != nullptr);
@@ -196,7 +198,7 @@ TEST_CASE("model residency: replan tells before_change first and ring_dropped on
   CHECK_NOTHROW(rig.residency.check_invariants("test"));
 }
 
-TEST_CASE("model residency: a before_change that throws leaves the plan and ledger unchanged") {
+TEST_CASE("model residency: a before_change that throws leaves the plan and ledger unchanged", "[strict][accel]") {
   Rig rig;
   rig.attach_tight();
   const std::vector<bool> resident = rig.residency.plan().resident;
@@ -227,7 +229,8 @@ TEST_CASE("model residency: a before_change that throws leaves the plan and ledg
   CHECK(rig.residency.plan().streamed_count() == 0);
 }
 
-TEST_CASE("model residency: a replan below minimum_weights throws ResourceError naming the model and changes nothing") {
+TEST_CASE("model residency: a replan below minimum_weights throws ResourceError naming the model and changes nothing",
+          "[strict][accel]") {
   Rig rig;
   rig.residency.attach(*rig.model, "toy", kRoomy + kWorkingMemory, &rig.provider);
   const uint64_t min_weights = rig.residency.minimum_weights();
@@ -258,7 +261,7 @@ TEST_CASE("model residency: a replan below minimum_weights throws ResourceError 
   CHECK_NOTHROW(rig.residency.check_invariants("test"));
 }
 
-TEST_CASE("model residency: an attach below the minimum names it and leaves the model as it was") {
+TEST_CASE("model residency: an attach below the minimum names it and leaves the model as it was", "[strict][accel]") {
   Rig rig;
   const HostState before = host_state(rig.model);
   try {
@@ -282,7 +285,7 @@ TEST_CASE("model residency: an attach below the minimum names it and leaves the 
   CHECK(rig.residency.attached());
 }
 
-TEST_CASE("model residency: detach gives the ledger back and the layers back on the host") {
+TEST_CASE("model residency: detach gives the ledger back and the layers back on the host", "[strict][accel]") {
   const PinMode pin = GENERATE(PinMode::off, PinMode::on);
   INFO("pin " << (pin == PinMode::on ? "on" : "off"));
   Rig rig(pin);
@@ -324,7 +327,7 @@ TEST_CASE("model residency: detach gives the ledger back and the layers back on 
   }
 }
 
-TEST_CASE("model residency: needs() before attach is what the attach reports") {
+TEST_CASE("model residency: needs() before attach is what the attach reports", "[strict][accel]") {
   Rig rig;
   // Its bytes: every parameter, buffer and weight scale of the model.
   uint64_t stored = 0;
@@ -366,7 +369,8 @@ TEST_CASE("model residency: needs() before attach is what the attach reports") {
   }
 }
 
-TEST_CASE("model residency: check_invariants notices a stored weight that is not where the plan puts it") {
+TEST_CASE("model residency: check_invariants notices a stored weight that is not where the plan puts it",
+          "[strict][accel]") {
   Rig rig;
   rig.attach_tight();
   CHECK_NOTHROW(rig.residency.check_invariants("test"));

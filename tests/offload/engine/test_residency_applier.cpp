@@ -164,7 +164,7 @@ std::vector<size_t> indices(const std::vector<bool>& v, const std::vector<bool>&
 
 }  // namespace
 
-TEST_CASE("residency applier: a plan makes exactly its layers resident with exact ledger bytes") {
+TEST_CASE("residency applier: a plan makes exactly its layers resident with exact ledger bytes", "[strict]") {
   Rig rig;
   const size_t n = rig.layers.size();
   REQUIRE(n == 11);  // x_embedder, 3 blocks of 3, final_layer
@@ -206,7 +206,7 @@ TEST_CASE("residency applier: a plan makes exactly its layers resident with exac
   CHECK(streamed_slot_bytes(rig.layers) == 0);
 }
 
-TEST_CASE("residency applier: a different plan moves only the difference") {
+TEST_CASE("residency applier: a different plan moves only the difference", "[strict]") {
   Rig rig;
   const size_t n = rig.layers.size();
   std::vector<bool> a(n, false), b(n, false);
@@ -244,7 +244,7 @@ TEST_CASE("residency applier: a different plan moves only the difference") {
   rig.check_placement(b);
 }
 
-TEST_CASE("residency applier: out of device memory while promoting degrades to the layers that made it") {
+TEST_CASE("residency applier: out of device memory while promoting degrades to the layers that made it", "[strict]") {
   Rig rig;
   const size_t n = rig.layers.size();
   const std::vector<bool> all(n, true);
@@ -282,7 +282,7 @@ TEST_CASE("residency applier: out of device memory while promoting degrades to t
   CHECK(p.resident == expected);
 }
 
-TEST_CASE("residency applier: a degraded ring that does not fit gives back residency until it does") {
+TEST_CASE("residency applier: a degraded ring that does not fit gives back residency until it does", "[strict]") {
   Rig rig;
   const size_t n = rig.layers.size();
   std::vector<bool> plan(n, false);
@@ -311,7 +311,7 @@ TEST_CASE("residency applier: a degraded ring that does not fit gives back resid
         static_cast<int64_t>(rig.stored_bytes_where(expected, std::vector<bool>(n, false))));
 }
 
-TEST_CASE("residency applier: a ring that never fits undoes the promotions and throws") {
+TEST_CASE("residency applier: a ring that never fits undoes the promotions and throws", "[strict]") {
   Rig rig;
   const size_t n = rig.layers.size();
   std::vector<bool> first(n, false), plan(n, false);
@@ -328,7 +328,7 @@ TEST_CASE("residency applier: a ring that never fits undoes the promotions and t
   CHECK(rig.applier.residency_h2d().allocated - h2d.allocated == rig.applier.residency_h2d().freed - h2d.freed);
 }
 
-TEST_CASE("residency applier: a failed copy while promoting undoes the promotions and throws") {
+TEST_CASE("residency applier: a failed copy while promoting undoes the promotions and throws", "[strict]") {
   Rig rig;
   const size_t n = rig.layers.size();
   std::vector<bool> first(n, false), plan(n, false);
@@ -348,7 +348,7 @@ TEST_CASE("residency applier: a failed copy while promoting undoes the promotion
   rig.check_placement(plan);
 }
 
-TEST_CASE("residency applier: pinning stops at the arena's limit, counted, with one warning") {
+TEST_CASE("residency applier: pinning stops at the arena's limit, counted, with one warning", "[strict]") {
   Rig probe;
   const size_t n = probe.layers.size();
   std::vector<bool> resident(n, false);
@@ -408,7 +408,7 @@ TEST_CASE("residency applier: pinning stops at the arena's limit, counted, with 
   CHECK(arena->used_bytes() == pinned);
 }
 
-TEST_CASE("residency applier: a pinning failure turns pinning off with one warning") {
+TEST_CASE("residency applier: a pinning failure turns pinning off with one warning", "[strict]") {
   Rig rig({true, nullptr, kRingSlots});
   const size_t n = rig.layers.size();
   const uint64_t warnings = log::message_count(log::Level::warn);
@@ -427,7 +427,7 @@ TEST_CASE("residency applier: a pinning failure turns pinning off with one warni
   rig.check_placement(std::vector<bool>(n, false));
 }
 
-TEST_CASE("residency applier: promotion, demotion and a new model's records copy no pinned layer again") {
+TEST_CASE("residency applier: promotion, demotion and a new model's records copy no pinned layer again", "[strict]") {
   auto arena = std::make_shared<PinnedArena>(std::numeric_limits<uint64_t>::max());
   Rig rig({true, arena, kRingSlots});
   const size_t n = rig.layers.size();

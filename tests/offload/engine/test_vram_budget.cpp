@@ -113,7 +113,7 @@ TEST_CASE("vram budget: impossible values are one-line errors naming the flag") 
   }
 }
 
-TEST_CASE("cpu device: memory_info comes from the memory source when one is given") {
+TEST_CASE("vram budget: cpu device: memory_info comes from the memory source when one is given") {
   Memory now{3 * GiB, 8 * GiB};
   CpuDeviceOptions o;
   o.total_memory = 123;  // ignored: the source decides
@@ -143,7 +143,7 @@ TEST_CASE("cpu device: memory_info comes from the memory source when one is give
   CHECK(dev->allocator_stats().current_bytes == 64 * MiB);
 }
 
-TEST_CASE("cpu device: without a memory source, free memory is the total minus what its ledger holds") {
+TEST_CASE("vram budget: cpu device: without a memory source, free memory is the total minus what its ledger holds") {
   CpuDeviceOptions o;
   o.total_memory = 100 * MiB;
   auto dev = make_cpu_device(o);
@@ -183,7 +183,7 @@ TEST_CASE("vram budget: a size above the device's memory is refused naming the f
   CHECK_THROWS_AS(resolve_vram_budget(*dev, "100.2MiB", ""), sluice::InvalidArgument);
 }
 
-TEST_CASE("stats json: the device reports the ledger peak and the allocator's numbers only where it has them") {
+TEST_CASE("vram budget: stats json: the device reports the ledger peak and the allocator's numbers only where it has them") {
   EngineStats s;
   s.device_memory.total.increase(1000);
   s.device_memory.total.decrease(400);

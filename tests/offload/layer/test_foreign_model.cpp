@@ -88,7 +88,8 @@ void streamed_then_resident(ForeignModel& fm, const std::shared_ptr<DeviceBacken
 
 }  // namespace
 
-TEST_CASE("foreign model: bf16 storage streams the caller's layers bit for bit and gives its tensors back") {
+TEST_CASE("foreign model: bf16 storage streams the caller's layers bit for bit and gives its tensors back",
+          "[strict]") {
   CallerModel m = caller_model(at::kBFloat16);
   std::vector<at::Tensor> originals;
   for (const auto& l : m.layers) originals.push_back(l.weight.clone());
@@ -115,7 +116,7 @@ TEST_CASE("foreign model: bf16 storage streams the caller's layers bit for bit a
   for (size_t i = 0; i < m.layers.size(); ++i) CHECK(at::equal(m.layers[i].weight, originals[i]));  // untouched
 }
 
-TEST_CASE("foreign model: fp8 storage computes what the weights' fp8 round trip computes") {
+TEST_CASE("foreign model: fp8 storage computes what the weights' fp8 round trip computes", "[strict]") {
   CallerModel m = caller_model(at::kBFloat16);
   ForeignModel fm(m.layers, m.extras, {at::kFloat8_e4m3fn, at::kBFloat16, {"patch_embed"}});
   CHECK(fm.stored_dtype(0) == at::kBFloat16);  // skipped: its own dtype
@@ -139,7 +140,7 @@ TEST_CASE("foreign model: fp8 storage computes what the weights' fp8 round trip 
   engine.detach();
 }
 
-TEST_CASE("foreign model: bad layers and names are refused naming them") {
+TEST_CASE("foreign model: bad layers and names are refused naming them", "[strict]") {
   CallerModel m = caller_model(at::kFloat);
   auto refused = [&](std::vector<ForeignLayer> layers, std::vector<std::pair<std::string, at::Tensor>> extras,
                      const std::string& needle) {
@@ -185,7 +186,8 @@ TEST_CASE("foreign model: bad layers and names are refused naming them") {
   CHECK_THROWS_WITH(fm.linear(4, at::zeros({1, 32})), Catch::Contains("no layer 4"));
 }
 
-TEST_CASE("foreign model: a layer already in its storage dtype is sluice's own copy, never the caller's memory") {
+TEST_CASE("foreign model: a layer already in its storage dtype is sluice's own copy, never the caller's memory",
+          "[strict]") {
   // Issue 37: a write through a reference the caller kept must not reach the streamed
   // layers and miss the resident ones (an output that would depend on the budget).
   CallerModel m = caller_model(at::kBFloat16);
@@ -202,7 +204,7 @@ TEST_CASE("foreign model: a layer already in its storage dtype is sluice's own c
                          [&](StreamingEngine& engine) { CHECK(at::equal(run_foreign(fm, engine, x).cpu(), want)); });
 }
 
-TEST_CASE("foreign model: each layer computes in its own dtype; a skipped layer in its weight's") {
+TEST_CASE("foreign model: each layer computes in its own dtype, a skipped layer in its weight's", "[strict]") {
   at::manual_seed(3);
   ForeignOptions o{at::kBFloat16, at::kBFloat16, {"time_embedder"}};
   ForeignModel fm(o);
@@ -222,7 +224,8 @@ TEST_CASE("foreign model: each layer computes in its own dtype; a skipped layer 
   CHECK(at::equal(z, at::linear(y.to(at::kBFloat16), w16)));
 }
 
-TEST_CASE("foreign model: layers one at a time; a refused one leaves nothing behind; release_host frees a layer") {
+TEST_CASE("foreign model: layers one at a time, a refused one leaves nothing behind, release_host frees a layer",
+          "[strict]") {
   CallerModel m = caller_model(at::kBFloat16);
   ForeignModel fm(ForeignOptions{at::kBFloat16, at::kBFloat16, {}});
   fm.add_layer(m.layers[0]);
@@ -261,7 +264,8 @@ struct StoredOnly : WeightProvider {
 
 }  // namespace
 
-TEST_CASE("foreign model: an fp8 embedding looks up its rows and upcasts only those, resident or streamed") {
+TEST_CASE("foreign model: an fp8 embedding looks up its rows and upcasts only those, resident or streamed",
+          "[strict]") {
   at::manual_seed(5);
   const at::Tensor table = at::randn({1000, 24}).to(at::kBFloat16);
   const at::Tensor ids = at::tensor(std::vector<int64_t>{3, 999, 0, 3, 512, 7}).view({2, 3});
@@ -287,7 +291,8 @@ TEST_CASE("foreign model: an fp8 embedding looks up its rows and upcasts only th
   });
 }
 
-TEST_CASE("foreign model: a layer called twice per forward is two calls, each prefetched (Note [repeated calls])") {
+TEST_CASE("foreign model: a layer called twice per forward is two calls, each prefetched (Note [repeated calls])",
+          "[strict]") {
   CallerModel m = caller_model(at::kBFloat16);
   ForeignModel fm(m.layers, m.extras, {at::kBFloat16, at::kBFloat16, {}});
   auto dev = sluice::testing::test_device_or_cpu();

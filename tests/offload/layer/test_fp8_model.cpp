@@ -110,7 +110,7 @@ at::Tensor step(AnimaModelImpl& m, const Inputs& in) {
 
 }  // namespace
 
-TEST_CASE("anima-2b param_size per skip list matches its known sizes (shape-only build)") {
+TEST_CASE("fp8 model: anima-2b param_size per skip list matches its known sizes (shape-only build)", "[strict]") {
   AnimaModel bf16(preset("anima-2b"), BuildOptions{at::kBFloat16, at::kMeta});
   CHECK(one_decimal(offload::param_bytes(*bf16) / 1048576.0) == "3988.4");
 
@@ -148,7 +148,7 @@ TEST_CASE("anima-2b param_size per skip list matches its known sizes (shape-only
   CHECK(one_decimal(meta_2b(plain_adaln).param_mib()) == "2012.0");
 }
 
-TEST_CASE("Anima's declared skip list matches exactly its 6 modules on anima-2b") {
+TEST_CASE("fp8 model: Anima's declared skip list matches exactly its 6 modules on anima-2b", "[strict]") {
   CHECK(declared_fp8_skips() == std::vector<std::string>{"t_embedder", "x_embedder", "final_layer"});
   const auto r = meta_2b(fp8());
   std::set<std::string> modules;
@@ -167,7 +167,8 @@ TEST_CASE("Anima's declared skip list matches exactly its 6 modules on anima-2b"
   CHECK(r.cast_params + r.skipped_params + 37376 == 2091068928);  // 37,376 norm elements
 }
 
-TEST_CASE("apply_storage casts weight and bias of unskipped layers only; norms and buffers untouched") {
+TEST_CASE("fp8 model: apply_storage casts weight and bias of unskipped layers only, norms and buffers untouched",
+          "[strict]") {
   AnimaModel m = random_model(preset("anima-tiny"), 2, at::kBFloat16);
   std::map<std::string, at::ScalarType> buffer_dtypes;
   for (const auto& b : m->named_buffers()) buffer_dtypes[b.key()] = b.value().scalar_type();
@@ -198,7 +199,7 @@ TEST_CASE("apply_storage casts weight and bias of unskipped layers only; norms a
   for (const auto& b : m->named_buffers()) CHECK(b.value().scalar_type() == buffer_dtypes.at(b.key()));
 }
 
-TEST_CASE("load_anima with fp8 storage yields the fp8 resident size (dead-toggle guard)") {
+TEST_CASE("fp8 model: load_anima with fp8 storage yields the fp8 resident size (dead-toggle guard)", "[strict]") {
   TempDir tmp;
   const AnimaConfig c = preset("anima-tiny");
   const std::string path = tmp.path("tiny.safetensors");
@@ -244,7 +245,7 @@ TEST_CASE("load_anima with fp8 storage yields the fp8 resident size (dead-toggle
   CHECK_FALSE(at::equal(y, y_ref));
 }
 
-TEST_CASE("apply_storage refuses NaN weights and leaves that layer untouched") {
+TEST_CASE("fp8 model: apply_storage refuses NaN weights and leaves that layer untouched", "[strict]") {
   AnimaModel m = random_model(preset("anima-tiny"), 2, at::kBFloat16);
   auto layers = offload::managed_layers(*m);
   offload::ManagedLayerImpl* victim = nullptr;
@@ -266,7 +267,8 @@ TEST_CASE("apply_storage refuses NaN weights and leaves that layer untouched") {
   CHECK(at::isnan(victim->stored_weight()).sum().item<int64_t>() == 1);
 }
 
-TEST_CASE("apply_storage refuses NaN and Inf weights for every storage dtype, a weight kept as it is too") {
+TEST_CASE("fp8 model: apply_storage refuses NaN and Inf weights for every storage dtype, a weight kept as it is too",
+          "[strict]") {
   // Issue 29, item 3: bf16 storage kept a NaN weight of a bf16 model as it was.
   for (const at::ScalarType storage : {at::kFloat8_e4m3fn, at::kBFloat16, at::kHalf, at::kFloat}) {
     for (const at::ScalarType compute : {at::kBFloat16, at::kFloat}) {
@@ -315,7 +317,7 @@ TEST_CASE("apply_storage refuses NaN and Inf weights for every storage dtype, a 
                     Catch::Contains("blocks.1.mlp.layer2.weight") && Catch::Contains("65504"));
 }
 
-TEST_CASE("apply_storage on a meta model also builds meta scales for scaled storage") {
+TEST_CASE("fp8 model: apply_storage on a meta model also builds meta scales for scaled storage", "[strict]") {
   AnimaModel m(preset("anima-tiny"), BuildOptions{at::kBFloat16, at::kMeta});
   Fp8Options o = fp8();
   o.scale_mode = ScaleMode::per_channel;
@@ -358,7 +360,8 @@ class FaultyProvider : public offload::WeightProvider {
 
 }  // namespace
 
-TEST_CASE("a throw inside any layer's forward leaves every parameter stored and the next forward unchanged") {
+TEST_CASE("fp8 model: a throw inside any layer's forward leaves every parameter stored and the next forward unchanged",
+          "[strict]") {
   AnimaModel m = random_model(preset("anima-tiny"), 4, at::kBFloat16);
   offload::apply_storage(*m, "anima-tiny", fp8(), declared_fp8_skips());
   const Inputs in = tiny_inputs(at::kBFloat16);
@@ -390,7 +393,7 @@ TEST_CASE("a throw inside any layer's forward leaves every parameter stored and 
   for (auto& [name, layer] : offload::managed_layers(*m)) layer->set_provider(nullptr);
 }
 
-TEST_CASE("fp8 storage round trip is bit-exact for every fp8 dtype") {
+TEST_CASE("fp8 model: fp8 storage round trip is bit-exact for every fp8 dtype", "[strict]") {
   const Inputs in = tiny_inputs(at::kBFloat16);
   for (const at::ScalarType dt :
        {at::kFloat8_e4m3fn, at::kFloat8_e5m2, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2fnuz}) {
@@ -419,7 +422,7 @@ TEST_CASE("fp8 storage round trip is bit-exact for every fp8 dtype") {
   }
 }
 
-TEST_CASE("fp8 off (storage = compute) is bit-identical to the plain model") {
+TEST_CASE("fp8 model: fp8 off (storage = compute) is bit-identical to the plain model", "[strict]") {
   for (const at::ScalarType dt : {at::kBFloat16, at::kFloat}) {
     INFO(dtype_name(dt));
     const Inputs in = tiny_inputs(dt);

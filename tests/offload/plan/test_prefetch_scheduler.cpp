@@ -93,7 +93,7 @@ TEST_CASE("prefetch scheduler: max_ahead bounds the streamed layers in flight") 
   CHECK(ring.offers == std::vector<std::pair<int64_t, uint64_t>>{{3, 2}});
 }
 
-TEST_CASE("prefetch scheduler: depth 0 offers nothing; a changed order is recorded; implicit forwards do not wrap") {
+TEST_CASE("prefetch scheduler: depth 0 offers nothing, a changed order is recorded, implicit forwards do not wrap") {
   PrefetchScheduler none(0);
   none.set_streamed({true, true});
   FakeRing ring;

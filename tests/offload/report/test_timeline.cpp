@@ -162,7 +162,7 @@ TimelineStep hand_built() {
 
 }  // namespace
 
-TEST_CASE("timeline: the renderer puts known spans at known positions and escapes names") {
+TEST_CASE("timeline: the renderer puts known spans at known positions and escapes names", "[strict]") {
   const std::string svg = sluice::offload::render_timeline_svg(hand_built());
   INFO(svg.substr(0, 4000));
   CHECK(xml_problem(svg).empty());
@@ -262,7 +262,8 @@ TEST_CASE("timeline: the renderer puts known spans at known positions and escape
   }
 }
 
-TEST_CASE("timeline: the forward drawn is the last complete dit one, or an earlier one that shows its prefetches") {
+TEST_CASE("timeline: the forward drawn is the last complete dit one, or an earlier one that shows its prefetches",
+          "[strict]") {
   using sluice::offload::TraceTrack;
   using sluice::offload::TraceWriter;
   // Forwards 0..3 of 1 ms each, 2 ms apart; layers "a" (resident) and "b" (streamed,
@@ -319,7 +320,7 @@ TEST_CASE("timeline: the forward drawn is the last complete dit one, or an earli
   CHECK_THROWS_AS(sluice::offload::timeline_step_from_trace("not json"), sluice::InvalidArgument);
 }
 
-TEST_CASE("timeline: sluice run --timeline draws one forward's layers on three lanes") {
+TEST_CASE("timeline: sluice run --timeline draws one forward's layers on three lanes", "[strict]") {
   TempDir dir;
   const std::string svg_path = dir / "t.svg", trace_path = dir / "t.json", stats_path = dir / "s.json";
   const Result r =
@@ -422,7 +423,7 @@ TEST_CASE("timeline: sluice run --timeline draws one forward's layers on three l
   }
 }
 
-TEST_CASE("timeline: bad paths and a model without a traced forward are one-line errors") {
+TEST_CASE("timeline: bad paths and a model without a traced forward are one-line errors", "[strict]") {
   TempDir dir;
   const std::vector<std::string> base{"run",     "--synthetic", "anima-tiny",   "--device", "cpu",
                                       "--steps", "1",           "--resolution", "64"};
