@@ -9,7 +9,7 @@
 // reports its prediction"), tests/cli/test_run.cpp ("run: the stats JSON has the documented fields and
 // each forward streams the non-resident bytes"), tests/api/test_api.cpp ("api: a preset loads and runs
 // and its stats JSON has the documented fields", "api: locate_nonfinite re-runs a forward with a
-// per-layer check and names the first overflowing layer"), tests/offload/engine/test_vram_budget.cpp ("stats json:
+// per-layer check and names the first overflowing layer"), tests/offload/engine/test_vram_budget.cpp ("vram budget: stats json:
 // the device reports the ledger peak and the allocator's numbers only where it has them"),
 // tests/python/test_bindings.py (test_stats_and_dtypes).
 #include <array>
