@@ -48,7 +48,7 @@ struct OffloadLayer {
 };
 
 // Two field lists (Note [field lists] in sluice/stats.hpp): the model's fields, and its
-// own cache's, each named as the RuntimeOptions field it becomes.
+// own cache's, which are named as the RuntimeOptions fields they become.
 #define SLUICE_OFFLOAD_MODEL_FIELDS(F)                                                                        \
   F(std::string, name, "")                   /* in logs and stats; empty: "offloaded model" */               \
   F(std::string, storage, "float8_e4m3fn")   /* the layers' storage dtype (bfloat16/float16/float32: no fp8) */ \
