@@ -1,37 +1,20 @@
 #pragma once
 // The JSON of sluice's reported records (include/sluice/stats.hpp), written from their field
 // lists (Note [field lists] in sluice/stats.hpp): one key per field, named as the field.
-// nlohmann finds these to_json by argument-dependent lookup, so a record,
-// a vector of records or an optional one (null when empty) converts with `json j = record`.
-// What a record's JSON writes differently from its fields is done where that JSON is made
-// (offload/report/stats.cpp, cache/cache_queries.cpp).
+// nlohmann finds these to_json by argument-dependent lookup, so a record, or a vector of
+// records, converts with `json j = record`. What a record's JSON writes differently from its
+// fields is done where that JSON is made (offload/report/stats.cpp, cache/cache_queries.cpp).
 //
-// Tested by tests/cache/test_cache_queries.cpp ("cache queries: the cache stats JSON has one key per
-// CacheStats field and the older keys") and, through the stats JSON,
-// the cases offload/report/stats.h names.
+// Tested by tests/cache/test_cache_queries.cpp ("cache_queries: the cache stats JSON has one key
+// per CacheStats field and the older keys") and, through the stats JSON, the cases
+// offload/report/stats.h names.
 #include <nlohmann/json.hpp>
-
-#include <optional>
 
 #include "sluice/stats.hpp"
 
 namespace sluice {
 
-namespace record_json_detail {
-
-template <typename T>
-nlohmann::json value(const T& v) {
-  return nlohmann::json(v);
-}
-
-template <typename T>
-nlohmann::json value(const std::optional<T>& v) {
-  return v ? nlohmann::json(*v) : nlohmann::json();
-}
-
-}  // namespace record_json_detail
-
-#define SLUICE_JSON_FIELD(type, name) j[#name] = ::sluice::record_json_detail::value(r.name);
+#define SLUICE_JSON_FIELD(type, name) j[#name] = r.name;
 
 inline void to_json(nlohmann::json& j, const Counter& r) {
   j = nlohmann::json::object();
