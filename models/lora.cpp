@@ -9,9 +9,11 @@
 #include <map>
 #include <set>
 
+#include "models/anima/block_layout.h"
 #include "offload/layer/layer.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
+#include "runtime/logging.h"
 #include "runtime/safetensors.h"
 #include "runtime/shape_str.h"
 
@@ -56,11 +58,31 @@ std::map<std::string, std::shared_ptr<offload::ManagedLayerImpl>> layers_by_name
 }  // namespace
 
 LoraAdapter lora_from_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              torch::nn::Module& model, const std::string& source) {
+                              torch::nn::Module& model, const std::string& source, bool measured_blocks) {
   const auto layers = offload::managed_layers(model);
   std::vector<std::string> names;
   names.reserve(layers.size());
   for (const auto& [n, l] : layers) names.push_back(n);
+
+  // The adapter's block indices, over every key (a block the model lacks included), and the
+  // model's depth decide where its block targets go (Note [Anima block layout]).
+  std::vector<std::optional<LoraKeyMatch>> matches;
+  matches.reserve(tensors.size());
+  int64_t max_block = -1, model_depth = 0;
+  for (const auto& n : names) {
+    if (const auto b = block_index(n)) model_depth = std::max(model_depth, *b + 1);
+  }
+  for (const auto& [key, t] : tensors) {
+    matches.push_back(map_lora_key(key, names));
+    if (!matches.back()) continue;
+    if (const auto b = block_index(matches.back()->module)) max_block = std::max(max_block, *b);
+  }
+  anima::AdapterBlockMap blocks;
+  if (model_depth > 0) {
+    blocks = anima::map_adapter_blocks(max_block, model_depth, measured_blocks, "LoRA '" + source + "'");
+  }
+  std::vector<std::string> sorted_names = names;
+  std::sort(sorted_names.begin(), sorted_names.end());
 
   struct Parts {
     at::Tensor down, up, alpha;
@@ -69,8 +91,9 @@ LoraAdapter lora_from_tensors(const std::vector<std::pair<std::string, at::Tenso
   std::map<std::string, Parts> by_module;
   std::vector<std::string> not_lora, unknown, duplicate, bad_values;
   std::set<std::string> unknown_seen;
-  for (const auto& [key, t] : tensors) {
-    const auto m = map_lora_key(key, names);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [key, t] = tensors[i];
+    auto& m = matches[i];
     if (!m) {
       not_lora.push_back(key);
       continue;
@@ -78,6 +101,13 @@ LoraAdapter lora_from_tensors(const std::vector<std::pair<std::string, at::Tenso
     if (!m->known) {
       if (unknown_seen.insert(m->module).second) unknown.push_back(m->module);
       continue;
+    }
+    if (blocks.remapped()) {
+      if (const auto b = block_index(m->module)) m->module = with_block_index(m->module, blocks(*b));
+      if (!std::binary_search(sorted_names.begin(), sorted_names.end(), m->module)) {
+        if (unknown_seen.insert(m->module).second) unknown.push_back(m->module);
+        continue;
+      }
     }
     if (!t.is_floating_point()) {
       bad_values.push_back(c10::str(key, " has dtype ", t.scalar_type()));
@@ -155,10 +185,11 @@ LoraAdapter lora_from_tensors(const std::vector<std::pair<std::string, at::Tenso
     }
     a.targets.push_back(std::move(t));
   }
+  if (blocks.remapped()) log::info(blocks.describe("LoRA '" + source + "'"));
   return a;
 }
 
-LoraAdapter load_lora(const std::string& path, torch::nn::Module& model) {
+LoraAdapter load_lora(const std::string& path, torch::nn::Module& model, bool measured_blocks) {
   const auto file = safetensors::File::open(path);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   tensors.reserve(file->tensors().size());
@@ -168,7 +199,7 @@ LoraAdapter load_lora(const std::string& path, torch::nn::Module& model) {
     }
     tensors.emplace_back(info.name, file->read(info.name));
   }
-  return lora_from_tensors(tensors, model, path);
+  return lora_from_tensors(tensors, model, path, measured_blocks);
 }
 
 namespace {

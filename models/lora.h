@@ -50,13 +50,17 @@ struct LoraAdapter {
 // (first 10 and the count), modules with only one of down/up, and shape mismatches (naming
 // the module, the tensors' shapes and the layer's [out, in]); InvalidArgument for a
 // non-finite or non-positive alpha. Embedding layers cannot be targeted (CheckpointError).
+// Block targets ("blocks.N.…") of an adapter trained on a shallower Anima go to the blocks it was
+// trained on when `measured_blocks` (Note [Anima block layout] in models/anima/block_layout.h;
+// logged once at INFO), else by index; an adapter that addresses a block the model lacks is a
+// CheckpointError naming it, its highest block and the model's depth.
 LoraAdapter lora_from_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              torch::nn::Module& model, const std::string& source);
+                              torch::nn::Module& model, const std::string& source, bool measured_blocks = true);
 
 // Reads a LoRA safetensors file (FileError when unreadable, also when truncated while
 // being read; fault point "lora.read") and maps it as above. The tensors are read into
 // owned memory (safetensors::File::read), so the file may change afterwards.
-LoraAdapter load_lora(const std::string& path, torch::nn::Module& model);
+LoraAdapter load_lora(const std::string& path, torch::nn::Module& model, bool measured_blocks = true);
 
 // Patches `model` with `adapter` at `strength` while alive (Note [LoRA sidecars]).
 // Sidecars are converted to each layer's compute dtype and placed by `placer` when given

@@ -114,4 +114,35 @@ std::optional<LoraKeyMatch> map_lora_key(const std::string& key, const std::vect
   return m;
 }
 
+namespace {
+
+// The digits after `prefix` up to `sep`: their value and where the rest starts, or nullopt.
+std::optional<std::pair<int64_t, size_t>> parse_block(const std::string& s, const std::string& prefix, char sep) {
+  if (!starts_with(s, prefix)) return std::nullopt;
+  size_t i = prefix.size();
+  int64_t n = 0;
+  const size_t first = i;
+  while (i < s.size() && s[i] >= '0' && s[i] <= '9') {
+    if (i - first >= 9) return std::nullopt;  // no model has a billion blocks; keeps n from overflowing
+    n = n * 10 + (s[i] - '0');
+    ++i;
+  }
+  if (i == first || i >= s.size() || s[i] != sep) return std::nullopt;
+  return std::make_pair(n, i);
+}
+
+}  // namespace
+
+std::optional<int64_t> block_index(const std::string& module) {
+  if (auto b = parse_block(module, "blocks.", '.')) return b->first;
+  if (auto b = parse_block(module, "blocks_", '_')) return b->first;
+  return std::nullopt;
+}
+
+std::string with_block_index(const std::string& module, int64_t block) {
+  const auto b = parse_block(module, "blocks.", '.');
+  if (!b) return module;
+  return "blocks." + std::to_string(block) + module.substr(b->second);
+}
+
 }  // namespace sluice

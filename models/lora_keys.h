@@ -14,6 +14,7 @@
 // "lora_unet_<path with '.' as '_'>" (also "lora_transformer_"), which is mapped back by
 // comparing against the model's module names with '.' replaced by '_'. A flattened name
 // that two module names flatten to is ambiguous and reported as unknown.
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -34,5 +35,13 @@ struct LoraKeyMatch {
 // has no recognised LoRA suffix. Pure function over strings: never throws for any input
 // (beyond std::bad_alloc) and reads nothing else.
 std::optional<LoraKeyMatch> map_lora_key(const std::string& key, const std::vector<std::string>& module_names);
+
+// The block index N of a module path "blocks.N.<rest>" (or kohya's flattened "blocks_N_<rest>",
+// as an unknown key's module keeps it), nullopt for any other path. For the adapter block remap
+// (Note [Anima block layout] in models/anima/block_layout.h). Never throws (beyond std::bad_alloc).
+std::optional<int64_t> block_index(const std::string& module);
+
+// "blocks.N.<rest>" with N replaced by `block`; `module` unchanged when it has no dotted block index.
+std::string with_block_index(const std::string& module, int64_t block);
 
 }  // namespace sluice

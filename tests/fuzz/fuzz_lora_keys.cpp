@@ -1,6 +1,7 @@
 // libFuzzer target: map_lora_key (models/lora_keys.h). Input: the key, then the model's
 // module names, one per line. map_lora_key must never throw, and a match it calls
-// `known` must name one of the modules.
+// `known` must name one of the modules. block_index / with_block_index on its module must
+// not throw either, and a dotted block index rewritten to N reads back as N.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -34,5 +35,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // A recognised key has a LoRA suffix, and the module (cut from its stem, or a module name
   // that the stem flattens or strips to) is always shorter than the key.
   if (m->module.size() >= key.size()) std::abort();
+  try {
+    if (const auto b = sluice::block_index(m->module)) {
+      if (*b < 0) std::abort();
+      const std::string moved = sluice::with_block_index(m->module, *b + 1);
+      if (m->module.rfind("blocks.", 0) == 0 && sluice::block_index(moved) != *b + 1) std::abort();
+    }
+  } catch (...) {
+    std::abort();
+  }
   return 0;
 }

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "models/anima/anima.h"
+#include "models/anima/block_layout.h"
 #include "models/anima/generator.h"
 #include "models/lora.h"
 #include "offload/device/cpu_device.h"
@@ -23,6 +24,7 @@
 #include "offload/layer/storage.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
+#include "runtime/logging.h"
 #include "runtime/safetensors.h"
 #include "tests/support/device_env.h"
 
@@ -308,15 +310,15 @@ TEST_CASE("lora: bad LoRA files are CheckpointErrors naming what is wrong", "[st
   Tensors ok;
   add_pair(ok, *m, "blocks.0.mlp.layer1", 4, 1, "blocks.0.mlp.layer1.lora_A.weight", "blocks.0.mlp.layer1.lora_B.weight");
 
-  // Unknown target modules are listed.
+  // Unknown target modules are listed (a block the model lacks is refused apart, below).
   Tensors unknown = ok;
-  add_pair(unknown, *m, "blocks.0.mlp.layer1", 4, 1, "blocks.9.mlp.layer1.lora_A.weight",
-           "blocks.9.mlp.layer1.lora_B.weight");
+  add_pair(unknown, *m, "blocks.0.mlp.layer1", 4, 1, "blocks.1.mlp.layer9.lora_A.weight",
+           "blocks.1.mlp.layer9.lora_B.weight");
   unknown.emplace_back("lora_te1_text_model_encoder_layers_0_mlp_fc1.alpha", at::scalar_tensor(1.0));
   std::string e = error_of([&] { lora_from_tensors(unknown, *m, "u.safetensors"); });
   CHECK(e.find("u.safetensors") != std::string::npos);
   CHECK(e.find("2 unknown target modules") != std::string::npos);
-  CHECK(e.find("blocks.9.mlp.layer1") != std::string::npos);
+  CHECK(e.find("blocks.1.mlp.layer9") != std::string::npos);
   CHECK(e.find("lora_te1_text_model_encoder_layers_0_mlp_fc1") != std::string::npos);
 
   // Shape mismatch names the module and both shapes.
@@ -510,4 +512,204 @@ TEST_CASE("lora: sidecars that cannot fit even with every layer streamed give on
   CHECK(alive_peak(*dev) <= sluice::testing::allocator_bound(*dev, n.full, o.working_memory_bytes));
   offload::ForwardScope scope(engine);
   CHECK(at::equal(step(*m, in, dev->device()), plain));
+}
+
+namespace {
+
+// anima-tiny at another depth (anima-tiny's width: the depth-expanded presets' block tables
+// apply to any model of 40 or 52 blocks), with fp8 storage as fp8_model's.
+AnimaModel fp8_tiny_depth(int64_t blocks, uint64_t seed = 3) {
+  AnimaConfig c = preset("anima-tiny");
+  c.num_blocks = blocks;
+  c.name = "anima-tiny-" + std::to_string(blocks);
+  AnimaModel model(c, BuildOptions{at::kBFloat16, at::kCPU});
+  auto params = model->named_parameters();
+  for (const auto& [name, t] : random_weights(c, seed, at::kBFloat16)) params[name].set_data(t);
+  Fp8Options o;
+  o.storage = at::kFloat8_e4m3fn;
+  o.compute = at::kBFloat16;
+  offload::apply_storage(*model, c.name, o, declared_fp8_skips());
+  return model;
+}
+
+// A LoRA over blocks 0..source_blocks-1 (two Linears each, kohya-flattened and dotted keys) and
+// two non-block targets, each block's pair written at block `at(i)`: the same tensors whatever
+// `at` is, so a remapped adapter and one written at the expected positions hold the same values.
+Tensors block_lora(torch::nn::Module& m, int64_t source_blocks, const std::function<int64_t(int64_t)>& at) {
+  Tensors t;
+  for (int64_t i = 0; i < source_blocks; ++i) {
+    const std::string b = "blocks." + std::to_string(at(i));
+    const std::string flat = "blocks_" + std::to_string(at(i));
+    add_pair(t, m, "blocks.0.self_attn.q_proj", 2, 1000 + static_cast<uint64_t>(i),
+             "diffusion_model." + b + ".self_attn.q_proj.lora_A.weight",
+             "diffusion_model." + b + ".self_attn.q_proj.lora_B.weight", 0.3);
+    add_pair(t, m, "blocks.0.mlp.layer2", 2, 2000 + static_cast<uint64_t>(i),
+             "lora_unet_" + flat + "_mlp_layer2.lora_down.weight", "lora_unet_" + flat + "_mlp_layer2.lora_up.weight",
+             0.3);
+    t.emplace_back("lora_unet_" + flat + "_mlp_layer2.alpha", at::scalar_tensor(1.0));
+  }
+  add_pair(t, m, "llm_adapter.blocks.1.mlp.0", 2, 3000, "llm_adapter.blocks.1.mlp.0.lora_A.weight",
+           "llm_adapter.blocks.1.mlp.0.lora_B.weight", 0.3);
+  add_pair(t, m, "final_layer.linear", 2, 3001, "final_layer.linear.lora_A.weight",
+           "final_layer.linear.lora_B.weight", 0.3);
+  return t;
+}
+
+std::vector<std::string> target_modules(const LoraAdapter& a) {
+  std::vector<std::string> v;
+  for (const auto& t : a.targets) v.push_back(t.module);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// The INFO lines logged while `f` runs (the level raised to info for it: ctest runs at warn).
+std::vector<std::string> info_lines(const std::function<void()>& f) {
+  std::vector<std::string> lines;
+  const log::Level before = log::level();
+  log::set_level(log::Level::info);
+  log::set_sink([&](log::Level l, const std::string& line) {
+    if (l == log::Level::info) lines.push_back(line);
+  });
+  try {
+    f();
+  } catch (...) {
+    log::set_sink({});
+    log::set_level(before);
+    throw;
+  }
+  log::set_sink({});
+  log::set_level(before);
+  return lines;
+}
+
+}  // namespace
+
+TEST_CASE("lora: a base (28-block) LoRA on 40- and 52-block models patches the blocks it was trained on",
+          "[strict][accel]") {
+  const Inputs in = inputs();
+  for (const int64_t depth : {int64_t{40}, int64_t{52}}) {
+    INFO("depth " << depth);
+    AnimaModel m = fp8_tiny_depth(depth);
+    const std::vector<int64_t> pos = block_positions(28, depth);
+    REQUIRE(pos.size() == 28);
+    const Tensors base_keys = block_lora(*m, 28, [](int64_t i) { return i; });
+    const Tensors placed_keys = block_lora(*m, 28, [&](int64_t i) { return pos[static_cast<size_t>(i)]; });
+
+    std::optional<LoraAdapter> remapped;
+    const auto lines = info_lines([&] { remapped = lora_from_tensors(base_keys, *m, "base.safetensors"); });
+    const std::string expected_line = "LoRA 'base.safetensors' was trained on a 28-block Anima: its blocks go to "
+                                      "their measured positions in this " + std::to_string(depth) +
+                                      "-block model (block 2 -> " + std::to_string(pos[2]) + ", ..., 27 -> " +
+                                      std::to_string(pos[27]) +
+                                      "); block_layout \"as-is\" (--adapter-blocks as-is) turns this off";
+    CHECK(std::count(lines.begin(), lines.end(), expected_line) == 1);
+    CHECK(lines.size() == 1);
+    // Written at the expected positions: a 40- or 52-block adapter on its own depth, as is.
+    std::vector<std::string> placed_lines;
+    std::optional<LoraAdapter> placed;
+    placed_lines = info_lines([&] { placed = lora_from_tensors(placed_keys, *m, "placed.safetensors"); });
+    CHECK(placed_lines.empty());
+    REQUIRE(target_modules(*remapped) == target_modules(*placed));
+    CHECK(std::find(target_modules(*remapped).begin(), target_modules(*remapped).end(), "final_layer.linear") !=
+          target_modules(*remapped).end());
+
+    // As is: index by index.
+    const LoraAdapter as_is = lora_from_tensors(base_keys, *m, "base.safetensors", /*measured_blocks=*/false);
+    std::vector<std::string> by_index;
+    for (int64_t i = 0; i < 28; ++i) {
+      by_index.push_back("blocks." + std::to_string(i) + ".self_attn.q_proj");
+      by_index.push_back("blocks." + std::to_string(i) + ".mlp.layer2");
+    }
+    by_index.push_back("llm_adapter.blocks.1.mlp.0");
+    by_index.push_back("final_layer.linear");
+    std::sort(by_index.begin(), by_index.end());
+    CHECK(target_modules(as_is) == by_index);
+
+    // Outputs: remapped == placed, bit for bit, both directly and through an engine that
+    // streams part of the model on the test device; as-is differs.
+    at::Tensor out_remapped, out_placed, out_as_is;
+    {
+      LoraScope s(*m, *remapped);
+      out_remapped = step(*m, in);
+    }
+    {
+      LoraScope s(*m, *placed);
+      out_placed = step(*m, in);
+    }
+    {
+      LoraScope s(*m, as_is);
+      out_as_is = step(*m, in);
+    }
+    CHECK(same_bits(out_remapped, out_placed));
+    CHECK_FALSE(at::equal(out_remapped, out_as_is));
+
+    auto dev = sluice::testing::test_device_or_cpu();
+    const offload::EngineOptions o = engine_options(dev);
+    const offload::WeightNeeds n = offload::StreamingEngine::needs(*m, o);
+    offload::StreamingEngine engine(o);
+    engine.attach(*m, "deep", n.full / 2 + o.working_memory_bytes);
+    REQUIRE(engine.plan().streamed_count() > 0);
+    const auto forward = [&](const LoraAdapter& a) {
+      LoraScope s(*m, a, 1.0, std::nullopt, &engine);
+      offload::ForwardScope scope(engine);
+      return step(*m, in, dev->device());
+    };
+    const at::Tensor e_remapped = forward(*remapped), e_placed = forward(*placed);
+    CHECK(same_bits(e_remapped, e_placed));
+    CHECK(at::isfinite(e_remapped).all().item<bool>());
+  }
+}
+
+TEST_CASE("lora: a 2.9B (40-block) LoRA on a 52-block model goes to the 3.8B's positions of the 2.9B blocks",
+          "[strict][accel]") {
+  const Inputs in = inputs();
+  AnimaModel m = fp8_tiny_depth(52);
+  const std::vector<int64_t> pos = block_positions(40, 52);
+  const Tensors keys40 = block_lora(*m, 40, [](int64_t i) { return i; });
+  const Tensors placed_keys = block_lora(*m, 40, [&](int64_t i) { return pos[static_cast<size_t>(i)]; });
+  std::optional<LoraAdapter> remapped;
+  const auto lines = info_lines([&] { remapped = lora_from_tensors(keys40, *m, "v29.safetensors"); });
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].find("LoRA 'v29.safetensors' was trained on a 40-block Anima") == 0);
+  CHECK(lines[0].find("(block 3 -> 4, ..., 39 -> 51)") != std::string::npos);
+  const LoraAdapter placed = lora_from_tensors(placed_keys, *m, "placed.safetensors");
+  REQUIRE(target_modules(*remapped) == target_modules(placed));
+  at::Tensor a, b;
+  {
+    LoraScope s(*m, *remapped);
+    a = step(*m, in);
+  }
+  {
+    LoraScope s(*m, placed);
+    b = step(*m, in);
+  }
+  CHECK(same_bits(a, b));
+}
+
+TEST_CASE("lora: a LoRA for a deeper model is refused with one line naming it, its block and the model's depth",
+          "[strict][accel]") {
+  AnimaModel m = fp8_tiny_depth(28);
+  AnimaModel deep = fp8_tiny_depth(40);
+  const Tensors keys40 = block_lora(*deep, 40, [](int64_t i) { return i; });
+  for (const bool measured : {true, false}) {
+    const std::string e = error_of([&] { lora_from_tensors(keys40, *m, "deep.safetensors", measured); });
+    CHECK(e ==
+          "LoRA 'deep.safetensors' addresses block 39 (trained on a 40-block Anima), but this model has 28 blocks: "
+          "an adapter for a deeper model cannot be applied");
+  }
+  // The same on anima-tiny's two blocks, from a file.
+  TempDir tmp;
+  AnimaModel tiny = fp8_tiny();
+  Tensors t;
+  add_pair(t, *tiny, "blocks.0.mlp.layer1", 2, 1, "lora_unet_blocks_5_mlp_layer1.lora_down.weight",
+           "lora_unet_blocks_5_mlp_layer1.lora_up.weight");
+  safetensors::save(tmp.path("five.safetensors"), t);
+  const std::string e = error_of([&] { load_lora(tmp.path("five.safetensors"), *tiny); });
+  CHECK(e.find("LoRA '" + tmp.path("five.safetensors") + "' addresses block 5 (trained on a 28-block Anima), but "
+               "this model has 2 blocks") == 0);
+  // A model of a depth no Anima was released at keeps the indices.
+  AnimaModel odd = fp8_tiny_depth(30);
+  const LoraAdapter a = lora_from_tensors(block_lora(*odd, 28, [](int64_t i) { return i; }), *odd, "base");
+  CHECK(std::find(target_modules(a).begin(), target_modules(a).end(), "blocks.2.mlp.layer2") !=
+        target_modules(a).end());
 }
