@@ -121,10 +121,16 @@ void require_finite_inputs(const char* op, std::initializer_list<std::pair<const
 
 // The DiT forward and the adapter's, on inputs moved to the model's device and dtype.
 at::Tensor run_dit(anima::AnimaModelImpl& m, offload::StreamingEngine& engine, const at::Tensor& x,
-                   const at::Tensor& timesteps, const at::Tensor& context) {
+                   const at::Tensor& timesteps, const at::Tensor& context, const ForwardOptions& options = {}) {
   const at::Device dev = engine.device().device();
   const at::ScalarType dt = m.compute_dtype();
-  return m.forward(x.to(dev, dt), timesteps.to(dev), context.to(dev, dt));
+  anima::CrossAttnMask mask;  // Note [cross-attention mask]: the model checks it and moves it to the device
+  if (options.cross_attn_mask) {
+    mask.mask = *options.cross_attn_mask;
+    if (!mask.mask.defined()) throw InvalidArgument("input 'cross_attn_mask' is undefined");
+  }
+  mask.blocks = options.mask_blocks;
+  return m.forward(x.to(dev, dt), timesteps.to(dev), context.to(dev, dt), mask);
 }
 
 at::Tensor run_adapter(anima::AnimaModelImpl& m, offload::StreamingEngine& engine, const at::Tensor& qwen_hidden,
@@ -449,6 +455,14 @@ at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps
 
 at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
                                 const LayerProgress& progress) {
+  ForwardOptions options;
+  options.progress = progress;
+  return forward(x, timesteps, context, options);
+}
+
+at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
+                                const ForwardOptions& options) {
+  const LayerProgress& progress = options.progress;
   const auto& t = need(token_);
   require_floating("x", x);
   require_floating("context", context);
@@ -464,7 +478,7 @@ at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps
     if (progress) engine.set_layer_progress(progress);
     {
       offload::ForwardScope scope(engine, "dit");
-      out = run_dit(m, engine, x, timesteps, context);
+      out = run_dit(m, engine, x, timesteps, context, options);
     }
     // An Interrupted from the callback after the last layer: the forward stops all the same.
     if (const std::exception_ptr stop = engine.take_interrupt()) std::rethrow_exception(stop);
@@ -474,13 +488,18 @@ at::Tensor LockedModel::forward(const at::Tensor& x, const at::Tensor& timesteps
 
 std::optional<NonFiniteReport> LockedModel::locate_nonfinite(const at::Tensor& x, const at::Tensor& timesteps,
                                                              const at::Tensor& context) {
+  return locate_nonfinite(x, timesteps, context, ForwardOptions{});
+}
+
+std::optional<NonFiniteReport> LockedModel::locate_nonfinite(const at::Tensor& x, const at::Tensor& timesteps,
+                                                             const at::Tensor& context, const ForwardOptions& options) {
   const auto& t = need(token_);
   require_floating("x", x);
   require_floating("context", context);
   if (!timesteps.defined()) throw InvalidArgument("input 'timesteps' is undefined");
   require_finite_inputs("locate_nonfinite", {{"x", &x}, {"timesteps", &timesteps}, {"context", &context}});
   return locate(*t, "dit", [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
-    return run_dit(m, engine, x, timesteps, context);
+    return run_dit(m, engine, x, timesteps, context, options);
   });
 }
 

@@ -178,6 +178,20 @@ struct ModelInfo {
 class LockedModel;
 class LoraHandle;
 
+// Options of one DiT forward (LockedModel::forward). Regional prompting (README, "Regional
+// prompting"): a boolean cross-attention mask restricts which context tokens each image token
+// reads, True = attend, on the listed blocks (as InvokeAI's Anima regional prompting). Its
+// shape is [L, S] (one for the batch) or [B, L, S]: S the context's tokens, L the image
+// tokens T' * ceil(H / 2) * ceil(W / 2) for x [B, C, T, H, W] (patch_spatial 2; T' =
+// ceil(T / patch_temporal)), in (t, h, w) row-major order. A row with no True gives that
+// token no cross-attention (zero), not NaN. InvalidArgument, one line naming it: a mask that
+// is not Bool, of another shape (the line says the expected L and S), a block out of range.
+struct ForwardOptions {
+  std::optional<at::Tensor> cross_attn_mask;  // bool [L, S] or [B, L, S], on any device; none: no mask
+  std::vector<int64_t> mask_blocks;           // blocks the mask applies to; empty: the even ones (0, 2, ...)
+  std::function<void(int64_t layers_done, int64_t layers_expected)> progress;  // as LockedModel::LayerProgress
+};
+
 // A shared handle on a cached model. Copies refer to the same model. Valid while any copy
 // lives, even after the cache is destroyed; after drop() (or a [reload] load of the same
 // source) lock() throws.
@@ -312,6 +326,10 @@ class LockedModel {
   using LayerProgress = std::function<void(int64_t layers_done, int64_t layers_expected)>;
   at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
                      const LayerProgress& progress);
+  // The same with ForwardOptions: a cross-attention mask (regional prompting) and a progress
+  // callback.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
+                     const ForwardOptions& options);
   at::Tensor operator()(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context) {
     return forward(x, timesteps, context);
   }
@@ -330,6 +348,9 @@ class LockedModel {
   // in the stats, which keep its finding (ModelStats::nonfinite, stats JSON "nonfinite").
   std::optional<NonFiniteReport> locate_nonfinite(const at::Tensor& x, const at::Tensor& timesteps,
                                                   const at::Tensor& context);
+  // The same for a forward with a cross-attention mask (ForwardOptions::progress is not called).
+  std::optional<NonFiniteReport> locate_nonfinite(const at::Tensor& x, const at::Tensor& timesteps,
+                                                  const at::Tensor& context, const ForwardOptions& options);
   std::optional<NonFiniteReport> locate_nonfinite_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                                                        const std::optional<at::Tensor>& t5_weights = std::nullopt);
 

@@ -3,6 +3,8 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/irange.h>
 
+#include <limits>
+
 
 #include "models/anima/dit_block.h"
 #include "models/anima/embedders.h"
@@ -37,6 +39,53 @@ void require_compute_dtype(const at::Tensor& t, const char* name, at::ScalarType
                           ", the model computes in " + c10::toString(compute) +
                           " (convert the input or call set_compute_dtype)");
   }
+}
+
+// Note [cross-attention mask]: which blocks a mask applies to, one flag per block; refuses an
+// index out of range and a mask that is not boolean, before any compute.
+std::vector<char> cross_mask_blocks(const CrossAttnMask& m, int64_t num_blocks) {
+  std::vector<char> on(static_cast<size_t>(num_blocks), 0);
+  for (const int64_t i : m.blocks) {
+    if (i < 0 || i >= num_blocks) {
+      throw InvalidArgument("mask_blocks has block " + std::to_string(i) + ", the model has " +
+                            std::to_string(num_blocks) + " blocks (0.." + std::to_string(num_blocks - 1) + ")");
+    }
+    on[static_cast<size_t>(i)] = 1;
+  }
+  if (m.blocks.empty()) {
+    for (int64_t i = 0; i < num_blocks; i += 2) on[static_cast<size_t>(i)] = 1;
+  }
+  if (m.mask.defined() && m.mask.scalar_type() != at::kBool) {
+    throw InvalidArgument("cross_attn_mask has dtype " + std::string(c10::toString(m.mask.scalar_type())) +
+                          ", expected Bool (True: the image token attends to the context token)");
+  }
+  return on;
+}
+
+// The additive form of a boolean [L, S] or [B, L, S] mask for L image tokens and S context
+// tokens; `grid` says how L came about, for the error.
+AttentionMask make_attention_mask(const at::Tensor& mask, int64_t B, int64_t L, int64_t S, const std::string& grid,
+                                  at::ScalarType dtype, at::Device device) {
+  const bool ok = (mask.dim() == 2 && mask.size(0) == L && mask.size(1) == S) ||
+                  (mask.dim() == 3 && mask.size(0) == B && mask.size(1) == L && mask.size(2) == S);
+  if (!ok) {
+    throw InvalidArgument("cross_attn_mask has shape " + shape_str(mask) + ", expected [L, S] = [" +
+                          std::to_string(L) + ", " + std::to_string(S) + "] or [" + std::to_string(B) + ", " +
+                          std::to_string(L) + ", " + std::to_string(S) + "] (L = image tokens " + grid +
+                          ", S = context tokens)");
+  }
+  // Rows are checked where the mask is (the host, usually: no wait for the device).
+  const at::Tensor m0 = mask.dim() == 2 ? mask.unsqueeze(0) : mask;  // [B or 1, L, S]
+  const at::Tensor attends = m0.any(-1, /*keepdim=*/true);           // [B or 1, L, 1]
+  AttentionMask out;
+  out.any_empty_row = !attends.all().item<bool>();
+  out.attends = attends.to(device);
+  const at::Tensor m = m0.to(device);
+  const at::Tensor allowed = out.any_empty_row ? m.logical_or(out.attends.logical_not()) : m;
+  out.bias = at::zeros(allowed.sizes(), at::TensorOptions().dtype(dtype).device(device))
+                 .masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity())
+                 .unsqueeze(1);  // [B or 1, 1, L, S]
+  return out;
 }
 
 }  // namespace
@@ -131,7 +180,12 @@ rope::Tables AnimaModelImpl::rope_tables(int64_t T, int64_t H, int64_t W, at::De
   return cache.tables;
 }
 
-at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& timesteps, const at::Tensor& context) {
+at::Tensor AnimaModelImpl::forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context) {
+  return forward(x, timesteps, context, CrossAttnMask{});
+}
+
+at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& timesteps, const at::Tensor& context,
+                                   const CrossAttnMask& cross_attn) {
   const AnimaConfig& c = config_;
   require_defined(x_in, "x");
   require_defined(timesteps, "timesteps");
@@ -160,6 +214,7 @@ at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& tim
                           ", S, " + std::to_string(c.crossattn_emb_channels) + "]");
   }
   require_floating(context, "context");
+  const std::vector<char> masked_blocks = cross_mask_blocks(cross_attn, c.num_blocks);
 
   at::NoGradGuard no_grad;
   const at::ScalarType compute = compute_dtype_;
@@ -174,6 +229,12 @@ at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& tim
   }
   const int64_t T = x.size(2) / pt, H = x.size(3) / ps, W = x.size(4) / ps;
 
+  std::optional<AttentionMask> cross_mask;
+  if (cross_attn.mask.defined()) {
+    const std::string grid = std::to_string(T) + "*" + std::to_string(H) + "*" + std::to_string(W) + " of x " +
+                             shape_str(x_in) + ", padded to the patch grid";
+    cross_mask = make_attention_mask(cross_attn.mask, B, T * H * W, ctx.size(1), grid, compute, device);
+  }
   at::Tensor tokens = x_embedder_->forward(x);  // [B, T*H*W, D]
   const rope::Tables rope = rope_tables(T, H, W, device);
   const at::Tensor sinusoid = timestep_sinusoid(timesteps.to(device), c.model_channels).to(tokens.scalar_type());
@@ -184,8 +245,10 @@ at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& tim
   const at::Tensor& adaln_lora = emb;  // undefined without adaLN-LoRA
   // fp16 cannot hold the residual stream's range over 28 blocks; the reference keeps it in fp32.
   if (tokens.scalar_type() == at::kHalf) tokens = tokens.to(at::kFloat);
-  for (auto& block : blocks_) {
-    tokens = block->forward(tokens, t_emb, ctx, rope, adaln_lora);
+  for (const auto i : c10::irange(blocks_.size())) {
+    auto& block = blocks_[i];
+    const AttentionMask* block_mask = cross_mask && masked_blocks[i] ? &*cross_mask : nullptr;
+    tokens = block->forward(tokens, t_emb, ctx, rope, adaln_lora, block_mask);
     offload::observe_output(*block, tokens);
   }
   const at::Tensor out = final_layer_->forward(tokens.to(compute), t_emb, adaln_lora);

@@ -46,6 +46,25 @@ const std::vector<std::string>& declared_fp8_skips();
 // sluice_bench_compute (docs/BENCHMARKS.md, "Compute dtype").
 Fp16Verdict fp16_verdict();
 
+// Note [cross-attention mask]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Regional prompting (InvokeAI's anima_transformer_patch.py): a boolean mask of image tokens
+// x context tokens restricts what each image token's cross-attention may read, True =
+// attend. Its shape is [L, S] (one for the batch) or [B, L, S], with L the image tokens
+// after padding to the patch grid, T' * ceil(H / p) * ceil(W / p) for x [B, C, T, H, W]
+// (p = patch_spatial = 2, T' = ceil(T / patch_temporal)), in (t, h, w) row-major order,
+// and S the context's tokens. It applies on the listed blocks; by default on the even
+// ones (0, 2, 4, ...), the odd ones unmasked, as InvokeAI does. The attention takes it as
+// an additive mask (0 or -inf) in the compute dtype, as InvokeAI's patch builds it, so
+// fp32 outputs match its to rounding. A row with no True (an image token that may attend
+// to nothing) is defined here, unlike in InvokeAI (NaN): that token's cross-attention
+// contributes zero. Unlike InvokeAI, whose patch falls back to no mask when the context's
+// length differs from the mask's, a mismatched mask is refused.
+struct CrossAttnMask {
+  at::Tensor mask;              // bool [L, S] or [B, L, S]; undefined: no mask
+  std::vector<int64_t> blocks;  // block indices it applies to (each in [0, num_blocks)); empty: the even ones
+};
+
 class AnimaModelImpl : public torch::nn::Module {
  public:
   // Weights are uninitialised (at::empty, so untouched pages cost no RAM) except norm
@@ -60,6 +79,10 @@ class AnimaModelImpl : public torch::nn::Module {
   // and crops back. With fp16 compute the residual stream is kept in fp32. Throws
   // InvalidArgument naming the offending input.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context);
+  // The same with a cross-attention mask on some blocks (regional prompting, Note
+  // [cross-attention mask]); an undefined cross_attn.mask is the plain forward.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
+                     const CrossAttnMask& cross_attn);
 
   // LLM adapter: qwen_hidden [B,S,source_dim] (dtype = compute_dtype()), t5_ids [B,S_t]
   // int32/int64 in [0, vocab), optional per-token weights [B,S_t] or [B,S_t,1] ->

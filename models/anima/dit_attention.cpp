@@ -14,7 +14,8 @@ DiTAttentionImpl::DiTAttentionImpl(int64_t query_dim, int64_t context_dim, int64
   output_proj_ = register_module("output_proj", offload::Linear(query_dim, query_dim, /*bias=*/false, options));
 }
 
-at::Tensor DiTAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context, const rope::Tables* rope) {
+at::Tensor DiTAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context, const rope::Tables* rope,
+                                     const AttentionMask* mask) {
   const at::Tensor& src = context.defined() ? context : x;
   const int64_t B = x.size(0), L = x.size(1), S = src.size(1);
   at::Tensor q = q_norm_(q_proj_(x).view({B, L, num_heads_, head_dim_}));
@@ -24,8 +25,13 @@ at::Tensor DiTAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cont
     q = rope::apply_3d(q, *rope);
     k = rope::apply_3d(k, *rope);
   }
-  const at::Tensor y = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2));
-  return output_proj_(y.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_}));
+  const std::optional<at::Tensor> bias = mask ? std::optional<at::Tensor>(mask->bias) : std::nullopt;
+  const at::Tensor y = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias);
+  at::Tensor out = y.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_});
+  // Note [cross-attention mask]: a token that attends to nothing gets nothing; output_proj has no
+  // bias, so zero stays zero.
+  if (mask && mask->any_empty_row) out = at::where(mask->attends, out, at::zeros({}, out.options()));
+  return output_proj_(out);
 }
 
 }  // namespace sluice::anima

@@ -44,7 +44,8 @@ std::vector<at::Tensor> adaln_chunks(AdaLNModulation& modulation, const at::Tens
 }
 
 at::Tensor DiTBlockImpl::forward(const at::Tensor& x_in, const at::Tensor& t_emb, const at::Tensor& context,
-                                 const rope::Tables& rope, const at::Tensor& adaln_lora) {
+                                 const rope::Tables& rope, const at::Tensor& adaln_lora,
+                                 const AttentionMask* cross_mask) {
   const at::ScalarType residual = x_in.scalar_type();
   const at::ScalarType compute = t_emb.scalar_type();
   const auto sa = adaln_chunks(adaln_sa_, t_emb, adaln_lora, 3);  // shift, scale, gate
@@ -57,7 +58,7 @@ at::Tensor DiTBlockImpl::forward(const at::Tensor& x_in, const at::Tensor& t_emb
   at::Tensor x = x_in;
   at::Tensor r = self_attn_(modulate(x, sa), at::Tensor(), &rope);
   x = x + sa[2].to(residual) * r.to(residual);
-  r = cross_attn_(modulate(x, ca), context, nullptr);
+  r = cross_attn_(modulate(x, ca), context, nullptr, cross_mask);
   x = r.to(residual) * ca[2].to(residual) + x;
   r = mlp_(modulate(x, ff));
   x = x + ff[2].to(residual) * r.to(residual);

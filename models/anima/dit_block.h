@@ -54,9 +54,12 @@ class DiTBlockImpl : public torch::nn::Module {
 
   // x [B, L, D] residual stream (fp32 when the compute dtype is fp16); t_emb [B, 1, D] in
   // the compute dtype; context [B, S, context_dim]; rope tables for the L tokens;
-  // adaln_lora [B, 1, 3D] or undefined without adaLN-LoRA. Returns the new residual.
+  // adaln_lora [B, 1, 3D] or undefined without adaLN-LoRA; cross_mask: nullptr, or the
+  // cross-attention mask for this block (Note [cross-attention mask] in models/anima/anima.h).
+  // Returns the new residual.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& t_emb, const at::Tensor& context,
-                     const rope::Tables& rope, const at::Tensor& adaln_lora);
+                     const rope::Tables& rope, const at::Tensor& adaln_lora,
+                     const AttentionMask* cross_mask = nullptr);
 
  private:
   double eps_;

@@ -1,0 +1,200 @@
+// Regional prompting (Note [cross-attention mask] in models/anima/anima.h): the model's
+// forward with a boolean cross-attention mask on chosen blocks, and the public API's
+// ForwardOptions carrying it through resident and streamed forwards. Parity with InvokeAI's
+// patch is tests/python/test_regional_parity.py.
+#include <sluice/sluice.hpp>
+
+#include <ATen/ATen.h>
+
+#include <catch2/catch.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "models/anima/anima.h"
+#include "models/anima/generator.h"
+#include "runtime/error.h"
+#include "tests/support/device_env.h"  // SLUICE_TEST_DEVICE
+
+using namespace sluice::anima;
+
+namespace {
+
+// anima-tiny with `blocks` blocks and the generator's random weights (seeded).
+AnimaModel random_model(int64_t blocks, uint64_t seed = 1) {
+  AnimaConfig config = preset("anima-tiny");
+  config.num_blocks = blocks;
+  AnimaModel model(config, BuildOptions{at::kFloat, at::kCPU});
+  const auto weights = random_weights(config, seed, at::kFloat);
+  auto params = model->named_parameters();
+  REQUIRE(weights.size() == params.size());
+  for (const auto& [name, t] : weights) params[name].set_data(t);
+  return model;
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const sluice::InvalidArgument& e) {
+    return e.what();
+  }
+  return "<no InvalidArgument thrown>";
+}
+
+double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+// x [1, 16, 1, 7, 6]: padded to 8 x 6, so L = 1 * 4 * 3 = 12 image tokens; S = 5.
+struct Inputs {
+  at::Tensor x = at::randn({1, 16, 1, 7, 6}, at::detail::createCPUGenerator(3));
+  at::Tensor t = at::full({1}, 0.6);
+  at::Tensor ctx = at::randn({1, 5, 32}, at::detail::createCPUGenerator(4));
+  static constexpr int64_t L = 12, S = 5;
+};
+
+// A random boolean [L, S] mask whose every row has at least one True.
+at::Tensor random_mask(int64_t L, int64_t S, uint64_t seed) {
+  at::Tensor m = at::rand({L, S}, at::detail::createCPUGenerator(seed)) > 0.5;
+  m.select(1, 0).copy_(m.select(1, 0).logical_or(m.logical_not().all(1)));
+  return m;
+}
+
+CrossAttnMask on(const at::Tensor& mask, std::vector<int64_t> blocks = {}) { return CrossAttnMask{mask, std::move(blocks)}; }
+
+}  // namespace
+
+TEST_CASE("regional prompting: an all-True mask on every block gives the unmasked output", "[strict]") {
+  AnimaModel model = random_model(4);
+  const Inputs in;
+  const at::Tensor plain = model->forward(in.x, in.t, in.ctx);
+  const at::Tensor all_true = at::ones({Inputs::L, Inputs::S}, at::kBool);
+  const at::Tensor y = model->forward(in.x, in.t, in.ctx, on(all_true, {0, 1, 2, 3}));
+  CHECK(max_diff(y, plain) <= 1e-6);
+  // An undefined mask is the plain forward, whatever the blocks.
+  CHECK(at::equal(model->forward(in.x, in.t, in.ctx, on(at::Tensor(), {1})), plain));
+}
+
+TEST_CASE("regional prompting: the mask changes the output, on the even blocks by default", "[strict]") {
+  AnimaModel model = random_model(4);
+  const Inputs in;
+  const at::Tensor plain = model->forward(in.x, in.t, in.ctx);
+  const at::Tensor mask = random_mask(Inputs::L, Inputs::S, 7);
+  const at::Tensor by_default = model->forward(in.x, in.t, in.ctx, on(mask));
+  CHECK(max_diff(by_default, plain) > 1e-3);
+  CHECK(at::equal(by_default, model->forward(in.x, in.t, in.ctx, on(mask, {0, 2}))));
+  CHECK(at::equal(by_default, model->forward(in.x, in.t, in.ctx, on(mask, {2, 0, 2}))));  // a set
+  CHECK(max_diff(by_default, model->forward(in.x, in.t, in.ctx, on(mask, {1, 3}))) > 1e-4);
+  CHECK(max_diff(by_default, model->forward(in.x, in.t, in.ctx, on(mask, {0, 1, 2, 3}))) > 1e-4);
+  // [B, L, S] with B = 1 is the same mask; a batch of two takes one mask per item.
+  CHECK(at::equal(by_default, model->forward(in.x, in.t, in.ctx, on(mask.unsqueeze(0)))));
+  const at::Tensor other = random_mask(Inputs::L, Inputs::S, 8);
+  const at::Tensor y2 = model->forward(at::cat({in.x, in.x}), at::cat({in.t, in.t}), at::cat({in.ctx, in.ctx}),
+                                       on(at::stack({mask, other})));
+  CHECK(max_diff(y2.narrow(0, 0, 1), by_default) <= 1e-5);  // batched matmuls round differently
+  CHECK(max_diff(y2.narrow(0, 1, 1), model->forward(in.x, in.t, in.ctx, on(other))) <= 1e-5);
+}
+
+TEST_CASE("regional prompting: an image token whose row has no True gets no cross-attention, not NaN", "[strict]") {
+  AnimaModel model = random_model(2);
+  const Inputs in;
+  // A mask that is all False on every block: cross-attention contributes nothing anywhere,
+  // so the output is finite and the context no longer matters.
+  const at::Tensor none = at::zeros({Inputs::L, Inputs::S}, at::kBool);
+  const at::Tensor y = model->forward(in.x, in.t, in.ctx, on(none, {0, 1}));
+  CHECK(at::isfinite(y).all().item<bool>());
+  const at::Tensor other_ctx = at::randn({1, Inputs::S, 32}, at::detail::createCPUGenerator(9));
+  CHECK(at::equal(y, model->forward(in.x, in.t, other_ctx, on(none, {0, 1}))));
+  CHECK_FALSE(at::allclose(model->forward(in.x, in.t, in.ctx), model->forward(in.x, in.t, other_ctx)));
+  // One empty row among attending ones: finite, and different from the all-True output.
+  at::Tensor one_empty = at::ones({Inputs::L, Inputs::S}, at::kBool);
+  one_empty[5].fill_(false);
+  const at::Tensor y1 = model->forward(in.x, in.t, in.ctx, on(one_empty));
+  CHECK(at::isfinite(y1).all().item<bool>());
+  CHECK(max_diff(y1, model->forward(in.x, in.t, in.ctx)) > 1e-4);
+}
+
+TEST_CASE("regional prompting: a mask of the wrong dtype or shape, or a block out of range, is refused in one line",
+          "[strict]") {
+  AnimaModel model = random_model(2);
+  const Inputs in;
+  const at::Tensor good = at::ones({Inputs::L, Inputs::S}, at::kBool);
+  const std::string dtype = message_of([&] { model->forward(in.x, in.t, in.ctx, on(good.to(at::kFloat))); });
+  CHECK(dtype == "cross_attn_mask has dtype Float, expected Bool (True: the image token attends to the context token)");
+  const std::string shape = message_of([&] { model->forward(in.x, in.t, in.ctx, on(good.narrow(0, 0, 10))); });
+  CHECK(shape ==
+        "cross_attn_mask has shape [10, 5], expected [L, S] = [12, 5] or [1, 12, 5] (L = image tokens 1*4*3 of x "
+        "[1, 16, 1, 7, 6], padded to the patch grid, S = context tokens)");
+  CHECK(message_of([&] { model->forward(in.x, in.t, in.ctx, on(at::ones({2, 12, 5}, at::kBool))); })
+            .find("has shape [2, 12, 5], expected [L, S] = [12, 5]") != std::string::npos);
+  CHECK(message_of([&] { model->forward(in.x, in.t, in.ctx, on(at::ones({12, 6}, at::kBool))); })
+            .find("= [12, 5]") != std::string::npos);
+  const std::string block = message_of([&] { model->forward(in.x, in.t, in.ctx, on(good, {0, 2})); });
+  CHECK(block == "mask_blocks has block 2, the model has 2 blocks (0..1)");
+  CHECK(message_of([&] { model->forward(in.x, in.t, in.ctx, on(good, {-1})); }) ==
+        "mask_blocks has block -1, the model has 2 blocks (0..1)");
+  for (const std::string& m : {dtype, shape, block}) CHECK(m.find('\n') == std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------
+// Through the public API.
+
+namespace {
+
+sluice::RuntimeOptions api_options() {
+  sluice::RuntimeOptions o;
+  o.device = sluice::testing::test_device_spec();  // "cpu" unless SLUICE_TEST_DEVICE names another
+  o.vram_budget = "512MiB";
+  o.working_memory = "1MiB";
+  o.ram_limit = "0";
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("regional prompting: api: resident and half-resident forwards with a mask agree bit for bit",
+          "[strict][accel]") {
+  sluice::ModelCache cache(api_options());
+  sluice::Model model = cache.load("anima-small");  // 8 blocks, context_dim 128
+  const sluice::ModelInfo info = model.info();
+  at::Generator gen = at::detail::createCPUGenerator(5);
+  const at::Tensor x = at::randn({2, info.in_channels, 1, 8, 6}, gen);
+  const at::Tensor t = at::rand({2}, gen);
+  const at::Tensor ctx = at::randn({2, 6, info.context_dim}, gen);
+  const int64_t L = 4 * 3;  // T' * ceil(8 / 2) * ceil(6 / 2)
+  at::Tensor mask = at::rand({2, L, 6}, gen) > 0.4;
+  mask.select(2, 0).fill_(true);
+
+  sluice::ForwardOptions fo;
+  fo.cross_attn_mask = mask;
+  int64_t calls = 0;
+  fo.progress = [&](int64_t, int64_t) { ++calls; };
+  sluice::LockedModel m = model.lock();
+  const at::Tensor plain = m(x, t, ctx);
+  const at::Tensor resident = m.forward(x, t, ctx, fo);
+  CHECK(calls > 0);
+  CHECK((resident - plain).abs().max().item<double>() > 1e-4);
+  // Every block masked is another output; an all-True mask is the plain one.
+  sluice::ForwardOptions all = fo;
+  all.mask_blocks = {0, 1, 2, 3, 4, 5, 6, 7};
+  CHECK_FALSE(at::equal(m.forward(x, t, ctx, all), resident));
+  all.cross_attn_mask = at::ones({L, 6}, at::kBool);
+  CHECK((m.forward(x, t, ctx, all) - plain).abs().max().item<double>() <= 1e-6);
+  CHECK_FALSE(m.locate_nonfinite(x, t, ctx, fo).has_value());
+  m.unlock();
+
+  model.set_max_resident(0.5);
+  sluice::LockedModel half = model.lock();
+  REQUIRE(model.stats().streamed_dit_bytes > 0);
+  CHECK(at::equal(half.forward(x, t, ctx, fo), resident));
+
+  // The refusals reach the caller as they are.
+  sluice::ForwardOptions bad;
+  bad.cross_attn_mask = mask.to(at::kByte);
+  CHECK_THROWS_WITH(half.forward(x, t, ctx, bad), Catch::Contains("cross_attn_mask has dtype Byte, expected Bool"));
+  bad.cross_attn_mask = mask;
+  bad.mask_blocks = {8};
+  CHECK_THROWS_WITH(half.forward(x, t, ctx, bad), "mask_blocks has block 8, the model has 8 blocks (0..7)");
+  bad.cross_attn_mask = at::Tensor();
+  CHECK_THROWS_WITH(half.forward(x, t, ctx, bad), "input 'cross_attn_mask' is undefined");
+  CHECK(at::equal(half.forward(x, t, ctx, fo), resident));  // still fine afterwards
+}
