@@ -313,6 +313,17 @@ sluice_status sluice_lora_apply(sluice_locked* lock, const char* path, double sc
   });
 }
 
+sluice_status sluice_lora_apply_ex(sluice_locked* lock, const char* path, double scale, const char* block_layout,
+                                   sluice_lora** out) {
+  return guarded([&] {
+    need_out(out, "out");
+    const sluice::BlockLayout layout =
+        block_layout == nullptr ? sluice::BlockLayout::measured : sluice::parse_block_layout(block_layout);
+    sluice::LoraHandle h = need(lock, "lock").locked.apply_lora(str(path), scale, layout);
+    *out = new sluice_lora{std::move(h)};
+  });
+}
+
 void sluice_lora_remove(sluice_lora* lora) {
   (void)guarded([&] { delete lora; });
 }

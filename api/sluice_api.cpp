@@ -548,7 +548,13 @@ std::optional<NonFiniteReport> LockedModel::locate_nonfinite_text(const at::Tens
   });
 }
 
-LoraHandle LockedModel::apply_lora(const std::string& path, double scale) {
+BlockLayout parse_block_layout(const std::string& value, const std::string& what) {
+  if (value == "measured") return BlockLayout::measured;
+  if (value == "as-is") return BlockLayout::as_is;
+  throw InvalidArgument(what + " '" + value + "' is not one of: measured, as-is");
+}
+
+LoraHandle LockedModel::apply_lora(const std::string& path, double scale, BlockLayout layout) {
   const auto& t = need(token_);
   auto st = std::make_shared<detail::LoraState>();
   st->model = t->model;
@@ -556,7 +562,7 @@ LoraHandle LockedModel::apply_lora(const std::string& path, double scale) {
   std::optional<LoraAdapter> adapter;
   // Read and mapped onto the model's layers without the cache mutex.
   t->model->cache->run(st->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine&) {
-    adapter = load_lora(path, m);
+    adapter = load_lora(path, m, layout == BlockLayout::measured);
   });
   // Placed as a residency change: the share grows for the sidecars (Note [sidecar share]).
   t->model->cache->patch(st->lock, [&](anima::AnimaModelImpl& m, offload::SidecarPlacer& placer) {

@@ -181,6 +181,14 @@ sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwe
  * sluice_unlock the handle stays valid but inactive (sluice_lora_active returns 0): still release
  * it with sluice_lora_remove, which then only frees it. */
 sluice_status sluice_lora_apply(sluice_locked* lock, const char* path, double scale, sluice_lora** out);
+/* The same, with where the blocks of a LoRA trained on a shallower Anima go (README, "The
+ * depth-expanded Anima-2.9B and Anima-3.8B, and adapters trained on a shallower model"):
+ * block_layout "measured" (also NULL: sluice_lora_apply's behaviour) sends them to the blocks it
+ * was trained on, with one INFO log line; "as-is" applies them by index; anything else is
+ * SLUICE_ERROR_INVALID_ARGUMENT naming it. A LoRA for a deeper model is SLUICE_ERROR_CHECKPOINT
+ * naming the file, its highest block and the model's depth. */
+sluice_status sluice_lora_apply_ex(sluice_locked* lock, const char* path, double scale, const char* block_layout,
+                                   sluice_lora** out);
 void sluice_lora_remove(sluice_lora* lora); /* removes (if still active) and frees the handle; NULL is fine */
 int sluice_lora_active(const sluice_lora* lora); /* 1 while applied, 0 once removed by its unlock (or NULL) */
 

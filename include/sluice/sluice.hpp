@@ -178,6 +178,19 @@ struct ModelInfo {
 class LockedModel;
 class LoraHandle;
 
+// Where an adapter's block indices go (a LoRA's, an LLLite's) when it was trained on a shallower
+// Anima than the model: Anima-2.9B (40 blocks) and Anima-3.8B (52) insert new blocks between
+// the base model's 28 (README, "The depth-expanded Anima-2.9B and Anima-3.8B, and adapters
+// trained on a shallower model"). The adapter's own depth is the smallest of 28, 40, 52 above
+// its highest block index.
+enum class BlockLayout {
+  measured,  // to the blocks it was trained on, by the positions measured from the released models (one INFO line)
+  as_is,     // by index, as the file says
+};
+// "measured" or "as-is" (the C, Python and CLI spelling); InvalidArgument naming `what` and the
+// value otherwise.
+BlockLayout parse_block_layout(const std::string& value, const std::string& what = "block_layout");
+
 // Options of one DiT forward (LockedModel::forward). Regional prompting (README, "Regional
 // prompting"): a boolean cross-attention mask restricts which context tokens each image token
 // reads, True = attend, on the listed blocks (as InvokeAI's Anima regional prompting). Its
@@ -373,8 +386,10 @@ class LockedModel {
   // (README, "Device memory: every byte charged"). FileError / CheckpointError name the file
   // and the mismatching keys; ResourceError (one line naming the model, the LoRA and the
   // bytes missing, nothing changed) when the budget cannot hold the sidecars even with
-  // every streamable layer streamed.
-  LoraHandle apply_lora(const std::string& path, double scale = 1.0);
+  // every streamable layer streamed. `layout`: where the blocks of a LoRA trained on a
+  // shallower Anima go (BlockLayout); CheckpointError naming the file, its highest block and the
+  // model's depth when it addresses a block the model lacks.
+  LoraHandle apply_lora(const std::string& path, double scale = 1.0, BlockLayout layout = BlockLayout::measured);
   // Same as handle.remove().
   void remove_lora(LoraHandle& handle) { handle.remove(); }
 

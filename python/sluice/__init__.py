@@ -113,13 +113,17 @@ class LockedModel:
         """locate_nonfinite for encode_text."""
         return self._locked.locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights)
 
-    def lora(self, path: str, scale: float = 1.0) -> Lora:
+    def lora(self, path: str, scale: float = 1.0, block_layout: str = "measured") -> Lora:
         """Applies a LoRA file as a forward-time sidecar; use it as a context manager. It is
         removed at the latest when this lock is unlocked (see Lora). The model's device share
         grows by the sidecars' bytes from the cache's free budget; only what the budget cannot
         give streams more of its layers. sluice.ResourceError (one line naming the model, the
-        LoRA and the bytes missing; nothing changed) when the budget cannot hold them at all."""
-        return Lora(self._locked.apply_lora(path, scale))
+        LoRA and the bytes missing; nothing changed) when the budget cannot hold them at all.
+        block_layout: "measured" sends the blocks of a LoRA trained on a shallower Anima (28
+        blocks on a 40- or 52-block model, 40 on 52) to the blocks it was trained on, with one
+        INFO log line; "as-is" applies them by index (anything else: sluice.InvalidArgument, a
+        ValueError). A LoRA for a deeper model is a sluice.CheckpointError naming it."""
+        return Lora(self._locked.apply_lora(path, scale, block_layout))
 
     @property
     def info(self) -> dict:

@@ -311,7 +311,14 @@ PYBIND11_MODULE(_C, m) {
             return nonfinite_dict(r);
           },
           py::arg("qwen_hidden"), py::arg("t5_ids"), py::arg("t5_weights") = std::nullopt)
-      .def("apply_lora", &sluice::LockedModel::apply_lora, py::arg("path"), py::arg("scale") = 1.0, release_gil())
+      .def(
+          "apply_lora",
+          [](sluice::LockedModel& l, const std::string& path, double scale, const std::string& block_layout) {
+            const sluice::BlockLayout layout = sluice::parse_block_layout(block_layout);
+            py::gil_scoped_release release;
+            return l.apply_lora(path, scale, layout);
+          },
+          py::arg("path"), py::arg("scale") = 1.0, py::arg("block_layout") = "measured")
       .def("unlock", &sluice::LockedModel::unlock, release_gil())
       .def_property_readonly("locked", [](const sluice::LockedModel& l) { return static_cast<bool>(l); })
       .def("info_json", [](const sluice::LockedModel& l) { return l.info().config_json; });
