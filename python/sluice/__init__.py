@@ -20,7 +20,7 @@ called on the main thread at its next layer (KeyboardInterrupt), leaving the mod
 from __future__ import annotations
 
 import json
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -82,17 +82,41 @@ class LockedModel:
     def __init__(self, locked: _C.LockedModel):
         self._locked = locked
 
-    def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        return self._locked.forward(x, timesteps, context)
+    def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+                 cross_attn_mask: Optional[torch.Tensor] = None,
+                 mask_blocks: Optional[Union[str, Sequence[int]]] = None) -> torch.Tensor:
+        return self.forward(x, timesteps, context, cross_attn_mask=cross_attn_mask, mask_blocks=mask_blocks)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                progress: Optional[Callable[[int, int], None]] = None) -> torch.Tensor:
+                progress: Optional[Callable[[int, int], None]] = None,
+                cross_attn_mask: Optional[torch.Tensor] = None,
+                mask_blocks: Optional[Union[str, Sequence[int]]] = None) -> torch.Tensor:
         """The velocity; `progress(layers_done, layers_expected)` is called after each layer
         (`layers_expected` is the previous forward's layer count, 0 for the first). If it
         raises an Exception, sluice logs one warning and stops calling it for this forward; a
         KeyboardInterrupt (or SystemExit) raised in it stops the forward before its next layer
-        and is raised again, as Ctrl-C during any forward on the main thread is."""
-        return self._locked.forward(x, timesteps, context, progress)
+        and is raised again, as Ctrl-C during any forward on the main thread is.
+
+        Regional prompting (README, "Regional prompting"): `cross_attn_mask`, a torch.bool
+        tensor [L, S] or [B, L, S] (True: the image token attends to the context token; L =
+        T' * ceil(H / 2) * ceil(W / 2) image tokens of x [B, C, T, H, W], S = context tokens),
+        applies in the cross-attention of `mask_blocks`: block indices, or "even" (the
+        default, as InvokeAI), "odd" or "all". A wrong dtype, shape or block index is a
+        sluice.InvalidArgument (a ValueError) naming it."""
+        return self._locked.forward(x, timesteps, context, progress, cross_attn_mask,
+                                    self._mask_blocks(mask_blocks))
+
+    def _mask_blocks(self, mask_blocks: Optional[Union[str, Sequence[int]]]) -> Optional[List[int]]:
+        if mask_blocks is None or not isinstance(mask_blocks, str):
+            return None if mask_blocks is None else [int(i) for i in mask_blocks]
+        n = self.info["num_blocks"]
+        if mask_blocks == "even":
+            return list(range(0, n, 2))
+        if mask_blocks == "odd":
+            return list(range(1, n, 2))
+        if mask_blocks == "all":
+            return list(range(n))
+        raise InvalidArgument(f"mask_blocks '{mask_blocks}' is not one of: even, odd, all, or a list of block indices")
 
     def encode_text(self, qwen_hidden: torch.Tensor, t5_ids: torch.Tensor,
                     t5_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -100,13 +124,15 @@ class LockedModel:
         return self._locked.encode_text(qwen_hidden, t5_ids, t5_weights)
 
     def locate_nonfinite(self, x: torch.Tensor, timesteps: torch.Tensor,
-                         context: torch.Tensor) -> Optional[dict]:
+                         context: torch.Tensor, cross_attn_mask: Optional[torch.Tensor] = None,
+                         mask_blocks: Optional[Union[str, Sequence[int]]] = None) -> Optional[dict]:
         """Runs the forward again with a check after every layer and block, for when a check
         of its output found a NaN or Inf: the first module whose output held one, as {"kind",
         "module", "nonfinite_values", "values", "output_nonfinite_values", "output_values",
         "forward_index"}, or None. Each layer then waits for the device; forwards never do.
-        (Non-finite inputs are refused by every call: sluice.InvalidArgument names them.)"""
-        return self._locked.locate_nonfinite(x, timesteps, context)
+        (Non-finite inputs are refused by every call: sluice.InvalidArgument names them.)
+        cross_attn_mask and mask_blocks: as forward."""
+        return self._locked.locate_nonfinite(x, timesteps, context, cross_attn_mask, self._mask_blocks(mask_blocks))
 
     def locate_nonfinite_text(self, qwen_hidden: torch.Tensor, t5_ids: torch.Tensor,
                               t5_weights: Optional[torch.Tensor] = None) -> Optional[dict]:

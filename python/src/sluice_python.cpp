@@ -254,12 +254,17 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "forward",
           [](sluice::LockedModel& m, const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
-             const std::optional<py::function>& progress) {
+             const std::optional<py::function>& progress, const std::optional<at::Tensor>& cross_attn_mask,
+             const std::optional<std::vector<int64_t>>& mask_blocks) {
+            // Regional prompting (README, "Regional prompting"): the mask and its blocks.
+            sluice::ForwardOptions options;
+            options.cross_attn_mask = cross_attn_mask;
+            if (mask_blocks) options.mask_blocks = *mask_blocks;
             // Note [Ctrl-C in a forward]: signals are checked between layers on the main thread.
             const bool check_signals = PyThread_get_thread_ident() == main_thread_ident;
             if (!progress && !check_signals) {
               py::gil_scoped_release release;
-              return m.forward(x, timesteps, context);
+              return m.forward(x, timesteps, context, options);
             }
             // progress(layers_done, layers_expected) after each layer, with the GIL taken for
             // the call only. The function object stays owned here (the GIL is held while it
@@ -278,27 +283,34 @@ PYBIND11_MODULE(_C, m) {
                 throw std::runtime_error(e.what());
               }
             };
+            options.progress = call;
             try {
               py::gil_scoped_release release;
-              return m.forward(x, timesteps, context, call);
+              return m.forward(x, timesteps, context, options);
             } catch (PythonInterrupt& e) {
               throw e.error;  // the GIL is held again: pybind11 raises it (KeyboardInterrupt)
             }
           },
-          py::arg("x"), py::arg("timesteps"), py::arg("context"), py::arg("progress") = py::none())
+          py::arg("x"), py::arg("timesteps"), py::arg("context"), py::arg("progress") = py::none(),
+          py::arg("cross_attn_mask") = std::nullopt, py::arg("mask_blocks") = std::nullopt)
       .def("encode_text", &sluice::LockedModel::encode_text, py::arg("qwen_hidden"), py::arg("t5_ids"),
            py::arg("t5_weights") = std::nullopt, release_gil())
       .def(
           "locate_nonfinite",
-          [](sluice::LockedModel& m, const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context) {
+          [](sluice::LockedModel& m, const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,
+             const std::optional<at::Tensor>& cross_attn_mask, const std::optional<std::vector<int64_t>>& mask_blocks) {
+            sluice::ForwardOptions options;
+            options.cross_attn_mask = cross_attn_mask;
+            if (mask_blocks) options.mask_blocks = *mask_blocks;
             std::optional<sluice::NonFiniteReport> r;
             {
               py::gil_scoped_release release;
-              r = m.locate_nonfinite(x, timesteps, context);
+              r = m.locate_nonfinite(x, timesteps, context, options);
             }
             return nonfinite_dict(r);
           },
-          py::arg("x"), py::arg("timesteps"), py::arg("context"))
+          py::arg("x"), py::arg("timesteps"), py::arg("context"), py::arg("cross_attn_mask") = std::nullopt,
+          py::arg("mask_blocks") = std::nullopt)
       .def(
           "locate_nonfinite_text",
           [](sluice::LockedModel& m, const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
