@@ -21,6 +21,7 @@
 #include <set>
 #include <sstream>
 
+#include "cli/adapter_args.h"
 #include "cli/commands.h"
 #include "cli/nonfinite_output.h"
 #include "cli/options.h"
@@ -47,6 +48,7 @@ struct ForwardArgs {
   std::string vram_headroom;      // --vram-budget auto: memory left free; empty: the default
   std::string prefetch = "auto";  // most streamed layers copied ahead: auto | N
   int load_threads = 0;           // checkpoint read workers; 0: every core
+  AdapterFlags adapters;          // --lora FILE[:SCALE] (repeatable), --adapter-blocks
 };
 
 // Checks one input's rank and the dims that are fixed (-1: any size, bound by name below).
@@ -139,6 +141,7 @@ int run_forward(const ForwardArgs& a) {
   lo.max_resident = a.max_resident;
   Model handle = cache.load(a.checkpoint, lo);
   LockedModel model = handle.lock();
+  const std::vector<LoraHandle> loras = apply_loras(model, a.adapters, nullptr);  // while the lock lasts
   const ModelInfo& cfg = model.info();
 
   InputChecker check(a.inputs);
@@ -242,6 +245,7 @@ Subcommand add_forward(CLI::App& root) {
       ->check(prefetch_validator())
       ->capture_default_str();
   add_load_threads_option(sub, args->load_threads);
+  add_adapter_options(sub, args->adapters);
   check_output_paths(sub, {{"--output", &args->output}},  // Note [output paths]
                      {{"--checkpoint", &args->checkpoint}, {"--inputs", &args->inputs}, {"--config", &args->config}});
   return {sub, [args] { return run_forward(*args); }};

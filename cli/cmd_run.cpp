@@ -52,6 +52,7 @@
 #include <string>
 #include <thread>
 
+#include "cli/adapter_args.h"
 #include "cli/commands.h"
 #include "cli/options.h"
 #include "cli/nonfinite_output.h"
@@ -90,6 +91,7 @@ struct RunArgs {
   std::string pin_memory_limit;           // page-locked bytes of all models (size or % of RAM); empty: the default
   std::string policy = "balanced";        // residency plan policy
   int load_threads = 0;                   // checkpoint read workers; 0: every core
+  AdapterFlags adapters;                  // --lora FILE[:SCALE] (repeatable), --adapter-blocks
   uint64_t seed = 0;                      // noise and random-context seed
   std::string context;                    // safetensors with `context` [B,S,D] (+ optional `negative_context`)
   std::string output;                     // final latent (.safetensors)
@@ -323,6 +325,9 @@ int run(const RunArgs& args) {
                  "weights streamed) or give a smaller --vram-budget\n";
   }
 
+  // --lora: applied for the whole run (until the lock ends), one line each.
+  const std::vector<LoraHandle> loras = apply_loras(locked, a.adapters, &std::cout);
+
   const int64_t B = ctx.cond.size(0);
   const int64_t lat = px / kLatentScale;
   const at::Tensor noise = sampling::initial_noise({B, info.in_channels, 1, lat, lat}, a.seed);
@@ -523,6 +528,7 @@ Subcommand add_run(CLI::App& root) {
                   "pageable (default: min(50% of RAM, RAM - 4GiB))")
       ->check(size_validator("--pin-memory-limit", true));
   add_load_threads_option(sub, a->load_threads);
+  add_adapter_options(sub, a->adapters);
   sub->add_option("--seed", a->seed, "Seed of the initial noise and of the random context (0 to 2^64 - 1)")
       ->check(seed_validator())
       ->capture_default_str();

@@ -66,6 +66,15 @@ AnimaConfig medium() {
   return c;
 }
 
+// The depth-expanded Anima models (Note [Anima block layout] in models/anima/block_layout.h):
+// anima-2b's shapes at 40 blocks (Anima-2.9B-preview-v1) and 52 (Anima-3.8B v1.1).
+AnimaConfig deeper(const std::string& name, int64_t blocks) {
+  AnimaConfig c;
+  c.name = name;
+  c.num_blocks = blocks;
+  return c;
+}
+
 }  // namespace
 
 void AnimaConfig::validate() const {
@@ -93,13 +102,17 @@ void AnimaConfig::validate() const {
   }
 }
 
-std::vector<std::string> preset_names() { return {"anima-2b", "anima-tiny", "anima-small", "anima-medium"}; }
+std::vector<std::string> preset_names() {
+  return {"anima-2b", "anima-tiny", "anima-small", "anima-medium", "anima-2.9b", "anima-3.8b"};
+}
 
 AnimaConfig preset(const std::string& name) {
   if (name == "anima-2b") return AnimaConfig{};
   if (name == "anima-tiny") return tiny();
   if (name == "anima-small") return small();
   if (name == "anima-medium") return medium();
+  if (name == "anima-2.9b") return deeper(name, 40);
+  if (name == "anima-3.8b") return deeper(name, 52);
   std::string known;
   for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
   throw InvalidArgument("unknown model preset '" + name + "' (known: " + known + ")");

@@ -50,7 +50,8 @@ struct AnimaConfig {
   void validate() const;
 };
 
-// Names of the built-in presets: "anima-2b", "anima-tiny", "anima-small", ...
+// Names of the built-in presets: "anima-2b", "anima-tiny", "anima-small", ..., and the
+// depth-expanded "anima-2.9b" (40 blocks) and "anima-3.8b" (52), anima-2b's shapes otherwise.
 std::vector<std::string> preset_names();
 // Throws InvalidArgument listing the known presets when `name` is not one.
 AnimaConfig preset(const std::string& name);

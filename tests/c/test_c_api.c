@@ -182,9 +182,10 @@ static DLManagedTensor* run_forward(double max_resident, char** stats_json) {
   return v;
 }
 
-/* Writes a rank-4 float32 LoRA on blocks.0.self_attn.q_proj of a `width`-wide model as a
- * safetensors file (8-byte header length, JSON header, data) at a new temporary path. */
-static void write_lora(int64_t width, char* path) {
+/* Writes a rank-4 float32 LoRA on blocks.<block>.self_attn.q_proj of a `width`-wide model as a
+ * safetensors file (8-byte header length, JSON header, data) at a new temporary path; the
+ * same values whatever the block. */
+static void write_lora_at(int64_t width, int block, char* path) {
   enum { rank = 4 };
   const size_t n = (size_t)(rank * width);
   float* data = (float*)malloc(2 * n * sizeof(float));
@@ -195,10 +196,10 @@ static void write_lora(int64_t width, char* path) {
   }
   char header[512];
   int len = snprintf(header, sizeof header,
-                     "{\"blocks.0.self_attn.q_proj.lora_A.weight\":{\"dtype\":\"F32\",\"shape\":[%d,%lld],"
-                     "\"data_offsets\":[0,%zu]},\"blocks.0.self_attn.q_proj.lora_B.weight\":{\"dtype\":\"F32\","
+                     "{\"blocks.%d.self_attn.q_proj.lora_A.weight\":{\"dtype\":\"F32\",\"shape\":[%d,%lld],"
+                     "\"data_offsets\":[0,%zu]},\"blocks.%d.self_attn.q_proj.lora_B.weight\":{\"dtype\":\"F32\","
                      "\"shape\":[%lld,%d],\"data_offsets\":[%zu,%zu]}}",
-                     rank, (long long)width, n * sizeof(float), (long long)width, rank, n * sizeof(float),
+                     block, rank, (long long)width, n * sizeof(float), block, (long long)width, rank, n * sizeof(float),
                      2 * n * sizeof(float));
   while (len % 8 != 0) header[len++] = ' '; /* the data starts 8-byte aligned */
   strcpy(path, "/tmp/sluice_c_api_lora_XXXXXX");
@@ -216,6 +217,8 @@ static void write_lora(int64_t width, char* path) {
   fclose(f);
   free(data);
 }
+
+static void write_lora(int64_t width, char* path) { write_lora_at(width, 0, path); }
 
 /* Note [LoRA lifetime]: a LoRA applied through a lock is removed by sluice_unlock of that lock
  * (its handle stays valid, inactive); the next lock's forward is the unpatched model's, bit
@@ -274,6 +277,102 @@ static void lora_ends_with_its_lock(void) {
   sluice_cache_destroy(cache);
 }
 
+/* README, "The depth-expanded Anima-2.9B and Anima-3.8B, and adapters trained on a shallower
+ * model": on a 40-block model a LoRA on block 27 (so trained on the 28-block base) goes to block
+ * 39 under block_layout "measured" (and NULL), to block 27 under "as-is"; a bad block_layout
+ * and a LoRA for a deeper model are refused with one line naming them. */
+static DLManagedTensor* forward_with_lora(sluice_locked* lock, const char* path, const char* layout,
+                                          OwnedTensor* x, OwnedTensor* t, OwnedTensor* ctx) {
+  sluice_lora* lora = NULL;
+  REQUIRE_OK(sluice_lora_apply_ex(lock, path, 1.0, layout, &lora));
+  DLManagedTensor* out = NULL;
+  REQUIRE_OK(sluice_forward(lock, &x->managed, &t->managed, &ctx->managed, &out));
+  sluice_lora_remove(lora);
+  return out;
+}
+
+static void lora_block_layout(void) {
+  char config[64];
+  strcpy(config, "/tmp/sluice_c_api_tiny40_XXXXXX");
+  const int fd = mkstemp(config);
+  if (fd < 0) {
+    fprintf(stderr, "mkstemp failed\n");
+    exit(1);
+  }
+  FILE* f = fdopen(fd, "w");
+  fputs("{\"preset\": \"anima-tiny\", \"num_blocks\": 40}", f);
+  fclose(f);
+  char json_path[80];
+  snprintf(json_path, sizeof json_path, "%s.json", config);
+  if (rename(config, json_path) != 0) {
+    fprintf(stderr, "rename failed\n");
+    exit(1);
+  }
+
+  sluice_cache* cache = make_cache();
+  sluice_load_options lo;
+  sluice_load_options_init(&lo);
+  lo.seed = 12;
+  lo.max_resident = 0.5;
+  sluice_model* model = NULL;
+  REQUIRE_OK(sluice_load(cache, json_path, &lo, &model));
+  char* info = NULL;
+  REQUIRE_OK(sluice_model_info_json(model, &info));
+  /* (40 blocks: a LoRA on block 39 applies below, where anima-tiny refuses it.) */
+  const int64_t channels = json_int(info, "in_channels"), ctx_dim = json_int(info, "crossattn_emb_channels");
+  const int64_t width = json_int(info, "model_channels");
+  sluice_free_string(info);
+  char at27[64], at39[64];
+  write_lora_at(width, 27, at27);
+  write_lora_at(width, 39, at39);
+
+  const int64_t xs[5] = {1, channels, 1, 8, 8}, ts[1] = {1}, cs[3] = {1, 4, ctx_dim};
+  OwnedTensor* x = make_tensor(5, xs, 31);
+  OwnedTensor* t = make_tensor(1, ts, 32);
+  t->data[0] = 0.5f;
+  OwnedTensor* ctx = make_tensor(3, cs, 33);
+  sluice_locked* lock = NULL;
+  REQUIRE_OK(sluice_lock(model, &lock));
+  DLManagedTensor* measured = forward_with_lora(lock, at27, "measured", x, t, ctx);
+  DLManagedTensor* by_default = forward_with_lora(lock, at27, NULL, x, t, ctx);
+  DLManagedTensor* at_39 = forward_with_lora(lock, at39, "as-is", x, t, ctx);
+  DLManagedTensor* as_is = forward_with_lora(lock, at27, "as-is", x, t, ctx);
+  const size_t bytes = numel(&measured->dl_tensor) * (measured->dl_tensor.dtype.bits / 8);
+  CHECK(memcmp(measured->dl_tensor.data, at_39->dl_tensor.data, bytes) == 0);
+  CHECK(memcmp(by_default->dl_tensor.data, at_39->dl_tensor.data, bytes) == 0);
+  CHECK(memcmp(as_is->dl_tensor.data, at_39->dl_tensor.data, bytes) != 0);
+
+  sluice_lora* lora = NULL;
+  CHECK(sluice_lora_apply_ex(lock, at27, 1.0, "sideways", &lora) == SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(lora == NULL);
+  CHECK(strcmp(sluice_last_error(), "block_layout 'sideways' is not one of: measured, as-is") == 0);
+  sluice_unlock(lock);
+
+  /* anima-tiny has 2 blocks: a LoRA on block 39 is for a deeper model. */
+  const TinyModel tiny = load_tiny(cache, -1.0);
+  REQUIRE_OK(sluice_lock(tiny.model, &lock));
+  CHECK(sluice_lora_apply_ex(lock, at39, 1.0, NULL, &lora) == SLUICE_ERROR_CHECKPOINT);
+  CHECK(strstr(sluice_last_error(), "addresses block 39 (trained on a 40-block Anima), but this model has 2 blocks") !=
+        NULL);
+  CHECK(strstr(sluice_last_error(), at39) != NULL);
+  CHECK(strchr(sluice_last_error(), '\n') == NULL);
+  sluice_unlock(lock);
+
+  measured->deleter(measured);
+  by_default->deleter(by_default);
+  at_39->deleter(at_39);
+  as_is->deleter(as_is);
+  release(x);
+  release(t);
+  release(ctx);
+  remove(at27);
+  remove(at39);
+  remove(json_path);
+  sluice_model_release(tiny.model);
+  sluice_model_release(model);
+  sluice_cache_destroy(cache);
+}
+
 int main(void) {
   CHECK(sluice_abi_version() == SLUICE_C_ABI_VERSION);
   CHECK(strlen(sluice_version()) >= 5);
@@ -328,6 +427,7 @@ int main(void) {
   sluice_free_string(full_stats);
 
   lora_ends_with_its_lock();
+  lora_block_layout();
 
   /* Errors. */
   sluice_cache_options o;

@@ -653,3 +653,112 @@ TEST_CASE("cli: errors: a CUDA device that is not there exits 1 naming it") {
                 "--device", "cuda"},
                1, {"cuda"});
 }
+
+// The depth-expanded presets (README, "The depth-expanded Anima-2.9B and Anima-3.8B, and
+// adapters trained on a shallower model"): anima-2b's shapes at 40 and 52 blocks, counted by
+// the hand formula above.
+TEST_CASE("cli: inspect --config anima-2.9b / anima-3.8b: anima-2b's shapes at 40 and 52 blocks") {
+  const auto base = inspect_json({"--config", "anima-2b"});
+  const int64_t per_block = 69206528;  // anima-2b's published block
+  for (const auto& [name, blocks] : {std::pair<std::string, int64_t>{"anima-2.9b", 40}, {"anima-3.8b", 52}}) {
+    INFO(name);
+    const auto j = inspect_json({"--config", name});
+    CHECK(j.at("blocks").get<int64_t>() == blocks);
+    CHECK(j.at("config").at("num_blocks").get<int64_t>() == blocks);
+    CHECK(j.at("config").at("model_channels") == base.at("config").at("model_channels"));
+    CHECK(j.at("config").at("adapter") == base.at("config").at("adapter"));
+    const int64_t params = j.at("parameters").get<int64_t>();
+    CHECK(params == expected_parameters(j.at("config")));
+    CHECK(params == base.at("parameters").get<int64_t>() + (blocks - 28) * per_block);
+    CHECK(j.at("bytes").get<int64_t>() == 2 * params);  // bf16
+  }
+}
+
+TEST_CASE("cli: a checkpoint's depth (40, 52 blocks) is inferred, and forward --lora remaps a base LoRA onto it") {
+  TempDir dir;
+  at::manual_seed(0);
+  const std::string in = dir / "in.safetensors";
+  sluice::safetensors::save(in, {{"x", at::randn({1, 16, 1, 8, 8})},
+                                 {"timesteps", at::tensor({0.4f})},
+                                 {"context", at::randn({1, 5, 32})}});
+  // A rank-2 pair on self_attn.q_proj (anima-tiny: 64 wide) of each block of `blocks`, the
+  // values of block i the same wherever it is written (kohya's flattened keys).
+  auto write_lora = [&](const std::string& path, const std::vector<int64_t>& blocks) {
+    std::vector<std::pair<std::string, at::Tensor>> t;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      at::manual_seed(100 + i);
+      const std::string k = "lora_unet_blocks_" + std::to_string(blocks[i]) + "_self_attn_q_proj";
+      t.emplace_back(k + ".lora_down.weight", at::randn({2, 64}) * 0.5);
+      t.emplace_back(k + ".lora_up.weight", at::randn({64, 2}) * 0.5);
+    }
+    sluice::safetensors::save(path, t);
+  };
+  std::vector<int64_t> base_blocks(28);
+  for (int64_t i = 0; i < 28; ++i) base_blocks[static_cast<size_t>(i)] = i;
+  const std::string base_lora = dir / "base28.safetensors";
+  write_lora(base_lora, base_blocks);
+  // Where Anima-2.9B and 3.8B keep the base blocks (the issue's new-block lists, not the tables).
+  auto kept = [](int64_t depth, const std::vector<int64_t>& added) {
+    std::vector<int64_t> v;
+    for (int64_t b = 0; b < depth; ++b)
+      if (std::find(added.begin(), added.end(), b) == added.end()) v.push_back(b);
+    return v;
+  };
+  const std::vector<int64_t> new_in_2p9 = {2, 5, 8, 11, 14, 17, 21, 24, 27, 30, 33, 36};
+  std::vector<int64_t> new_in_3p8;
+  for (int64_t b = 3; b <= 47; b += 4) new_in_3p8.push_back(b);
+  const std::vector<int64_t> in_2p9 = kept(40, new_in_2p9), p29_in_3p8 = kept(52, new_in_3p8);
+  std::vector<int64_t> in_3p8;
+  for (int64_t b : in_2p9) in_3p8.push_back(p29_in_3p8[static_cast<size_t>(b)]);
+
+  for (const auto& [depth, positions] : {std::pair<int64_t, std::vector<int64_t>>{40, in_2p9}, {52, in_3p8}}) {
+    INFO("depth " << depth);
+    REQUIRE(positions.size() == 28);
+    const std::string config = dir / ("tiny" + std::to_string(depth) + ".json");
+    std::ofstream(config) << "{\"preset\": \"anima-tiny\", \"num_blocks\": " << depth << "}";
+    const std::string ckpt = dir / ("tiny" + std::to_string(depth) + ".safetensors");
+    run_ok({"make-checkpoint", "--config", config, "--seed", "4", "--out", ckpt});
+    CHECK(inspect_json({ckpt}).at("blocks").get<int64_t>() == depth);  // inferred, no config given
+
+    const std::string placed_lora = dir / ("placed" + std::to_string(depth) + ".safetensors");
+    write_lora(placed_lora, positions);
+    auto forward = [&](const std::vector<std::string>& extra, const std::string& out) {
+      std::vector<std::string> args{"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out};
+      args.insert(args.end(), extra.begin(), extra.end());
+      const Result r = run_ok(args);
+      return std::make_pair(sluice::safetensors::File::open(out)->tensor("velocity"), r.err);
+    };
+    const auto [plain, plain_err] = forward({}, dir / "plain.safetensors");
+    const auto [remapped, remap_err] =
+        forward({"--lora", base_lora + ":0.8", "--log-level", "info"}, dir / "remapped.safetensors");
+    const auto [placed, placed_err] = forward({"--lora", placed_lora + ":0.8"}, dir / "placed.safetensors");
+    const auto [as_is, as_is_err] =
+        forward({"--lora", base_lora + ":0.8", "--adapter-blocks", "as-is"}, dir / "as_is.safetensors");
+    CHECK(at::equal(remapped, placed));
+    CHECK_FALSE(at::equal(remapped, plain));
+    CHECK_FALSE(at::equal(as_is, remapped));
+    const std::string line = "LoRA '" + base_lora + "' was trained on a 28-block Anima: its blocks go to their "
+                             "measured positions in this " + std::to_string(depth) + "-block model";
+    size_t count = 0;
+    for (size_t p = remap_err.find(line); p != std::string::npos; p = remap_err.find(line, p + 1)) ++count;
+    CHECK(count == 1);
+  }
+
+  // A 40-block LoRA on a 28-block model: exit 1, one line naming it.
+  const std::string config28 = dir / "tiny28.json";
+  std::ofstream(config28) << "{\"preset\": \"anima-tiny\", \"num_blocks\": 28}";
+  const std::string ckpt28 = dir / "tiny28.safetensors";
+  run_ok({"make-checkpoint", "--config", config28, "--seed", "4", "--out", ckpt28});
+  const std::string deep_lora = dir / "deep40.safetensors";
+  write_lora(deep_lora, {0, 39});
+  expect_error({"forward", "--checkpoint", ckpt28, "--inputs", in, "--output", dir / "o.safetensors", "--lora",
+                deep_lora},
+               1, {"LoRA '" + deep_lora + "' addresses block 39 (trained on a 40-block Anima), but this model has 28 blocks"});
+  // Bad flag values: exit 2 naming the flag.
+  expect_error({"forward", "--checkpoint", ckpt28, "--inputs", in, "--output", dir / "o.safetensors",
+                "--adapter-blocks", "sideways"},
+               2, {"--adapter-blocks", "sideways"});
+  expect_error({"forward", "--checkpoint", ckpt28, "--inputs", in, "--output", dir / "o.safetensors", "--lora",
+                deep_lora + ":abc"},
+               2, {"--lora", "scale 'abc' is not a finite number"});
+}
