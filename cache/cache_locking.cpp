@@ -85,7 +85,9 @@ void CacheLocking::publish(Entry& e, bool settle) const {
         // A torch module of the host's: its own top-level children, not Anima's parts.
         p.streamed_by_part[name.substr(0, name.find('.'))] += plan.layers[i].stored_bytes;
       } else {
-        (name.rfind("llm_adapter.", 0) == 0 ? p.streamed_adapter : p.streamed_dit) += plan.layers[i].stored_bytes;
+        // The semantic connector runs inside encode_text, between the adapter's blocks.
+        const bool text = name.rfind("llm_adapter.", 0) == 0 || name.rfind("anima_v2_connector.", 0) == 0;
+        (text ? p.streamed_adapter : p.streamed_dit) += plan.layers[i].stored_bytes;
       }
     }
   }

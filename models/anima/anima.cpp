@@ -10,9 +10,11 @@
 #include "models/anima/embedders.h"
 #include "models/anima/llm_adapter.h"
 #include "models/anima/norms.h"
+#include "models/anima/semantic_connector.h"
 #include "offload/layer/layer.h"
 #include "offload/layer/output_observer.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 #include "runtime/shape_str.h"
 
 namespace sluice::anima {
@@ -144,6 +146,10 @@ AnimaModelImpl::AnimaModelImpl(AnimaConfig config, BuildOptions options)
   if (c.adapter.enabled) {
     llm_adapter_ = register_module("llm_adapter", std::make_shared<LLMAdapterImpl>(c.adapter, c.norm_eps, topts));
   }
+  if (c.connector.enabled) {
+    connector_ = register_module("anima_v2_connector",
+                                 std::make_shared<SemanticConnectorImpl>(c.connector, c.adapter, c.norm_eps, topts));
+  }
 
   int64_t index = 0;
   for (auto& [name, layer] : offload::managed_layers(*this)) {
@@ -264,7 +270,8 @@ at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& tim
 }
 
 at::Tensor AnimaModelImpl::encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
-                                       const std::optional<at::Tensor>& t5_weights) {
+                                       const std::optional<at::Tensor>& t5_weights,
+                                       const ConnectorInputs* connector) {
   const AdapterConfig& a = config_.adapter;
   if (!llm_adapter_) {
     throw InvalidArgument("model '" + config_.name + "' has no LLM adapter (DiT-only); encode_text is unavailable");
@@ -308,9 +315,28 @@ at::Tensor AnimaModelImpl::encode_text(const at::Tensor& qwen_hidden, const at::
     require_floating(weights, "t5_weights");
   }
 
+  const bool use_connector = connector && connector->given();
+  if (use_connector && !connector_) {
+    throw InvalidArgument("model '" + config_.name +
+                          "' has no semantic connector (no anima_v2_connector.* weights); its Qwen3.5 inputs "
+                          "cannot be used");
+  }
+  ConnectorInputs semantic;
+  if (use_connector) {
+    semantic = check_connector_inputs(*connector, config_.connector, B, compute_dtype_, qwen_hidden.device());
+  } else if (connector_) {
+    std::call_once(connector_skipped_, [&] {
+      log::info("model '" + config_.name +
+                "': no Qwen3.5 inputs given, so its semantic connector is skipped and the native LLM adapter "
+                "runs alone");
+    });
+  }
+
   at::NoGradGuard no_grad;
   const at::Device device = qwen_hidden.device();
-  at::Tensor out = llm_adapter_->forward(qwen_hidden, t5_ids.to(device));  // [B, S_t, model_dim]
+  // [B, S_t, model_dim]
+  at::Tensor out = use_connector ? connector_->forward(*llm_adapter_, qwen_hidden, t5_ids.to(device), semantic)
+                                 : llm_adapter_->forward(qwen_hidden, t5_ids.to(device));
   if (weights.defined()) out = out * weights.to(device, out.scalar_type()).reshape({B, St, 1});
   if (St < a.output_tokens) out = at::constant_pad_nd(out, {0, 0, 0, a.output_tokens - St}, 0);
   return out;

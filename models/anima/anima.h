@@ -30,6 +30,8 @@ class RMSNormImpl;
 class DiTBlockImpl;
 class FinalLayerImpl;
 class LLMAdapterImpl;
+class SemanticConnectorImpl;
+struct ConnectorInputs;
 
 // Options for building a model.
 struct BuildOptions {
@@ -88,8 +90,14 @@ class AnimaModelImpl : public torch::nn::Module {
   // int32/int64 in [0, vocab), optional per-token weights [B,S_t] or [B,S_t,1] ->
   // context [B, output_tokens, model_dim], rows S_t.. zero. Throws InvalidArgument when
   // the model has no adapter, when S_t > output_tokens, or on a bad shape/dtype/id.
+  // With a semantic connector (config.connector.enabled) and `connector` inputs, the
+  // connector's cross-attentions run after each adapter block (Note [semantic connector]);
+  // without inputs the native adapter runs alone, said once per model in an INFO line.
+  // Inputs given to a model without a connector: InvalidArgument.
   at::Tensor encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
-                         const std::optional<at::Tensor>& t5_weights = std::nullopt);
+                         const std::optional<at::Tensor>& t5_weights = std::nullopt,
+                         const ConnectorInputs* connector = nullptr);
+  bool has_connector() const { return config_.connector.enabled; }
 
   int64_t num_blocks() const { return config_.num_blocks; }
   bool has_adapter() const { return config_.adapter.enabled; }
@@ -111,6 +119,8 @@ class AnimaModelImpl : public torch::nn::Module {
   std::vector<std::shared_ptr<DiTBlockImpl>> blocks_;
   std::shared_ptr<FinalLayerImpl> final_layer_;
   std::shared_ptr<LLMAdapterImpl> llm_adapter_;  // null when config.adapter.enabled is false
+  std::shared_ptr<SemanticConnectorImpl> connector_;  // null when config.connector.enabled is false
+  std::once_flag connector_skipped_;                  // the "runs without its connector" line, once
 
   struct RopeCache {
     int64_t T = -1, H = -1, W = -1;

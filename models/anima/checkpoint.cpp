@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "models/anima/generator.h"
+#include "models/anima/semantic_connector.h"
 #include "offload/layer/layer.h"
 #include "offload/layer/storage.h"
 #include "runtime/error.h"
@@ -156,6 +157,18 @@ void infer_from_shapes(const safetensors::File& f, const std::string& p, bool ha
   const auto lora_down = shape_of(f, p, b0 + "adaln_modulation_self_attn.1.weight");
   c.use_adaln_lora = lora_up.has_value();
   if (lora_up && lora_down && lora_down->size() == 2) c.adaln_lora_dim = (*lora_down)[0];
+
+  // Anima-3.8B v1.1's semantic connector: hyper-parameters from its "anima_v2_adapter_*"
+  // metadata (defaults where absent), the Qwen3.5 width from its layer embeddings; the strict
+  // key check then compares every other shape.
+  c.connector.enabled = has_key_with_prefix(f, p + "anima_v2_connector.");
+  if (c.connector.enabled) {
+    c.connector = connector_config_from_metadata(f.metadata(), c.connector, f.path());
+    if (const auto e = shape_of(f, p, "anima_v2_connector.semantic_resampler.layer_embeddings");
+        e && e->size() == 3 && (*e)[2] > 0) {
+      c.connector.source_dim = (*e)[2];
+    }
+  }
 
   c.adapter.enabled = has_adapter;
   if (!has_adapter) return;

@@ -100,6 +100,15 @@ void AnimaConfig::validate() const {
     require(adapter.num_blocks > 0 && adapter.mlp_ratio > 0 && adapter.output_tokens > 0, o,
             "adapter.num_blocks, mlp_ratio and output_tokens must be positive");
   }
+  if (connector.enabled) {
+    const ConnectorConfig& k = connector;
+    require(adapter.enabled, o, "connector needs the LLM adapter (it runs between the adapter's blocks)");
+    require(k.num_queries > 0 && k.resampler_blocks > 0 && k.mlp_hidden_dim > 0 && k.source_dim > 0, o,
+            "connector.num_queries, resampler_blocks, mlp_hidden_dim and source_dim must be positive");
+    require(k.resampler_dim > 0 && k.resampler_heads > 0 && k.resampler_dim % k.resampler_heads == 0, o,
+            "connector.resampler_dim must be a positive multiple of connector.resampler_heads");
+    require(!k.layer_indices.empty(), o, "connector.layer_indices must name at least one layer");
+  }
 }
 
 std::vector<std::string> preset_names() {
@@ -124,6 +133,15 @@ nlohmann::json config_to_json(const AnimaConfig& c) {
                       {"num_blocks", c.adapter.num_blocks}, {"num_heads", c.adapter.num_heads},
                       {"mlp_ratio", c.adapter.mlp_ratio},   {"rope_theta", c.adapter.rope_theta},
                       {"output_tokens", c.adapter.output_tokens}};
+  const ConnectorConfig& k = c.connector;
+  nlohmann::json conn = {{"enabled", k.enabled},
+                         {"num_queries", k.num_queries},
+                         {"resampler_blocks", k.resampler_blocks},
+                         {"resampler_dim", k.resampler_dim},
+                         {"resampler_heads", k.resampler_heads},
+                         {"mlp_hidden_dim", k.mlp_hidden_dim},
+                         {"source_dim", k.source_dim},
+                         {"layer_indices", k.layer_indices}};
   return {{"name", c.name},
           {"in_channels", c.in_channels},
           {"out_channels", c.out_channels},
@@ -142,7 +160,8 @@ nlohmann::json config_to_json(const AnimaConfig& c) {
           {"rope_t_extrapolation_ratio", c.rope_t_extrapolation_ratio},
           {"rope_theta", c.rope_theta},
           {"norm_eps", c.norm_eps},
-          {"adapter", a}};
+          {"adapter", a},
+          {"connector", conn}};
 }
 
 AnimaConfig config_from_json(const nlohmann::json& j, const std::string& origin) {
@@ -196,6 +215,23 @@ AnimaConfig config_from_json(const nlohmann::json& j, const std::string& origin)
     get(a, "mlp_ratio", c.adapter.mlp_ratio, "adapter.mlp_ratio");
     get(a, "rope_theta", c.adapter.rope_theta, "adapter.rope_theta");
     get(a, "output_tokens", c.adapter.output_tokens, "adapter.output_tokens");
+  }
+  if (j.contains("connector")) {
+    const auto& k = j.at("connector");
+    if (!k.is_object()) throw InvalidArgument("Anima config '" + origin + "': 'connector' must be an object");
+    for (auto it = k.begin(); it != k.end(); ++it) {
+      if (!known.at("connector").contains(it.key()))
+        throw InvalidArgument("Anima config '" + origin + "': unknown field 'connector." + it.key() + "'");
+    }
+    ConnectorConfig& kc = c.connector;
+    get(k, "enabled", kc.enabled, "connector.enabled");
+    get(k, "num_queries", kc.num_queries, "connector.num_queries");
+    get(k, "resampler_blocks", kc.resampler_blocks, "connector.resampler_blocks");
+    get(k, "resampler_dim", kc.resampler_dim, "connector.resampler_dim");
+    get(k, "resampler_heads", kc.resampler_heads, "connector.resampler_heads");
+    get(k, "mlp_hidden_dim", kc.mlp_hidden_dim, "connector.mlp_hidden_dim");
+    get(k, "source_dim", kc.source_dim, "connector.source_dim");
+    get(k, "layer_indices", kc.layer_indices, "connector.layer_indices");
   }
   c.validate();
   return c;

@@ -21,6 +21,19 @@ struct AdapterConfig {
   int64_t output_tokens = 512;  // zero-padded context length
 };
 
+// Anima-3.8B v1.1's semantic connector (models/anima/semantic_connector.h): its keys sit under
+// "anima_v2_connector."; a checkpoint records these in its "anima_v2_adapter_*" metadata.
+struct ConnectorConfig {
+  bool enabled = false;             // true: the model has anima_v2_connector.* (needs the adapter)
+  int64_t num_queries = 64;         // semantic_query_tokens: tokens of the resampled bank
+  int64_t resampler_blocks = 6;     // semantic_resampler_blocks
+  int64_t resampler_dim = 2048;     // semantic_resampler_dim: the resampler's width
+  int64_t resampler_heads = 16;     // semantic_resampler_heads
+  int64_t mlp_hidden_dim = 5632;    // semantic_resampler_mlp_hidden_dim: SwiGLU hidden width
+  int64_t source_dim = 2560;        // width of the Qwen3.5 hidden states (Qwen3.5-4B: 2560)
+  std::vector<int64_t> layer_indices = {7, 15, 23, 31};  // the Qwen3.5 layers it reads, in order
+};
+
 struct AnimaConfig {
   std::string name = "anima-2b";  // preset name, or the file/JSON it came from
   int64_t in_channels = 16;
@@ -41,6 +54,7 @@ struct AnimaConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-6;
   AdapterConfig adapter;
+  ConnectorConfig connector;
 
   int64_t head_dim() const { return model_channels / num_heads; }
   int64_t patch_in_features() const {

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/anima/anima.h"
+#include "models/anima/semantic_connector.h"
 #include "runtime/progress.h"
 #include "runtime/safetensors.h"
 
@@ -73,8 +74,10 @@ std::vector<std::pair<std::string, at::Tensor>> random_weights(const AnimaConfig
 void write_random_checkpoint(const AnimaConfig& config, uint64_t seed, at::ScalarType dtype, const std::string& path) {
   auto weights = random_weights(config, seed, dtype);
   for (auto& [name, t] : weights) name = "net." + name;
-  const std::map<std::string, std::string> metadata = {
+  std::map<std::string, std::string> metadata = {
       {"format", "pt"}, {kMetaConfig, config_to_json(config).dump()}, {kMetaSeed, std::to_string(seed)}};
+  // A connector is described the way Anima-3.8B v1.1 describes its own (anima_v2_adapter_*).
+  if (config.connector.enabled) metadata.merge(connector_metadata(config.connector));
   safetensors::save(path, weights, metadata);
 }
 

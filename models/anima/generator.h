@@ -21,7 +21,8 @@ inline constexpr const char* kMetaSeed = "sluice.seed";
 std::vector<std::pair<std::string, at::Tensor>> random_weights(const AnimaConfig& config, uint64_t seed,
                                                                at::ScalarType dtype);
 
-// Writes random_weights(...) with the "net." prefix and the config/seed metadata.
+// Writes random_weights(...) with the "net." prefix and the config/seed metadata (with a
+// semantic connector, also its "anima_v2_adapter_*" metadata, as Anima-3.8B v1.1 writes it).
 // The whole model is held in RAM once (in `dtype`) while the file is written, because
 // safetensors::save takes the full tensor list.
 void write_random_checkpoint(const AnimaConfig& config, uint64_t seed, at::ScalarType dtype, const std::string& path);

@@ -18,8 +18,17 @@ AdapterAttentionImpl::AdapterAttentionImpl(int64_t query_dim, int64_t context_di
   o_proj_ = register_module("o_proj", offload::Linear(query_dim, query_dim, /*bias=*/false, options));
 }
 
+at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  if (!mask.defined()) return at::scaled_dot_product_attention(q, k, v);
+  const int64_t B = q.size(0), S = k.size(2);
+  const at::Tensor m = mask.to(q.device(), at::kBool).reshape({B, 1, 1, S});
+  const at::Tensor y = at::scaled_dot_product_attention(q, k, v, m);
+  const at::Tensor any = m.any(-1, /*keepdim=*/true);  // [B, 1, 1, 1]
+  return at::where(any, y, at::zeros({}, y.options()));
+}
+
 at::Tensor AdapterAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context, const rope::Tables& rope_q,
-                                         const rope::Tables& rope_k) {
+                                         const rope::Tables& rope_k, const at::Tensor& mask) {
   const at::Tensor& src = context.defined() ? context : x;
   const int64_t B = x.size(0), L = x.size(1), S = src.size(1);
   at::Tensor q = q_norm_(q_proj_(x).view({B, L, num_heads_, head_dim_}).transpose(1, 2));
@@ -27,7 +36,7 @@ at::Tensor AdapterAttentionImpl::forward(const at::Tensor& x, const at::Tensor& 
   const at::Tensor v = v_proj_(src).view({B, S, num_heads_, head_dim_}).transpose(1, 2);
   q = rope::apply_1d(q, rope_q);
   k = rope::apply_1d(k, rope_k);
-  const at::Tensor y = at::scaled_dot_product_attention(q, k, v);
+  const at::Tensor y = masked_attention(q, k, v, mask);
   return o_proj_(y.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_}));
 }
 
@@ -65,13 +74,18 @@ LLMAdapterImpl::LLMAdapterImpl(const AdapterConfig& c, double norm_eps, at::Tens
 }
 
 at::Tensor LLMAdapterImpl::forward(const at::Tensor& source, const at::Tensor& ids) {
+  return forward(source, ids, AfterBlock());
+}
+
+at::Tensor LLMAdapterImpl::forward(const at::Tensor& source, const at::Tensor& ids, const AfterBlock& after_block) {
   at::Tensor x = embed_(ids).to(source.scalar_type());
   const int64_t head_dim = config_.model_dim / config_.num_heads;
   const rope::Tables target = rope::tables_1d(x.size(1), head_dim, config_.rope_theta, x.device());
   const rope::Tables src = rope::tables_1d(source.size(1), head_dim, config_.rope_theta, x.device());
-  for (auto& block : blocks_) {
-    x = block(x, source, target, src);
-    offload::observe_output(*block, x);  // Note [layer output observer]
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    x = blocks_[i](x, source, target, src);
+    offload::observe_output(*blocks_[i], x);  // Note [layer output observer]
+    if (after_block) x = after_block(i, x, target);
   }
   const at::Tensor y = norm_(out_proj_(x));
   offload::observe_output(*norm_, y);

@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <vector>
 
 #include "models/anima/config.h"
@@ -21,9 +22,10 @@ class AdapterAttentionImpl : public torch::nn::Module {
   AdapterAttentionImpl(int64_t query_dim, int64_t context_dim, int64_t num_heads, double norm_eps,
                        at::TensorOptions options);
   // x [B, L, query_dim]; context [B, S, context_dim] or undefined (self-attention);
-  // rope_q / rope_k: tables_1d for L and S positions.
+  // rope_q / rope_k: tables_1d for L and S positions; mask: undefined, or bool [B, S] (true:
+  // attend), a row with no true entry giving zero (Note [fully masked rows]).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& context, const rope::Tables& rope_q,
-                     const rope::Tables& rope_k);
+                     const rope::Tables& rope_k, const at::Tensor& mask = {});
 
  private:
   int64_t num_heads_;
@@ -54,12 +56,28 @@ class AdapterBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(AdapterBlock);
 
+// Multi-head attention whose context rows may be masked out, in [B, heads, L, head_dim]
+// layout; mask: undefined or bool [B, S].
+//
+// Note [fully masked rows]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A batch row whose mask is all false (the semantic connector's encoding of an empty
+// Qwen3.5 prompt) attends to nothing and its attention output is exactly zero, so with
+// bias-free output projections it adds nothing to the residual. PyTorch's SDPA gives zeros
+// for such rows on some backends and NaN on others; masked_attention zeroes them itself.
+at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask);
+
 class LLMAdapterImpl : public torch::nn::Module {
  public:
   LLMAdapterImpl(const AdapterConfig& c, double norm_eps, at::TensorOptions options);
   // source [B, S, source_dim] in the compute dtype, ids [B, S_t] int -> [B, S_t, model_dim]
   // (before per-token weights and padding; callers validate shapes).
   at::Tensor forward(const at::Tensor& source, const at::Tensor& ids);
+  // Called after block `index` with its output and the target tokens' RoPE tables; returns the
+  // stream the next block reads (the semantic connector's residual cross-attentions).
+  using AfterBlock = std::function<at::Tensor(size_t index, const at::Tensor& x, const rope::Tables& rope_target)>;
+  at::Tensor forward(const at::Tensor& source, const at::Tensor& ids, const AfterBlock& after_block);
+  const AdapterConfig& config() const { return config_; }
 
  private:
   AdapterConfig config_;

@@ -24,6 +24,20 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
+// LayerNorm over the last dimension with a learned scale and shift ("weight", "bias", shape
+// [dim]); same op as torch.nn.LayerNorm (the semantic connector's norms).
+class LayerNormImpl : public torch::nn::Module {
+ public:
+  LayerNormImpl(int64_t dim, double eps, at::TensorOptions options);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  at::Tensor weight_;
+  at::Tensor bias_;
+  double eps_;
+};
+TORCH_MODULE(LayerNorm);
+
 // LayerNorm over the last dimension without affine parameters (the DiT's block norms).
 at::Tensor layer_norm_no_affine(const at::Tensor& x, double eps);
 
