@@ -289,6 +289,27 @@ sluice_status sluice_forward(sluice_locked* lock, const DLManagedTensor* x, cons
   });
 }
 
+sluice_status sluice_forward_masked(sluice_locked* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
+                                    const DLManagedTensor* context, const DLManagedTensor* cross_attn_mask,
+                                    const int64_t* mask_blocks, size_t num_mask_blocks, DLManagedTensor** out) {
+  return guarded([&] {
+    need_out(out, "out");
+    sluice::LockedModel& m = need(lock, "lock").locked;
+    sluice::ForwardOptions options;
+    if (cross_attn_mask != nullptr) {
+      const at::Tensor mask = borrow(cross_attn_mask, "cross_attn_mask");
+      // uint8 is C's usual boolean buffer: nonzero is True. Any other dtype is refused by the model, named.
+      options.cross_attn_mask = mask.scalar_type() == at::kByte ? mask.ne(0) : mask;
+    }
+    if (num_mask_blocks > 0) {
+      if (mask_blocks == nullptr) throw sluice::InvalidArgument("mask_blocks is NULL but num_mask_blocks is not 0");
+      options.mask_blocks.assign(mask_blocks, mask_blocks + num_mask_blocks);
+    }
+    const at::Tensor v = m.forward(borrow(x, "x"), borrow(timesteps, "timesteps"), borrow(context, "context"), options);
+    *out = at::toDLPack(v);
+  });
+}
+
 sluice_status sluice_synchronize(sluice_locked* lock) {
   return guarded([&] { need(lock, "lock").locked.synchronize(); });
 }

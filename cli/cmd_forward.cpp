@@ -48,6 +48,7 @@ struct ForwardArgs {
   std::string vram_headroom;      // --vram-budget auto: memory left free; empty: the default
   std::string prefetch = "auto";  // most streamed layers copied ahead: auto | N
   int load_threads = 0;           // checkpoint read workers; 0: every core
+  std::string mask_blocks;        // blocks of the input cross_attn_mask: even|odd|all|i,j,k; empty: even
   AdapterFlags adapters;          // --lora FILE[:SCALE] (repeatable), --adapter-blocks
 };
 
@@ -97,6 +98,34 @@ void require_floating_finite(const std::string& name, const at::Tensor& t, const
   require_finite(t, "input '" + name + "' in '" + file + "'");
 }
 
+// --mask-blocks: "even" (empty: the model's default, the even blocks), "odd", "all", or
+// comma-separated block indices (each checked against the model by the forward).
+std::vector<int64_t> parse_mask_blocks(const std::string& spec, int64_t num_blocks) {
+  std::vector<int64_t> blocks;
+  if (spec.empty() || spec == "even") return blocks;
+  if (spec == "odd" || spec == "all") {
+    for (int64_t i = spec == "odd" ? 1 : 0; i < num_blocks; i += spec == "odd" ? 2 : 1) blocks.push_back(i);
+    return blocks;
+  }
+  std::stringstream ss(spec);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    int64_t i = -1;
+    try {
+      i = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size()) {
+      throw InvalidArgument("--mask-blocks '" + spec + "' is not even, odd, all or comma-separated block indices");
+    }
+    blocks.push_back(i);
+  }
+  if (blocks.empty()) throw InvalidArgument("--mask-blocks '" + spec + "' names no block");
+  return blocks;
+}
+
 int run_forward(const ForwardArgs& a) {
   const std::string& compute = a.dtype_alias.empty() ? a.compute : a.dtype_alias;
   // Said here, not as the flags are parsed: main applies --log-level in between.
@@ -109,7 +138,7 @@ int run_forward(const ForwardArgs& a) {
 
   // Read and check the inputs before the (slow) model load.
   const auto in = safetensors::File::open(a.inputs);
-  static const std::set<std::string> known = {"x", "timesteps", "context", "qwen_hidden", "t5_ids", "t5_weights"};
+  static const std::set<std::string> known = {"cross_attn_mask", "x", "timesteps", "context", "qwen_hidden", "t5_ids", "t5_weights"};
   for (const auto& t : in->tensors())
     if (!known.count(t.name))
       throw InvalidArgument("unexpected input '" + t.name + "' in '" + a.inputs +
@@ -196,10 +225,22 @@ int run_forward(const ForwardArgs& a) {
   // Timesteps stay fp32: the sinusoid is computed in fp32 (models/anima/embedders.h), and rounding
   // sigma to bf16 first would change the embedding.
   const at::Tensor x_in = x.to(device, dtype), t_in = timesteps.to(device, at::kFloat);
-  const at::Tensor velocity = model.forward(x_in, t_in, context);
+  // Regional prompting (README, "Regional prompting"): the mask's shape is checked by the forward.
+  ForwardOptions fo;
+  if (in->contains("cross_attn_mask")) {
+    const at::Tensor mask = in->tensor("cross_attn_mask");
+    if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kByte)
+      throw InvalidArgument("input 'cross_attn_mask' in '" + a.inputs + "' has dtype " +
+                            std::string(c10::toString(mask.scalar_type())) + ", expected bool or uint8");
+    fo.cross_attn_mask = mask.scalar_type() == at::kByte ? mask.ne(0) : mask;
+  } else if (!a.mask_blocks.empty()) {
+    throw InvalidArgument("--mask-blocks needs a 'cross_attn_mask' in inputs file '" + a.inputs + "'");
+  }
+  fo.mask_blocks = parse_mask_blocks(a.mask_blocks, cfg.num_blocks);
+  const at::Tensor velocity = model.forward(x_in, t_in, context, fo);
   if (!all_finite(velocity))
     throw Error("sluice forward: " + nonfinite_output_message("dit", "velocity", velocity,
-                                                              model.locate_nonfinite(x_in, t_in, context)));
+                                                              model.locate_nonfinite(x_in, t_in, context, fo)));
   outputs.emplace_back("velocity", velocity);
   safetensors::save(a.output, outputs,
                     {{"checkpoint", a.checkpoint}, {"dtype", compute}, {"device", device.str()}, {"model", cfg.name}, {"storage", cfg.storage_dtype}});
@@ -239,6 +280,9 @@ Subcommand add_forward(CLI::App& root) {
       ->capture_default_str();
   sub->add_option("--max-resident", args->max_resident, "Resident fraction (0..1) of the streamable weights")
       ->check(number_validator(0.0, 1.0));
+  sub->add_option("--mask-blocks", args->mask_blocks,
+                  "Blocks the input 'cross_attn_mask' (bool or uint8 [L,S] or [B,L,S]) applies to: even (default), "
+                  "odd, all, or i,j,k");
   add_vram_budget_options(sub, args->vram_budget, args->vram_headroom, "all of it");
   sub->add_option("--prefetch", args->prefetch,
                   "Most streamed layers copied ahead of compute: auto (as far as the staging ring's bytes allow) or N")

@@ -151,6 +151,16 @@ void sluice_unlock(sluice_locked* lock); /* removes the LoRAs applied through it
  * values (first at [0, 2, 0, 5, 7]: nan)"); so is one in sluice_encode_text's inputs. */
 sluice_status sluice_forward(sluice_locked* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
                              const DLManagedTensor* context, DLManagedTensor** out);
+/* sluice_forward with regional prompting (README, "Regional prompting"): cross_attn_mask is
+ * bool (kDLBool) or uint8 (nonzero: True), [L, S] or [B, L, S], True where the image token
+ * attends to the context token; L = T' * ceil(H/2) * ceil(W/2) image tokens of x (T' = T for
+ * patch_temporal 1), S = context tokens. It applies on the num_mask_blocks block indices in
+ * mask_blocks; NULL or 0 of them: the even blocks (0, 2, ...). NULL cross_attn_mask: exactly
+ * sluice_forward. A row with no True gives that token no cross-attention (zero). A mask of
+ * another dtype or shape, or a block out of range, is SLUICE_ERROR_INVALID_ARGUMENT naming it. */
+sluice_status sluice_forward_masked(sluice_locked* lock, const DLManagedTensor* x, const DLManagedTensor* timesteps,
+                                    const DLManagedTensor* context, const DLManagedTensor* cross_attn_mask,
+                                    const int64_t* mask_blocks, size_t num_mask_blocks, DLManagedTensor** out);
 /* Streams (GPU). sluice_forward and sluice_encode_text run on the calling thread's current
  * stream of the model's device (torch's current stream: a host may set its own).
  *  - Borrowed inputs are read on that stream: they must be ready on it (written on it, or

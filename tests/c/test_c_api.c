@@ -1,8 +1,9 @@
 /* The C API as a C host sees it: compiled as C (not C++), it loads a generated model, runs
  * a forward under a 50% residency cap in CPU-as-device mode, reads the stats, compares the
  * output bit for bit with a fully resident run, checks that a LoRA ends with the lock it was
- * applied through, and checks the errors for a missing file, a bad budget, a wrong tensor
- * shape, a NaN input and a NULL handle. Exit status 0 = every check passed. */
+ * applied through, runs a forward with a regional-prompting mask (sluice_forward_masked), and
+ * checks the errors for a missing file, a bad budget, a wrong tensor shape, a NaN input, a
+ * bad mask and a NULL handle. Exit status 0 = every check passed. */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, fdopen */
 #include <math.h>
 #include <stdint.h>
@@ -223,6 +224,93 @@ static void write_lora(int64_t width, char* path) { write_lora_at(width, 0, path
 /* Note [LoRA lifetime]: a LoRA applied through a lock is removed by sluice_unlock of that lock
  * (its handle stays valid, inactive); the next lock's forward is the unpatched model's, bit
  * for bit, and the sidecars' device bytes are given back. */
+/* A byte tensor (uint8, or bool with the same bytes) the test owns, [L, S], as DLPack. */
+typedef struct {
+  DLManagedTensor managed;
+  int64_t shape[2];
+  uint8_t* data;
+} OwnedMask;
+
+static void mask_deleter(DLManagedTensor* self) {
+  OwnedMask* m = (OwnedMask*)self->manager_ctx;
+  free(m->data);
+  free(m);
+}
+
+/* Row i, column j is True where (i + j) % 3 != 0 (every row has a True). */
+static OwnedMask* make_mask(int64_t L, int64_t S, uint8_t code) {
+  OwnedMask* m = (OwnedMask*)calloc(1, sizeof(OwnedMask));
+  m->shape[0] = L;
+  m->shape[1] = S;
+  m->data = (uint8_t*)malloc((size_t)(L * S));
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < S; ++j) m->data[i * S + j] = (uint8_t)((i + j) % 3 != 0);
+  m->managed.dl_tensor.data = m->data;
+  m->managed.dl_tensor.device.device_type = kDLCPU;
+  m->managed.dl_tensor.ndim = 2;
+  m->managed.dl_tensor.dtype.code = code; /* kDLUInt or kDLBool */
+  m->managed.dl_tensor.dtype.bits = 8;
+  m->managed.dl_tensor.dtype.lanes = 1;
+  m->managed.dl_tensor.shape = m->shape;
+  m->managed.manager_ctx = m;
+  m->managed.deleter = mask_deleter;
+  return m;
+}
+
+/* sluice_forward_masked (regional prompting): NULL mask = sluice_forward bit for bit, a mask
+ * changes the output, uint8 and bool masks agree, the refusals name the mask and the block. */
+static void regional_prompting(void) {
+  sluice_cache* cache = make_cache();
+  const TinyModel tiny = load_tiny(cache, 0.5);
+  const int64_t xs[5] = {1, tiny.channels, 1, 8, 8}, ts[1] = {1}, cs[3] = {1, 6, tiny.ctx_dim};
+  const int64_t L = 16, S = 6; /* L = 1 * ceil(8/2) * ceil(8/2) */
+  OwnedTensor* x = make_tensor(5, xs, 21);
+  OwnedTensor* t = make_tensor(1, ts, 22);
+  t->data[0] = 0.6f;
+  OwnedTensor* ctx = make_tensor(3, cs, 23);
+  sluice_locked* lock = NULL;
+  REQUIRE_OK(sluice_lock(tiny.model, &lock));
+  DLManagedTensor *plain = NULL, *unmasked = NULL, *as_u8 = NULL, *as_bool = NULL, *untouched = NULL;
+  REQUIRE_OK(sluice_forward(lock, &x->managed, &t->managed, &ctx->managed, &plain));
+  REQUIRE_OK(sluice_forward_masked(lock, &x->managed, &t->managed, &ctx->managed, NULL, NULL, 0, &unmasked));
+  const size_t bytes = numel(&plain->dl_tensor) * (plain->dl_tensor.dtype.bits / 8);
+  CHECK(memcmp(plain->dl_tensor.data, unmasked->dl_tensor.data, bytes) == 0);
+  OwnedMask* u8 = make_mask(L, S, kDLUInt);
+  OwnedMask* b = make_mask(L, S, kDLBool);
+  const int64_t all_blocks[2] = {0, 1};
+  REQUIRE_OK(sluice_forward_masked(lock, &x->managed, &t->managed, &ctx->managed, &u8->managed, all_blocks, 2, &as_u8));
+  REQUIRE_OK(sluice_forward_masked(lock, &x->managed, &t->managed, &ctx->managed, &b->managed, all_blocks, 2, &as_bool));
+  CHECK(memcmp(as_u8->dl_tensor.data, as_bool->dl_tensor.data, bytes) == 0);
+  CHECK(memcmp(as_u8->dl_tensor.data, plain->dl_tensor.data, bytes) != 0);
+  const int64_t bad_block[1] = {2};
+  CHECK(sluice_forward_masked(lock, &x->managed, &t->managed, &ctx->managed, &b->managed, bad_block, 1, &untouched) ==
+        SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(strcmp(sluice_last_error(), "mask_blocks has block 2, the model has 2 blocks (0..1)") == 0);
+  OwnedTensor* float_mask = make_tensor(2, u8->shape, 24);
+  CHECK(sluice_forward_masked(lock, &x->managed, &t->managed, &ctx->managed, &float_mask->managed, NULL, 0,
+                              &untouched) == SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(sluice_last_error(), "cross_attn_mask has dtype Float, expected Bool") != NULL);
+  OwnedMask* short_mask = make_mask(L - 1, S, kDLBool);
+  CHECK(sluice_forward_masked(lock, &x->managed, &t->managed, &ctx->managed, &short_mask->managed, NULL, 0,
+                              &untouched) == SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(sluice_last_error(), "cross_attn_mask has shape [15, 6], expected [L, S] = [16, 6]") != NULL);
+  CHECK(untouched == NULL);
+  plain->deleter(plain);
+  unmasked->deleter(unmasked);
+  as_u8->deleter(as_u8);
+  as_bool->deleter(as_bool);
+  u8->managed.deleter(&u8->managed);
+  b->managed.deleter(&b->managed);
+  short_mask->managed.deleter(&short_mask->managed);
+  release(float_mask);
+  release(x);
+  release(t);
+  release(ctx);
+  sluice_unlock(lock);
+  sluice_model_release(tiny.model);
+  sluice_cache_destroy(cache);
+}
+
 static void lora_ends_with_its_lock(void) {
   sluice_cache* cache = make_cache();
   const TinyModel tiny = load_tiny(cache, -1.0);
@@ -427,6 +515,7 @@ int main(void) {
   sluice_free_string(full_stats);
 
   lora_ends_with_its_lock();
+  regional_prompting();
   lora_block_layout();
 
   /* Errors. */

@@ -1,7 +1,7 @@
 // Regional prompting (Note [cross-attention mask] in models/anima/anima.h): the model's
 // forward with a boolean cross-attention mask on chosen blocks, and the public API's
-// ForwardOptions carrying it through resident and streamed forwards. Parity with InvokeAI's
-// patch is tests/python/test_regional_parity.py.
+// ForwardOptions carrying it through resident and streamed forwards, and `sluice forward`'s
+// cross_attn_mask input. Parity with InvokeAI's patch is tests/python/test_regional_parity.py.
 #include <sluice/sluice.hpp>
 
 #include <ATen/ATen.h>
@@ -9,12 +9,15 @@
 #include <catch2/catch.hpp>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "models/anima/anima.h"
 #include "models/anima/generator.h"
 #include "runtime/error.h"
+#include "runtime/safetensors.h"
+#include "tests/support/cli_runner.h"  // sluice forward
 #include "tests/support/device_env.h"  // SLUICE_TEST_DEVICE
 
 using namespace sluice::anima;
@@ -197,4 +200,61 @@ TEST_CASE("regional prompting: api: resident and half-resident forwards with a m
   bad.cross_attn_mask = at::Tensor();
   CHECK_THROWS_WITH(half.forward(x, t, ctx, bad), "input 'cross_attn_mask' is undefined");
   CHECK(at::equal(half.forward(x, t, ctx, fo), resident));  // still fine afterwards
+}
+
+// ---------------------------------------------------------------------------------------
+// `sluice forward`: cross_attn_mask from the inputs file, --mask-blocks.
+
+TEST_CASE("regional prompting: sluice forward reads cross_attn_mask from its inputs and --mask-blocks") {
+  using sluice::testing::expect_error;
+  using sluice::testing::run_ok;
+  sluice::testing::TempDir dir;
+  const std::string ckpt = dir / "tiny.safetensors";
+  run_ok({"make-checkpoint", "--config", "anima-tiny", "--seed", "1", "--out", ckpt});  // 2 blocks
+  at::Generator gen = at::detail::createCPUGenerator(6);
+  const at::Tensor x = at::randn({1, 16, 1, 8, 8}, gen), t = at::full({1}, 0.5), ctx = at::randn({1, 5, 32}, gen);
+  const at::Tensor mask = random_mask(16, 5, 10);  // L = 1 * 4 * 4
+  const auto inputs = [&](const std::string& name, std::optional<at::Tensor> m) {
+    std::vector<std::pair<std::string, at::Tensor>> in = {{"x", x}, {"timesteps", t}, {"context", ctx}};
+    if (m) in.emplace_back("cross_attn_mask", *m);
+    sluice::safetensors::save(dir / name, in);
+    return dir / name;
+  };
+  const std::string plain_in = inputs("plain_in.safetensors", std::nullopt);
+  const std::string bool_in = inputs("bool_in.safetensors", mask);
+  const std::string byte_in = inputs("byte_in.safetensors", mask.to(at::kByte));
+  const auto forward = [&](const std::string& in, const std::vector<std::string>& extra) {
+    const std::string out = dir / "out.safetensors";
+    std::vector<std::string> args{"forward", "--checkpoint", ckpt, "--inputs", in, "--output", out,
+                                  "--storage", "float32", "--compute", "float32"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    run_ok(args);
+    return sluice::safetensors::File::open(out)->tensor("velocity").clone();
+  };
+  const at::Tensor plain = forward(plain_in, {});
+  const at::Tensor even = forward(bool_in, {});
+  CHECK(max_diff(even, plain) > 1e-4);
+  CHECK(at::equal(forward(byte_in, {"--mask-blocks", "even"}), even));
+  CHECK(at::equal(forward(bool_in, {"--mask-blocks", "0"}), even));
+  const at::Tensor all = forward(byte_in, {"--mask-blocks", "all"});
+  CHECK(at::equal(forward(bool_in, {"--mask-blocks", "0,1"}), all));
+  CHECK_FALSE(at::equal(all, even));
+  CHECK_FALSE(at::equal(forward(bool_in, {"--mask-blocks", "odd"}), even));
+
+  const std::string out = dir / "bad.safetensors";
+  const std::vector<std::string> base{"forward", "--checkpoint", ckpt, "--output", out, "--inputs"};
+  auto with = [&](const std::string& in, const std::vector<std::string>& extra) {
+    std::vector<std::string> a = base;
+    a.push_back(in);
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  expect_error(with(bool_in, {"--mask-blocks", "2"}), 1, {"mask_blocks has block 2, the model has 2 blocks (0..1)"});
+  expect_error(with(bool_in, {"--mask-blocks", "0,x"}), 1,
+               {"--mask-blocks '0,x' is not even, odd, all or comma-separated block indices"});
+  expect_error(with(plain_in, {"--mask-blocks", "odd"}), 1, {"--mask-blocks needs a 'cross_attn_mask'", plain_in});
+  const std::string float_in = inputs("float_in.safetensors", mask.to(at::kFloat));
+  expect_error(with(float_in, {}), 1, {"input 'cross_attn_mask'", float_in, "has dtype Float, expected bool or uint8"});
+  const std::string short_in = inputs("short_in.safetensors", mask.narrow(0, 0, 15));
+  expect_error(with(short_in, {}), 1, {"cross_attn_mask has shape [15, 5], expected [L, S] = [16, 5]"});
 }
