@@ -31,6 +31,9 @@ struct sluice_locked {
 struct sluice_lora {
   sluice::LoraHandle handle;
 };
+struct sluice_lllite {
+  sluice::LLLiteHandle handle;
+};
 
 namespace {
 
@@ -350,5 +353,32 @@ void sluice_lora_remove(sluice_lora* lora) {
 }
 
 int sluice_lora_active(const sluice_lora* lora) { return lora != nullptr && lora->handle.active() ? 1 : 0; }
+
+sluice_status sluice_lllite_apply(sluice_locked* lock, const char* path, const DLManagedTensor* cond_image,
+                                  double weight, const DLManagedTensor* mask, const char* block_layout,
+                                  sluice_lllite** out) {
+  return guarded([&] {
+    need_out(out, "out");
+    const sluice::BlockLayout layout =
+        block_layout == nullptr ? sluice::BlockLayout::measured : sluice::parse_block_layout(block_layout);
+    std::optional<at::Tensor> m;
+    if (mask != nullptr) m = borrow(mask, "mask");
+    sluice::LLLiteHandle h =
+        need(lock, "lock").locked.apply_lllite(str(path), borrow(cond_image, "cond_image"), weight, m, layout);
+    *out = new sluice_lllite{std::move(h)};
+  });
+}
+
+sluice_status sluice_lllite_set_weight(sluice_lllite* lllite, double weight) {
+  return guarded([&] { need(lllite, "lllite").handle.set_weight(weight); });
+}
+
+void sluice_lllite_remove(sluice_lllite* lllite) {
+  (void)guarded([&] { delete lllite; });
+}
+
+int sluice_lllite_active(const sluice_lllite* lllite) {
+  return lllite != nullptr && lllite->handle.active() ? 1 : 0;
+}
 
 }  // extern "C"

@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -16,6 +18,7 @@
 #include "cache/model_cache.h"
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
+#include "models/anima/lllite.h"
 #include "models/lora.h"
 #include "offload/device/cpu_device.h"
 #include "offload/device/device.h"
@@ -45,6 +48,7 @@ struct ModelEntry {
 };
 
 struct LoraState;
+struct LLLiteState;
 
 // Note [LoRA lifetime] (sluice.hpp): the LoRAs made from a lock are removed when it ends.
 struct LockToken {
@@ -52,6 +56,7 @@ struct LockToken {
   cache::Lock lock;
   std::mutex loras_mutex;
   std::vector<std::weak_ptr<LoraState>> loras;  // made from this lock (removed ones expire or are inactive)
+  std::vector<std::weak_ptr<LLLiteState>> lllites;  // likewise (guarded by loras_mutex)
 };
 
 struct LoraState {
@@ -61,6 +66,21 @@ struct LoraState {
   std::unique_ptr<LoraScope> scope;
   int64_t patched = 0;
 };
+
+// An LLLite bound through a lock: the same lifetime as a LoRA's.
+struct LLLiteState {
+  std::shared_ptr<ModelEntry> model;
+  cache::Lock lock;
+  std::mutex mutex;  // guards scope
+  std::unique_ptr<anima::LLLiteScope> scope;
+  std::string source;
+  int64_t modules = 0, bound = 0;
+  uint64_t bytes = 0;
+};
+
+// The LLLites bound to each cached model, for its stats JSON (several handles may name one model).
+std::mutex lllite_registry_mutex;
+std::map<const cache::Entry*, std::vector<std::weak_ptr<LLLiteState>>> lllite_registry;
 
 }  // namespace detail
 
@@ -146,6 +166,14 @@ at::Tensor run_adapter(anima::AnimaModelImpl& m, offload::StreamingEngine& engin
 // and ends its lock; nothing when it is removed already. Serialized with forwards of the
 // model (lora.h: patching during a forward is unsafe).
 void end_lora(detail::LoraState& st) {
+  std::lock_guard<std::mutex> g(st.mutex);
+  if (!st.scope) return;
+  st.model->cache->patch(st.lock, [&](anima::AnimaModelImpl&, offload::SidecarPlacer&) { st.scope.reset(); });
+  st.lock.unlock();
+}
+
+// Unbinds the LLLite of `st` and ends its lock, as end_lora.
+void end_lllite(detail::LLLiteState& st) {
   std::lock_guard<std::mutex> g(st.mutex);
   if (!st.scope) return;
   st.model->cache->patch(st.lock, [&](anima::AnimaModelImpl&, offload::SidecarPlacer&) { st.scope.reset(); });
@@ -391,7 +419,26 @@ ModelStats Model::stats() const {
 
 std::string Model::stats_json(int indent) const {
   const auto& m = need(entry_);
-  return m->cache->model_stats_json(m->entry, indent);
+  std::string json = m->cache->model_stats_json(m->entry, indent);
+  // The LLLite adapters bound now (README, "ControlNet-LLLite"): source, bytes, modules, layers bound.
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  {
+    std::lock_guard<std::mutex> g(detail::lllite_registry_mutex);
+    const auto it = detail::lllite_registry.find(m->entry.get());
+    if (it != detail::lllite_registry.end()) {
+      for (const auto& w : it->second) {
+        const auto st = w.lock();
+        if (!st) continue;
+        std::lock_guard<std::mutex> sg(st->mutex);
+        if (!st->scope) continue;
+        list.push_back({{"source", st->source}, {"device_bytes", st->bytes}, {"modules", st->modules},
+                        {"layers_bound", st->bound}, {"weight", st->scope->weight()}});
+      }
+    }
+  }
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(json);
+  j["lllite"] = std::move(list);
+  return j.dump(indent);
 }
 
 void Model::write_trace(const std::string& path) const {
@@ -432,6 +479,20 @@ void LockedModel::unlock() {
   {
     std::lock_guard<std::mutex> g(t->loras_mutex);
     loras.swap(t->loras);
+  }
+  std::vector<std::weak_ptr<detail::LLLiteState>> lllites;
+  {
+    std::lock_guard<std::mutex> g(t->loras_mutex);
+    lllites.swap(t->lllites);
+  }
+  for (auto it = lllites.rbegin(); it != lllites.rend(); ++it) {
+    const std::shared_ptr<detail::LLLiteState> st = it->lock();
+    if (!st) continue;
+    try {
+      end_lllite(*st);
+    } catch (const std::exception& e) {
+      log::error("model '" + t->model->info.name + "': removing an LLLite as its lock ended failed: " + e.what());
+    }
   }
   for (auto it = loras.rbegin(); it != loras.rend(); ++it) {  // the latest first
     const std::shared_ptr<detail::LoraState> st = it->lock();
@@ -577,6 +638,105 @@ LoraHandle LockedModel::apply_lora(const std::string& path, double scale, BlockL
     v.push_back(st);
   }
   return LoraHandle(std::move(st));
+}
+
+LLLiteHandle LockedModel::apply_lllite(const std::string& path, const at::Tensor& cond_image, double weight,
+                                       const std::optional<at::Tensor>& mask, BlockLayout layout) {
+  const auto& t = need(token_);
+  if (!std::isfinite(weight)) throw InvalidArgument("LLLite '" + path + "': weight " + std::to_string(weight) + " is not finite");
+  const anima::LLLiteAdapter adapter = anima::load_lllite(path);
+  anima::check_lllite_inputs(adapter, cond_image, mask);
+  if (cond_image.defined()) {
+    require_finite_inputs("apply_lllite", {{"cond_image", &cond_image}, {"mask", mask ? &*mask : nullptr}});
+  }
+  auto st = std::make_shared<detail::LLLiteState>();
+  st->model = t->model;
+  st->source = path;
+  st->lock = t->model->cache->lock(t->model->entry);
+  // Placed as a residency change, as a LoRA's sidecars (Note [sidecar share]).
+  t->model->cache->patch(st->lock, [&](anima::AnimaModelImpl& m, offload::SidecarPlacer& placer) {
+    st->scope = std::make_unique<anima::LLLiteScope>(m, adapter, cond_image, weight, mask, layout == BlockLayout::measured,
+                                                      std::nullopt, &placer);
+    st->modules = st->scope->modules();
+    st->bound = st->scope->bound_layers();
+    st->bytes = st->scope->device_bytes();
+  });
+  {
+    std::lock_guard<std::mutex> g(t->loras_mutex);
+    auto& v = t->lllites;
+    v.erase(std::remove_if(v.begin(), v.end(), [](const auto& w) { return w.expired(); }), v.end());
+    v.push_back(st);
+  }
+  {
+    std::lock_guard<std::mutex> g(detail::lllite_registry_mutex);
+    auto& v = detail::lllite_registry[t->model->entry.get()];
+    v.erase(std::remove_if(v.begin(), v.end(), [](const auto& w) { return w.expired(); }), v.end());
+    v.push_back(st);
+  }
+  return LLLiteHandle(std::move(st));
+}
+
+// ---------------------------------------------------------------------------------------
+// LLLiteHandle
+
+LLLiteHandle& LLLiteHandle::operator=(LLLiteHandle&& other) noexcept {
+  if (this != &other) {
+    try {
+      remove();
+    } catch (const std::exception& e) {
+      log::error(std::string("removing an LLLite failed: ") + e.what());
+    }
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+LLLiteHandle::~LLLiteHandle() {
+  try {
+    remove();
+  } catch (const std::exception& e) {
+    log::error(std::string("removing an LLLite failed: ") + e.what());
+  }
+}
+
+bool LLLiteHandle::active() const {
+  if (!state_) return false;
+  std::lock_guard<std::mutex> g(state_->mutex);
+  return state_->scope != nullptr;
+}
+
+void LLLiteHandle::set_weight(double weight) {
+  if (!state_) throw InvalidArgument("empty sluice::LLLiteHandle");
+  std::lock_guard<std::mutex> g(state_->mutex);
+  if (!state_->scope) throw InvalidArgument("LLLite '" + state_->source + "' is no longer bound (removed, or its lock ended)");
+  state_->scope->set_weight(weight);
+}
+
+double LLLiteHandle::weight() const {
+  if (!state_) throw InvalidArgument("empty sluice::LLLiteHandle");
+  std::lock_guard<std::mutex> g(state_->mutex);
+  return state_->scope ? state_->scope->weight() : 0.0;
+}
+
+int64_t LLLiteHandle::modules() const {
+  if (!state_) throw InvalidArgument("empty sluice::LLLiteHandle");
+  return state_->modules;
+}
+
+int64_t LLLiteHandle::bound_layers() const {
+  if (!state_) throw InvalidArgument("empty sluice::LLLiteHandle");
+  return state_->bound;
+}
+
+uint64_t LLLiteHandle::device_bytes() const {
+  if (!state_) throw InvalidArgument("empty sluice::LLLiteHandle");
+  return state_->bytes;
+}
+
+void LLLiteHandle::remove() {
+  if (!state_) return;
+  std::shared_ptr<detail::LLLiteState> st = std::move(state_);
+  end_lllite(*st);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ typedef struct sluice_cache sluice_cache; /* a ModelCache: models in RAM, one de
 typedef struct sluice_model sluice_model; /* a handle on one cached model */
 typedef struct sluice_locked sluice_locked; /* a locked model: in use, never evicted while held */
 typedef struct sluice_lora sluice_lora;   /* a LoRA applied to a locked model */
+typedef struct sluice_lllite sluice_lllite; /* a ControlNet-LLLite bound to a locked model */
 
 /* The library version ("0.1.0") and the C ABI version it implements. */
 const char* sluice_version(void);
@@ -201,6 +202,24 @@ sluice_status sluice_lora_apply_ex(sluice_locked* lock, const char* path, double
                                    sluice_lora** out);
 void sluice_lora_remove(sluice_lora* lora); /* removes (if still active) and frees the handle; NULL is fine */
 int sluice_lora_active(const sluice_lora* lora); /* 1 while applied, 0 once removed by its unlock (or NULL) */
+
+/* ControlNet-LLLite (README, "ControlNet-LLLite"; LockedModel::apply_lllite in sluice.hpp): a
+ * v2 named-key file bound with its control image cond_image ([3,H,W] or [1,3,H,W], RGB in
+ * [0,1], any size, float, any device; borrowed for the call) at `weight`. An inpaint adapter
+ * (4 input channels) needs `mask` ([H,W], [1,H,W] or [1,1,H,W], 1 = inpaint); an RGB one takes
+ * NULL. block_layout: as sluice_lora_apply_ex's (NULL: "measured"). Its weights are charged
+ * like a LoRA's sidecars; its lifetime is a LoRA's (released by sluice_lllite_remove, unbound
+ * at the latest by sluice_unlock). Errors, one line each: SLUICE_ERROR_FILE / _CHECKPOINT
+ * naming the file and what does not fit; SLUICE_ERROR_INVALID_ARGUMENT for a bad image, mask
+ * or weight. */
+sluice_status sluice_lllite_apply(sluice_locked* lock, const char* path, const DLManagedTensor* cond_image,
+                                  double weight, const DLManagedTensor* mask, const char* block_layout,
+                                  sluice_lllite** out);
+/* The weight of later forwards (0: exact passthrough), e.g. per step for a step range;
+ * SLUICE_ERROR_INVALID_ARGUMENT when not finite or no longer bound. */
+sluice_status sluice_lllite_set_weight(sluice_lllite* lllite, double weight);
+void sluice_lllite_remove(sluice_lllite* lllite); /* unbinds (if still bound) and frees the handle; NULL is fine */
+int sluice_lllite_active(const sluice_lllite* lllite); /* 1 while bound, 0 once unbound by its unlock (or NULL) */
 
 #ifdef __cplusplus
 }

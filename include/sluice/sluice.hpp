@@ -45,6 +45,7 @@ class CacheImpl;
 struct ModelEntry;
 struct LockToken;
 struct LoraState;
+struct LLLiteState;
 }  // namespace detail
 
 // The library version, "MAJOR.MINOR.PATCH".
@@ -309,6 +310,39 @@ class LoraHandle {
   std::shared_ptr<detail::LoraState> state_;
 };
 
+// A ControlNet-LLLite adapter bound to a locked model (LockedModel::apply_lllite; README,
+// "ControlNet-LLLite"). Its lifetime follows a LoRA's (Note [LoRA lifetime]): removed when
+// destroyed, by remove(), or when its lock ends; while active it keeps the model locked.
+class LLLiteHandle {
+ public:
+  LLLiteHandle() = default;
+  LLLiteHandle(LLLiteHandle&&) noexcept = default;
+  LLLiteHandle& operator=(LLLiteHandle&& other) noexcept;
+  ~LLLiteHandle();
+  LLLiteHandle(const LLLiteHandle&) = delete;
+  LLLiteHandle& operator=(const LLLiteHandle&) = delete;
+
+  // Whether the adapter is bound now: false once removed, also by the end of its lock.
+  bool active() const;
+  explicit operator bool() const { return active(); }
+  // The weight of later forwards (0: exact passthrough), e.g. per step for a step range.
+  // InvalidArgument when not finite or the handle is not active.
+  void set_weight(double weight);
+  double weight() const;
+  // Modules in the file, Linears bound, device bytes of its weights (InvalidArgument on an
+  // empty handle).
+  int64_t modules() const;
+  int64_t bound_layers() const;
+  uint64_t device_bytes() const;
+  // Unbinds it now (waits for a running forward); the handle becomes empty.
+  void remove();
+
+ private:
+  friend class LockedModel;
+  explicit LLLiteHandle(std::shared_ptr<detail::LLLiteState> state) : state_(std::move(state)) {}
+  std::shared_ptr<detail::LLLiteState> state_;
+};
+
 // A model in use (RAII). Movable, not copyable; unlocks when destroyed or by unlock().
 class LockedModel {
  public:
@@ -392,6 +426,20 @@ class LockedModel {
   LoraHandle apply_lora(const std::string& path, double scale = 1.0, BlockLayout layout = BlockLayout::measured);
   // Same as handle.remove().
   void remove_lora(LoraHandle& handle) { handle.remove(); }
+
+  // Reads a ControlNet-LLLite file (v2 named-key format, InvokeAI's) and binds it to the model
+  // with `cond_image` ([3, H, W] or [1, 3, H, W], RGB in [0, 1], any size and device) at
+  // `weight`, until the handle is removed or destroyed or this lock ends (Note [LoRA
+  // lifetime]). An inpaint adapter (4 input channels) needs `mask` ([H, W], [1, H, W] or
+  // [1, 1, H, W], 1 = inpaint); an RGB one takes none. Its weights are charged like a LoRA's
+  // sidecars (the share grows into the free budget, else more layers stream). Errors, each one
+  // line: FileError / CheckpointError naming the file and what does not fit (legacy format,
+  // unknown module, missing key, shape, a target the model lacks); InvalidArgument for a bad
+  // image, mask or weight; ResourceError as apply_lora's. `layout`: where the blocks of an
+  // adapter trained on a shallower Anima go, as apply_lora's.
+  LLLiteHandle apply_lllite(const std::string& path, const at::Tensor& cond_image, double weight = 1.0,
+                            const std::optional<at::Tensor>& mask = std::nullopt,
+                            BlockLayout layout = BlockLayout::measured);
 
   const ModelInfo& info() const;
   Model model() const;

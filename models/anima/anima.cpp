@@ -1,6 +1,7 @@
 #include "models/anima/anima.h"
 
 #include <ATen/core/grad_mode.h>
+#include <algorithm>
 #include <c10/util/irange.h>
 
 #include <limits>
@@ -167,6 +168,15 @@ void AnimaModelImpl::set_compute_dtype(at::ScalarType dtype) {
   for (auto& [name, layer] : offload::managed_layers(*this)) layer->set_compute_dtype(dtype);
 }
 
+void AnimaModelImpl::add_forward_listener(std::shared_ptr<ForwardListener> listener) {
+  forward_listeners_.push_back(std::move(listener));
+}
+
+void AnimaModelImpl::remove_forward_listener(const ForwardListener* listener) {
+  auto& v = forward_listeners_;
+  v.erase(std::remove_if(v.begin(), v.end(), [&](const auto& l) { return l.get() == listener; }), v.end());
+}
+
 rope::Tables AnimaModelImpl::rope_tables(int64_t T, int64_t H, int64_t W, at::Device device) {
   std::lock_guard<std::mutex> lock(rope_mutex_);
   RopeCache& cache = rope_cache_;
@@ -234,6 +244,7 @@ at::Tensor AnimaModelImpl::forward(const at::Tensor& x_in, const at::Tensor& tim
     x = at::cat({x, at::zeros({B, 1, x.size(2), x.size(3), x.size(4)}, x.options())}, 1);
   }
   const int64_t T = x.size(2) / pt, H = x.size(3) / ps, W = x.size(4) / ps;
+  for (const auto& l : forward_listeners_) l->begin_forward(T, x.size(3), x.size(4), device, compute);
 
   std::optional<AttentionMask> cross_mask;
   if (cross_attn.mask.defined()) {

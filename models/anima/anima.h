@@ -67,6 +67,16 @@ struct CrossAttnMask {
   std::vector<int64_t> blocks;  // block indices it applies to (each in [0, num_blocks)); empty: the even ones
 };
 
+// Told the token grid of each DiT forward before its blocks run: an LLLite's conditioning
+// embedding depends on it (models/anima/lllite.h).
+class ForwardListener {
+ public:
+  virtual ~ForwardListener() = default;
+  // T: tokens along time; H, W: the latent's height and width padded to the patch size;
+  // device and dtype: where and in what the blocks compute.
+  virtual void begin_forward(int64_t T, int64_t H, int64_t W, at::Device device, at::ScalarType dtype) = 0;
+};
+
 class AnimaModelImpl : public torch::nn::Module {
  public:
   // Weights are uninitialised (at::empty, so untouched pages cost no RAM) except norm
@@ -107,6 +117,11 @@ class AnimaModelImpl : public torch::nn::Module {
   void set_compute_dtype(at::ScalarType dtype);
   at::ScalarType compute_dtype() const { return compute_dtype_; }
 
+  // Listeners called by forward() before the blocks run, in the order added. Not to be
+  // changed while a forward runs (like a layer's sidecars, Note [LoRA sidecars]).
+  void add_forward_listener(std::shared_ptr<ForwardListener> listener);
+  void remove_forward_listener(const ForwardListener* listener);
+
  private:
   // 3D RoPE tables for a token grid, cached for the last grid/device seen.
   rope::Tables rope_tables(int64_t T, int64_t H, int64_t W, at::Device device);
@@ -129,6 +144,7 @@ class AnimaModelImpl : public torch::nn::Module {
   };
   std::mutex rope_mutex_;
   RopeCache rope_cache_;
+  std::vector<std::shared_ptr<ForwardListener>> forward_listeners_;
 };
 TORCH_MODULE(AnimaModel);
 

@@ -72,7 +72,11 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias, at:
     : ManagedLayerImpl(LayerKind::linear, at::empty({out_features, in_features}, options),
                        bias ? std::optional<at::Tensor>(at::zeros({out_features}, options)) : std::nullopt) {}
 
-at::Tensor LinearImpl::forward(const at::Tensor& x) {
+at::Tensor LinearImpl::forward(const at::Tensor& x_in) {
+  // Note [input adapters]: the last added is the outermost wrapper, so it runs first.
+  at::Tensor x = x_in;
+  const auto& adapters = input_adapters();
+  for (auto it = adapters.rbegin(); it != adapters.rend(); ++it) x = (*it->fn)(x);
   at::Tensor y;
   {
     WeightLease lease(*this);

@@ -22,7 +22,9 @@
 // compute) is bit-identical to the plain model"), tests/models/test_lora.cpp ("lora: a LoRA sidecar
 // adds scale*(x A^T) B^T with scale = alpha/rank * strength, fp8 weight untouched"),
 // tests/models/anima/test_anima_model.cpp ("anima model: managed layers carry their dotted names in
-// execution order"), tests/offload/layer/test_foreign_model.cpp ("foreign model: an fp8 embedding
+// execution order"), tests/models/anima/test_lllite.cpp ("lllite: an input adapter runs before the
+// matmul and before the LoRA sidecars; the last added first"),
+// tests/offload/layer/test_foreign_model.cpp ("foreign model: an fp8 embedding
 // looks up its rows and upcasts only those, resident or streamed"),
 // tests/offload/engine/test_engine.cpp ("engine: a layer that throws mid-forward leaves the engine
 // consistent"), tests/python/test_offload_guarantees.py
@@ -31,6 +33,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -68,6 +71,27 @@ struct LoraSidecar {
   at::Tensor up;    // B: [out, rank]
   double scale = 1.0;
   int64_t id = 0;   // owner token, so one adapter's sidecars can be removed together
+};
+
+// Perturbs a Linear's input before its matmul (and before its LoRA sidecars): an
+// LLLite module (models/anima/lllite.h). Returns `x` itself to pass through.
+//
+// Note [input adapters]
+// ~~~~~~~~~~~~~~~~~~~~~
+// An input adapter wraps a Linear's forward the way InvokeAI's LLLite does: the layer
+// computes W(x') + LoRA(x') with x' = adapter(x), so a LoRA on the same layer sees the
+// perturbed input. With several adapters the one added last is the outermost wrapper and
+// runs first (LinearImpl::forward walks the list from the back). The stored weights are
+// never touched; an adapter that returns its input unchanged leaves the output bit for bit.
+class InputPerturbation {
+ public:
+  virtual ~InputPerturbation() = default;
+  virtual at::Tensor operator()(const at::Tensor& x) = 0;
+};
+
+struct InputAdapter {
+  std::shared_ptr<InputPerturbation> fn;
+  int64_t id = 0;  // owner token, so one adapter's entries can be removed together
 };
 
 // Places a model's device-side extras (LoRA sidecars) so that they count where the model's
@@ -127,6 +151,9 @@ class ManagedLayerImpl : public torch::nn::Module {
 
   std::vector<LoraSidecar>& loras() { return loras_; }
   const std::vector<LoraSidecar>& loras() const { return loras_; }
+  // Note [input adapters]: applied to a Linear's input, the last added first.
+  std::vector<InputAdapter>& input_adapters() { return input_adapters_; }
+  const std::vector<InputAdapter>& input_adapters() const { return input_adapters_; }
 
   // Stored bytes of weight + bias (+ scale).
   int64_t stored_bytes() const;
@@ -147,6 +174,7 @@ class ManagedLayerImpl : public torch::nn::Module {
   int64_t layer_index_ = -1;
   WeightProvider* provider_ = nullptr;
   std::vector<LoraSidecar> loras_;
+  std::vector<InputAdapter> input_adapters_;
 };
 
 // RAII handle on a layer's compute-dtype weights. See Note [weight leases].
@@ -169,7 +197,8 @@ class WeightLease {
   LayerWeights weights_;
 };
 
-// y = x W^T + b (+ LoRA sidecars). W is [out, in]. Like EmbeddingImpl, it hands its output
+// y = x' W^T + b (+ LoRA sidecars on x'), x' the input after its input adapters (Note [input
+// adapters]). W is [out, in]. Like EmbeddingImpl, it hands its output
 // to observe_output (Note [layer output observer] in output_observer.h).
 class LinearImpl : public ManagedLayerImpl {
  public:
