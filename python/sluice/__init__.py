@@ -20,6 +20,7 @@ called on the main thread at its next layer (KeyboardInterrupt), leaving the mod
 from __future__ import annotations
 
 import json
+import math
 from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -32,7 +33,7 @@ from ._devices import default_device, device_name
 from .offload import Offloaded, offload
 
 __all__ = [
-    "ModelCache", "Runtime", "Model", "LockedModel", "Lora", "inspect", "version", "offload", "Offloaded",
+    "ModelCache", "Runtime", "Model", "LockedModel", "Lora", "LLLite", "inspect", "version", "offload", "Offloaded",
     "default_device",
     "Error", "FileError", "CheckpointError", "InvalidArgument", "ResourceError",
 ]
@@ -70,6 +71,67 @@ class Lora:
         self._handle.remove()
 
     def __enter__(self) -> "Lora":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+class LLLite:
+    """A ControlNet-LLLite adapter bound to a locked model; a context manager that unbinds it
+    on exit. Its lifetime is a LoRA's (see Lora): it goes at the latest when its lock ends.
+
+    Step range (InvokeAI's Anima denoise node): with `begin`/`end` fractions, call
+    `step(i, steps)` before the model calls of step i of `steps`; the adapter then runs at
+    `weight` for floor(begin * steps) <= i <= ceil(end * steps) and passes through (weight 0)
+    elsewhere:
+
+        with locked.lllite("canny.safetensors", image, weight=0.8, begin=0.0, end=0.5) as ll:
+            for i in range(steps):
+                ll.step(i, steps)
+                v = locked(x, sigmas[i:i + 1], ctx)
+    """
+
+    def __init__(self, handle: _C.LLLiteHandle, weight: float, begin: float, end: float):
+        self._handle = handle
+        self.weight = weight
+        self.begin = begin
+        self.end = end
+
+    @property
+    def modules(self) -> int:
+        return self._handle.modules
+
+    @property
+    def bound_layers(self) -> int:
+        return self._handle.bound_layers
+
+    @property
+    def device_bytes(self) -> int:
+        return self._handle.device_bytes
+
+    @property
+    def active(self) -> bool:
+        return self._handle.active
+
+    def set_weight(self, weight: float) -> None:
+        """The weight of the next forwards (0: exact passthrough); also the step range's."""
+        self.weight = float(weight)
+        self._handle.set_weight(self.weight)
+
+    def step(self, i: int, steps: int) -> float:
+        """Sets the weight for step i of `steps` (see the class) and returns it."""
+        if steps <= 0 or not 0 <= i < steps:
+            raise InvalidArgument(f"LLLite step {i} of {steps}: want 0 <= i < steps")
+        first, last = math.floor(self.begin * steps), math.ceil(self.end * steps)
+        w = self.weight if first <= i <= last else 0.0
+        self._handle.set_weight(w)
+        return w
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def __enter__(self) -> "LLLite":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -150,6 +212,25 @@ class LockedModel:
         INFO log line; "as-is" applies them by index (anything else: sluice.InvalidArgument, a
         ValueError). A LoRA for a deeper model is a sluice.CheckpointError naming it."""
         return Lora(self._locked.apply_lora(path, scale, block_layout))
+
+    def lllite(self, path: str, cond_image: Optional[torch.Tensor], weight: float = 1.0,
+               mask: Optional[torch.Tensor] = None, block_layout: str = "measured",
+               begin: float = 0.0, end: float = 1.0) -> LLLite:
+        """Binds a ControlNet-LLLite file (v2 named-key format, as InvokeAI loads it) with its
+        conditioning image: a float tensor [3, H, W] or [1, 3, H, W], RGB in [0, 1], any size
+        (resized to the latent x 8, bicubic, as InvokeAI's prepare_cond_image); None binds it
+        with no image (a passthrough). An inpaint adapter (4 input channels) needs `mask`
+        ([H, W], [1, H, W] or [1, 1, H, W], 1 = inpaint); an RGB one takes none. Use it as a
+        context manager (see LLLite, also for the step range `begin`/`end`). Its weights are
+        charged like a LoRA's sidecars. Errors, one line each: sluice.FileError /
+        sluice.CheckpointError naming the file and what does not fit; sluice.InvalidArgument
+        (a ValueError) for a bad image, mask, weight or range. block_layout: as lora()."""
+        if not (-10.0 <= weight <= 10.0):
+            raise InvalidArgument(f"LLLite '{path}': weight {weight} is outside -10..10")
+        if not (0.0 <= begin <= end <= 1.0):
+            raise InvalidArgument(f"LLLite '{path}': begin {begin} and end {end} must satisfy 0 <= begin <= end <= 1")
+        return LLLite(self._locked.apply_lllite(path, cond_image, float(weight), mask, block_layout),
+                      float(weight), float(begin), float(end))
 
     @property
     def info(self) -> dict:

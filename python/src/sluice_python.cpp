@@ -250,6 +250,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("active", &sluice::LoraHandle::active)
       .def("remove", &sluice::LoraHandle::remove, release_gil());
 
+  py::class_<sluice::LLLiteHandle>(m, "LLLiteHandle")
+      .def_property_readonly("modules", &sluice::LLLiteHandle::modules)
+      .def_property_readonly("bound_layers", &sluice::LLLiteHandle::bound_layers)
+      .def_property_readonly("device_bytes", &sluice::LLLiteHandle::device_bytes)
+      .def_property_readonly("active", &sluice::LLLiteHandle::active)
+      .def_property_readonly("weight", &sluice::LLLiteHandle::weight)
+      .def("set_weight", &sluice::LLLiteHandle::set_weight, py::arg("weight"), release_gil())
+      .def("remove", &sluice::LLLiteHandle::remove, release_gil());
+
   py::class_<sluice::LockedModel>(m, "LockedModel")
       .def(
           "forward",
@@ -331,6 +340,16 @@ PYBIND11_MODULE(_C, m) {
             return l.apply_lora(path, scale, layout);
           },
           py::arg("path"), py::arg("scale") = 1.0, py::arg("block_layout") = "measured")
+      .def(
+          "apply_lllite",
+          [](sluice::LockedModel& l, const std::string& path, const std::optional<at::Tensor>& cond_image, double weight,
+             const std::optional<at::Tensor>& mask, const std::string& block_layout) {
+            const sluice::BlockLayout layout = sluice::parse_block_layout(block_layout);
+            py::gil_scoped_release release;
+            return l.apply_lllite(path, cond_image ? *cond_image : at::Tensor(), weight, mask, layout);
+          },
+          py::arg("path"), py::arg("cond_image"), py::arg("weight") = 1.0, py::arg("mask") = std::nullopt,
+          py::arg("block_layout") = "measured")
       .def("unlock", &sluice::LockedModel::unlock, release_gil())
       .def_property_readonly("locked", [](const sluice::LockedModel& l) { return static_cast<bool>(l); })
       .def("info_json", [](const sluice::LockedModel& l) { return l.info().config_json; });
