@@ -192,7 +192,8 @@ def test_a_device_that_is_not_there_is_one_line_like_the_cli():
 def test_an_unknown_preset_is_named_with_the_known_ones(workdir):
     cache = sluice.ModelCache(device="cpu")
     with pytest.raises(sluice.InvalidArgument,
-                       match=r"^unknown preset 'anima-nope' \(known: anima-2b, anima-tiny, anima-small, anima-medium; "):
+                       match=r"^unknown preset 'anima-nope' \(known: anima-2b, anima-tiny, anima-small, anima-medium, "
+                             r"anima-2\.9b, anima-3\.8b; "):
         cache.load("anima-nope")
     # A path (a separator or a file suffix) is opened, and a missing one says so.
     for path in ("anima-nope.safetensors", os.path.join(workdir, "anima-nope"), "anima-nope.json"):
@@ -539,3 +540,71 @@ def test_option_structs_take_their_fields_as_keywords():
     assert _C.LoadOptions(max_resident=0.5).max_resident == 0.5
     with pytest.raises(TypeError, match="unexpected keyword argument 'storge'"):
         _C.LoadOptions(storge="bfloat16")
+
+
+def test_lora_block_layout_remaps_a_base_lora_onto_a_40_block_model(workdir, caplog):
+    """README, "The depth-expanded Anima-2.9B and Anima-3.8B, and adapters trained on a shallower
+    model": a LoRA on blocks 0..27 goes to the 2.9B's positions of the base blocks (block_layout
+    "measured", the default, one INFO line), or by index ("as-is")."""
+    import logging
+    from sluice import _logging
+    config = os.path.join(workdir, "tiny40.json")
+    with open(config, "w") as f:
+        json.dump({"preset": "anima-tiny", "num_blocks": 40}, f)
+    ckpt = os.path.join(workdir, "tiny40.safetensors")
+    subprocess.run([CLI, "make-checkpoint", "--config", config, "--seed", "8", "--out", ckpt], check=True)
+    new_blocks = {2, 5, 8, 11, 14, 17, 21, 24, 27, 30, 33, 36}  # Anima-2.9B's added blocks
+    base_in_40 = [b for b in range(40) if b not in new_blocks]
+    assert len(base_in_40) == 28
+
+    def write(path, blocks):
+        tensors = {}
+        for i, b in enumerate(blocks):
+            g = torch.Generator().manual_seed(50 + i)
+            tensors[f"diffusion_model.blocks.{b}.mlp.layer1.lora_A.weight"] = torch.randn(2, 64, generator=g) * 0.3
+            tensors[f"diffusion_model.blocks.{b}.mlp.layer1.lora_B.weight"] = torch.randn(256, 2, generator=g) * 0.3
+        save_file(tensors, path)
+        return path
+
+    base = write(os.path.join(workdir, "base28.safetensors"), range(28))
+    placed = write(os.path.join(workdir, "placed40.safetensors"), base_in_40)
+    log = logging.getLogger("sluice")
+    before = log.level
+    try:
+        log.setLevel(logging.INFO)
+        cache = sluice.ModelCache(device="cpu")  # tells the engine the level
+        model = cache.load(ckpt, max_resident=0.5)
+        assert model.info["num_blocks"] == 40  # inferred from the checkpoint
+        x, t, ctx = inputs(model.info)
+        with model.lock() as m:
+            with caplog.at_level(logging.INFO, logger="sluice"):
+                with m.lora(base) as l:
+                    assert l.patched_layers == 28
+                    remapped = m(x, t, ctx)
+                _logging.flush()
+            with m.lora(placed, block_layout="measured"):  # a 40-block LoRA on 40 blocks: as is
+                at_positions = m(x, t, ctx)
+            with m.lora(base, block_layout="as-is"):
+                by_index = m(x, t, ctx)
+            plain = m(x, t, ctx)
+            with pytest.raises(sluice.InvalidArgument, match=r"^block_layout 'sideways' is not one of: measured, as-is$"):
+                m.lora(base, block_layout="sideways")
+            with pytest.raises(ValueError):  # sluice.InvalidArgument is a ValueError
+                m.lora(base, block_layout="")
+    finally:
+        log.setLevel(before)
+    assert torch.equal(remapped, at_positions)
+    assert not torch.equal(by_index, remapped) and not torch.equal(remapped, plain)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sluice" and "was trained on a 28-block Anima" in r.getMessage()]
+    assert lines == [f"LoRA '{base}' was trained on a 28-block Anima: its blocks go to their measured positions in "
+                     f"this 40-block model (block 2 -> 3, ..., 27 -> 39); block_layout \"as-is\" "
+                     f"(--adapter-blocks as-is) turns this off"]
+
+    # A 40-block LoRA on anima-tiny (2 blocks): refused, naming it, its block and the depth.
+    cache = sluice.ModelCache(device="cpu")
+    tiny = cache.load("anima-tiny", seed=1)
+    with tiny.lock() as m:
+        with pytest.raises(sluice.CheckpointError,
+                           match=r"^LoRA '.*placed40\.safetensors' addresses block 39 \(trained on a 40-block Anima\), "
+                                 r"but this model has 2 blocks: an adapter for a deeper model cannot be applied$"):
+            m.lora(placed)
