@@ -9,8 +9,9 @@
 // dtype, as in `sluice run`; --dtype, its older name here, is an alias that says so.
 //
 // Inputs: x [B,C,T,H,W], timesteps [B], and either context [B,S,D] or qwen_hidden
-// [B,S,Dq] + t5_ids [B,S_t] (+ t5_weights [B,S_t]). Output: velocity (+ context when the
-// adapter ran).
+// [B,S,Dq] + t5_ids [B,S_t] (+ t5_weights [B,S_t]); with --lllite FILE[:WEIGHT], the control
+// image lllite_cond [3,H,W] or [1,3,H,W] (RGB in [0,1], any size) and, for an inpaint adapter,
+// lllite_mask [H,W] (1 = inpaint). Output: velocity (+ context when the adapter ran).
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
@@ -23,6 +24,7 @@
 
 #include "cli/adapter_args.h"
 #include "cli/commands.h"
+#include "cli/lllite_args.h"
 #include "cli/nonfinite_output.h"
 #include "cli/options.h"
 #include "runtime/error.h"
@@ -48,6 +50,7 @@ struct ForwardArgs {
   std::string vram_headroom;      // --vram-budget auto: memory left free; empty: the default
   std::string prefetch = "auto";  // most streamed layers copied ahead: auto | N
   int load_threads = 0;           // checkpoint read workers; 0: every core
+  std::string lllite;             // ControlNet-LLLite FILE[:WEIGHT]; empty: none
   std::string mask_blocks;        // blocks of the input cross_attn_mask: even|odd|all|i,j,k; empty: even
   AdapterFlags adapters;          // --lora FILE[:SCALE] (repeatable), --adapter-blocks
 };
@@ -138,7 +141,8 @@ int run_forward(const ForwardArgs& a) {
 
   // Read and check the inputs before the (slow) model load.
   const auto in = safetensors::File::open(a.inputs);
-  static const std::set<std::string> known = {"cross_attn_mask", "x", "timesteps", "context", "qwen_hidden", "t5_ids", "t5_weights"};
+  static const std::set<std::string> known = {"cross_attn_mask", "x",      "timesteps",  "context",    "qwen_hidden",
+                                              "t5_ids", "t5_weights", "lllite_cond", "lllite_mask"};
   for (const auto& t : in->tensors())
     if (!known.count(t.name))
       throw InvalidArgument("unexpected input '" + t.name + "' in '" + a.inputs +
@@ -152,6 +156,11 @@ int run_forward(const ForwardArgs& a) {
     throw InvalidArgument("inputs file '" + a.inputs + "' has neither 'context' nor 'qwen_hidden' + 't5_ids'");
   if (use_adapter && !(in->contains("qwen_hidden") && in->contains("t5_ids")))
     throw InvalidArgument("inputs file '" + a.inputs + "': the adapter needs both 'qwen_hidden' and 't5_ids'");
+  if (a.lllite.empty() && (in->contains("lllite_cond") || in->contains("lllite_mask")))
+    throw InvalidArgument("inputs file '" + a.inputs + "' has LLLite inputs (lllite_cond/lllite_mask) but no --lllite");
+  if (!a.lllite.empty() && !in->contains("lllite_cond"))
+    throw InvalidArgument("--lllite needs the control image 'lllite_cond' [3,H,W] (RGB in [0,1]) in inputs file '" +
+                          a.inputs + "'");
   if (!use_adapter && in->contains("t5_weights"))
     throw InvalidArgument("inputs file '" + a.inputs + "' has 't5_weights' without 'qwen_hidden' + 't5_ids'");
 
@@ -222,6 +231,18 @@ int run_forward(const ForwardArgs& a) {
     check.check("context", context, {"B", "S", std::to_string(cfg.context_dim)});
     context = context.to(device, dtype);
   }
+  LLLiteHandle lllite;  // Note [LoRA lifetime]: unbound with the lock at the latest
+  if (!a.lllite.empty()) {
+    const LLLiteSpec spec = parse_lllite_spec(a.lllite, /*with_range=*/false, "--lllite");
+    const at::Tensor cond = in->tensor("lllite_cond");
+    require_floating_finite("lllite_cond", cond, a.inputs);
+    std::optional<at::Tensor> mask;
+    if (in->contains("lllite_mask")) {
+      mask = in->tensor("lllite_mask");
+      require_floating_finite("lllite_mask", *mask, a.inputs);
+    }
+    lllite = model.apply_lllite(spec.path, cond, spec.weight, mask, a.adapters.layout());
+  }
   // Timesteps stay fp32: the sinusoid is computed in fp32 (models/anima/embedders.h), and rounding
   // sigma to bf16 first would change the embedding.
   const at::Tensor x_in = x.to(device, dtype), t_in = timesteps.to(device, at::kFloat);
@@ -290,6 +311,10 @@ Subcommand add_forward(CLI::App& root) {
       ->capture_default_str();
   add_load_threads_option(sub, args->load_threads);
   add_adapter_options(sub, args->adapters);
+  sub->add_option("--lllite", args->lllite,
+                  "ControlNet-LLLite file and weight (-10..10, default 1), its control image 'lllite_cond' (and "
+                  "'lllite_mask') in --inputs")
+      ->check(lllite_spec_validator(/*with_range=*/false, "--lllite"));
   check_output_paths(sub, {{"--output", &args->output}},  // Note [output paths]
                      {{"--checkpoint", &args->checkpoint}, {"--inputs", &args->inputs}, {"--config", &args->config}});
   return {sub, [args] { return run_forward(*args); }};

@@ -54,6 +54,7 @@
 
 #include "cli/adapter_args.h"
 #include "cli/commands.h"
+#include "cli/lllite_args.h"
 #include "cli/options.h"
 #include "cli/nonfinite_output.h"
 #include "cli/run_progress.h"
@@ -98,6 +99,9 @@ struct RunArgs {
   std::string stats_json;                 // stats JSON file
   std::string trace;                      // Chrome/Perfetto trace file
   std::string timeline;                   // SVG timeline of one steady-state step
+  std::string lllite;                     // ControlNet-LLLite FILE[:WEIGHT[:BEGIN:END]]; empty: none
+  std::string control_image;              // its control image (PNG)
+  std::string control_mask;               // its inpaint mask (PNG), for a 4-channel adapter
 };
 
 constexpr const char* kCpuDefaultPreset = "anima-medium";
@@ -328,6 +332,22 @@ int run(const RunArgs& args) {
   // --lora: applied for the whole run (until the lock ends), one line each.
   const std::vector<LoraHandle> loras = apply_loras(locked, a.adapters, &std::cout);
 
+  // ControlNet-LLLite (README, "ControlNet-LLLite"): bound for the whole run, its weight set
+  // per step by InvokeAI's step gate.
+  std::optional<LLLiteSpec> lllite_spec;
+  LLLiteHandle lllite;
+  if (!a.lllite.empty()) {
+    lllite_spec = parse_lllite_spec(a.lllite, /*with_range=*/true, "--lllite");
+    std::optional<at::Tensor> mask;
+    if (!a.control_mask.empty()) mask = read_png(a.control_mask, /*rgb=*/false);
+    lllite = locked.apply_lllite(lllite_spec->path, read_png(a.control_image, /*rgb=*/true), lllite_spec->weight, mask,
+                                 a.adapters.layout());
+    std::cout << "lllite: " << lllite_spec->path << ", weight " << fmt("%g", lllite_spec->weight) << " for steps "
+              << fmt("%g", lllite_spec->begin) << ".." << fmt("%g", lllite_spec->end) << " of the run, "
+              << lllite.modules() << " modules on " << lllite.bound_layers() << " layers, " << mb(lllite.device_bytes())
+              << ", control image " << a.control_image << (mask ? ", mask " + a.control_mask : std::string()) << "\n";
+  }
+
   const int64_t B = ctx.cond.size(0);
   const int64_t lat = px / kLatentScale;
   const at::Tensor noise = sampling::initial_noise({B, info.in_channels, 1, lat, lat}, a.seed);
@@ -358,6 +378,7 @@ int run(const RunArgs& args) {
                           : which == sampling::Guidance::uncond ? ctx.uncond
                                                                 : ctx_both;
     const at::Tensor t = at::full({x.size(0)}, sigma, at::kFloat);
+    if (lllite_spec) lllite.set_weight(lllite_step_weight(*lllite_spec, step, so.steps));
     // The sampler's own cast to the latent (a no-op there now), so that the check reads the host copy.
     const at::Tensor v = locked.forward(x, t, c, on_layer).to(x.device(), x.scalar_type());
     if (!all_finite(v)) fail(nonfinite_output_message("dit", "velocity", v, locked.locate_nonfinite(x, t, c)));
@@ -532,6 +553,17 @@ Subcommand add_run(CLI::App& root) {
   sub->add_option("--seed", a->seed, "Seed of the initial noise and of the random context (0 to 2^64 - 1)")
       ->check(seed_validator())
       ->capture_default_str();
+  sub->add_option("--lllite", a->lllite,
+                  "ControlNet-LLLite file, weight (-10..10, default 1) and the fractions of the steps it runs for "
+                  "(default 0:1), with --control-image")
+      ->check(lllite_spec_validator(/*with_range=*/true, "--lllite"));
+  CLI::Option* control_image =
+      sub->add_option("--control-image", a->control_image, "The LLLite's control image (PNG, 8-bit; any size)");
+  CLI::Option* control_mask = sub->add_option("--control-mask", a->control_mask,
+                                              "An inpaint LLLite's mask (PNG, 8-bit; white = inpaint)");
+  control_mask->needs(control_image);
+  sub->get_option("--lllite")->needs(control_image);
+  control_image->needs(sub->get_option("--lllite"));
   sub->add_option("--context", a->context, "safetensors file with 'context' [B,S,D] (+ 'negative_context'); default random");
   // Note [output paths]: each checked, and against the others and the inputs, before any work.
   sub->add_option("--output", a->output, "Write the final latent here (.safetensors, tensor 'latent')")

@@ -30,7 +30,7 @@ esac
 # 1. Debian packages. Catch2 and Google Benchmark are needed to configure (tests and
 # benchmarks are part of the build), so the run setup installs them too; they are small.
 APT_PKGS=(build-essential cmake ninja-build ccache python3-venv python3-dev libspdlog-dev libmimalloc-dev catch2
-          libbenchmark-dev nlohmann-json3-dev libcli11-dev)
+          libbenchmark-dev nlohmann-json3-dev libcli11-dev libpng-dev)
 # Test-only: a headless browser for the timeline SVG's rendering test
 # (tests/python/test_timeline_browser.py, which fails without it).
 if [ "$FOR" = test ]; then

@@ -26,7 +26,9 @@
 // offload::SidecarPlacer) and released when the scope ends; the stored weights are never
 // touched, so removal restores the plain output bit for bit.
 //
-// Tested by: tests/models/anima/test_lllite.cpp, tests/api/test_lllite_api.cpp (the C++ and C API).
+// Tested by: tests/models/anima/test_lllite.cpp, tests/api/test_lllite_api.cpp (the C++ and C API),
+// tests/python/test_lllite_parity.py (against InvokeAI's AnimaControlNetLLLite),
+// tests/cli/test_lllite_cli.cpp (sluice forward/run --lllite).
 #include <ATen/ATen.h>
 
 #include <atomic>
