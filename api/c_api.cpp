@@ -329,6 +329,24 @@ sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwe
   });
 }
 
+sluice_status sluice_encode_text_semantic(sluice_locked* lock, const DLManagedTensor* qwen_hidden,
+                                          const DLManagedTensor* t5_ids, const DLManagedTensor* t5_weights,
+                                          const DLManagedTensor* qwen35_hidden, const DLManagedTensor* qwen35_mask,
+                                          const DLManagedTensor* timesteps, DLManagedTensor** out) {
+  return guarded([&] {
+    need_out(out, "out");
+    sluice::LockedModel& m = need(lock, "lock").locked;
+    std::optional<at::Tensor> w;
+    if (t5_weights != nullptr) w = borrow(t5_weights, "t5_weights");
+    sluice::SemanticInputs semantic;
+    semantic.qwen35_hidden = {borrow(qwen35_hidden, "qwen35_hidden")};
+    if (qwen35_mask != nullptr) semantic.qwen35_mask = borrow(qwen35_mask, "qwen35_mask");
+    semantic.timesteps = borrow(timesteps, "timesteps");
+    const at::Tensor ctx = m.encode_text(borrow(qwen_hidden, "qwen_hidden"), borrow(t5_ids, "t5_ids"), w, semantic);
+    *out = at::toDLPack(ctx);
+  });
+}
+
 sluice_status sluice_lora_apply(sluice_locked* lock, const char* path, double scale, sluice_lora** out) {
   return guarded([&] {
     need_out(out, "out");

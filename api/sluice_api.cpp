@@ -19,6 +19,7 @@
 #include "models/anima/anima.h"
 #include "models/anima/config.h"
 #include "models/anima/lllite.h"
+#include "models/anima/semantic_connector.h"
 #include "models/lora.h"
 #include "offload/device/cpu_device.h"
 #include "offload/device/device.h"
@@ -105,6 +106,11 @@ ModelInfo make_info(const cache::ModelCache& c, const std::shared_ptr<cache::Ent
     i.adapter_source_dim = cfg.adapter.source_dim;
     i.adapter_vocab_size = cfg.adapter.vocab_size;
     i.adapter_output_tokens = cfg.adapter.output_tokens;
+  }
+  i.has_connector = cfg.connector.enabled;
+  if (cfg.connector.enabled) {
+    i.connector_layers = static_cast<int64_t>(cfg.connector.layer_indices.size());
+    i.connector_source_dim = cfg.connector.source_dim;
   }
   i.config_json = anima::config_to_json(cfg).dump();
   return i;
@@ -573,7 +579,25 @@ void LockedModel::synchronize() {
 
 at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                                     const std::optional<at::Tensor>& t5_weights) {
+  return encode_text(qwen_hidden, t5_ids, t5_weights, SemanticInputs{});
+}
+
+at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                    const std::optional<at::Tensor>& t5_weights, const SemanticInputs& semantic) {
   const auto& t = need(token_);
+  // The connector's inputs, as the model checks them (models/anima/semantic_connector.h).
+  anima::ConnectorInputs connector;
+  connector.hidden = semantic.qwen35_hidden;
+  connector.mask = semantic.qwen35_mask;
+  connector.timesteps = semantic.timesteps;
+  for (size_t i = 0; i < connector.hidden.size(); ++i) {
+    const std::string name = "qwen35_hidden[" + std::to_string(i) + "]";
+    if (connector.hidden[i].defined()) require_floating(name.c_str(), connector.hidden[i]);
+    if (connector.hidden[i].defined()) require_finite_inputs("encode_text", {{name.c_str(), &connector.hidden[i]}});
+  }
+  if (connector.timesteps.defined() && connector.timesteps.is_floating_point()) {
+    require_finite_inputs("encode_text", {{"timesteps", &connector.timesteps}});
+  }
   require_floating("qwen_hidden", qwen_hidden);
   if (!t5_ids.defined()) throw InvalidArgument("input 't5_ids' is undefined");
   if (at::isFloatingType(t5_ids.scalar_type()) || at::isComplexType(t5_ids.scalar_type()) ||
@@ -591,7 +615,8 @@ at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Ten
     std::optional<at::Tensor> w;
     if (t5_weights) w = t5_weights->to(dev, dt);
     offload::ForwardScope scope(engine, "adapter");
-    out = m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w);
+    out = m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w,
+                        connector.given() ? &connector : nullptr);
   });
   return out;
 }

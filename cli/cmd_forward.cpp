@@ -11,7 +11,10 @@
 // Inputs: x [B,C,T,H,W], timesteps [B], and either context [B,S,D] or qwen_hidden
 // [B,S,Dq] + t5_ids [B,S_t] (+ t5_weights [B,S_t]); with --lllite FILE[:WEIGHT], the control
 // image lllite_cond [3,H,W] or [1,3,H,W] (RGB in [0,1], any size) and, for an inpaint adapter,
-// lllite_mask [H,W] (1 = inpaint). Output: velocity (+ context when the adapter ran).
+// lllite_mask [H,W] (1 = inpaint); for a semantic connector (Anima-3.8B
+// v1.1), qwen35_hidden [layers,B,S',W] or qwen35_hidden_0.. [B,S',W], and qwen35_mask [B,S']
+// (optional; the connector's timestep is `timesteps`). Output: velocity (+ context when the
+// adapter ran).
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
@@ -143,8 +146,15 @@ int run_forward(const ForwardArgs& a) {
   const auto in = safetensors::File::open(a.inputs);
   static const std::set<std::string> known = {"cross_attn_mask", "x",      "timesteps",  "context",    "qwen_hidden",
                                               "t5_ids", "t5_weights", "lllite_cond", "lllite_mask"};
+  // The semantic connector's Qwen3.5 layers: one stacked tensor or one per layer.
+  const auto is_qwen35_layer = [](const std::string& n) {
+    return n.rfind("qwen35_hidden_", 0) == 0 && n.size() > 14 &&
+           n.find_first_not_of("0123456789", 14) == std::string::npos;
+  };
+  bool semantic = false;
+  for (const auto& t : in->tensors()) semantic |= t.name == "qwen35_hidden" || t.name == "qwen35_mask" || is_qwen35_layer(t.name);
   for (const auto& t : in->tensors())
-    if (!known.count(t.name))
+    if (!known.count(t.name) && t.name != "qwen35_hidden" && t.name != "qwen35_mask" && !is_qwen35_layer(t.name))
       throw InvalidArgument("unexpected input '" + t.name + "' in '" + a.inputs +
                             "' (expected x, timesteps, context or qwen_hidden + t5_ids [+ t5_weights])");
   for (const char* name : {"x", "timesteps"})
@@ -156,6 +166,9 @@ int run_forward(const ForwardArgs& a) {
     throw InvalidArgument("inputs file '" + a.inputs + "' has neither 'context' nor 'qwen_hidden' + 't5_ids'");
   if (use_adapter && !(in->contains("qwen_hidden") && in->contains("t5_ids")))
     throw InvalidArgument("inputs file '" + a.inputs + "': the adapter needs both 'qwen_hidden' and 't5_ids'");
+  if (!use_adapter && semantic)
+    throw InvalidArgument("inputs file '" + a.inputs +
+                          "' has semantic connector inputs (qwen35_hidden/qwen35_mask) without 'qwen_hidden' + 't5_ids'");
   if (a.lllite.empty() && (in->contains("lllite_cond") || in->contains("lllite_mask")))
     throw InvalidArgument("inputs file '" + a.inputs + "' has LLLite inputs (lllite_cond/lllite_mask) but no --lllite");
   if (!a.lllite.empty() && !in->contains("lllite_cond"))
@@ -220,7 +233,21 @@ int run_forward(const ForwardArgs& a) {
       weights = w.to(device, dtype);
     }
     const at::Tensor qwen_in = qwen.to(device, dtype), ids_in = ids_long.to(device);
-    context = model.encode_text(qwen_in, ids_in, weights);
+    SemanticInputs sem;
+    if (semantic) {
+      if (!cfg.has_connector)
+        throw InvalidArgument("inputs file '" + a.inputs + "' has semantic connector inputs (qwen35_hidden/qwen35_mask) "
+                              "but model '" + a.checkpoint + "' has no semantic connector");
+      if (in->contains("qwen35_hidden")) {
+        sem.qwen35_hidden.push_back(in->tensor("qwen35_hidden"));
+      } else {
+        for (int64_t i = 0; in->contains("qwen35_hidden_" + std::to_string(i)); ++i)
+          sem.qwen35_hidden.push_back(in->tensor("qwen35_hidden_" + std::to_string(i)));
+      }
+      if (in->contains("qwen35_mask")) sem.qwen35_mask = in->tensor("qwen35_mask");
+      sem.timesteps = timesteps;  // the connector embeds the step's sigma too
+    }
+    context = model.encode_text(qwen_in, ids_in, weights, sem);
     if (!all_finite(context))  // Note [non-finite values]: named by a re-run with a per-layer check
       throw Error("sluice forward: " + nonfinite_output_message("adapter", "context", context,
                                                                 model.locate_nonfinite_text(qwen_in, ids_in, weights)));

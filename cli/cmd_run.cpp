@@ -95,6 +95,7 @@ struct RunArgs {
   AdapterFlags adapters;                  // --lora FILE[:SCALE] (repeatable), --adapter-blocks
   uint64_t seed = 0;                      // noise and random-context seed
   std::string context;                    // safetensors with `context` [B,S,D] (+ optional `negative_context`)
+  std::string connector_inputs;           // safetensors with a semantic connector's text inputs; empty: none
   std::string output;                     // final latent (.safetensors)
   std::string stats_json;                 // stats JSON file
   std::string trace;                      // Chrome/Perfetto trace file
@@ -224,6 +225,59 @@ Context load_context(const RunArgs& a, const ModelInfo& info) {
   return c;
 }
 
+// The text inputs of a model with a semantic connector (README "Anima-3.8B v1.1's semantic
+// connector"): the conditional context is encoded from them again at every step, since the
+// connector's output depends on the timestep.
+struct ConnectorText {
+  at::Tensor qwen, ids;                   // the native adapter's inputs
+  std::optional<at::Tensor> weights;      // t5_weights
+  SemanticInputs semantic;                // the Qwen3.5 layers and mask (timesteps set per step)
+  int64_t batch = 0;
+};
+
+std::optional<ConnectorText> load_connector_inputs(const RunArgs& a, const ModelInfo& info) {
+  if (a.connector_inputs.empty()) return std::nullopt;
+  const std::string& path = a.connector_inputs;
+  if (!info.has_connector)
+    throw InvalidArgument("--connector-inputs '" + path + "': model '" + info.name + "' has no semantic connector");
+  const auto f = safetensors::File::open(path);
+  const auto is_layer = [](const std::string& n) {
+    return n.rfind("qwen35_hidden_", 0) == 0 && n.size() > 14 &&
+           n.find_first_not_of("0123456789", 14) == std::string::npos;
+  };
+  for (const auto& t : f->tensors()) {
+    if (t.name != "qwen_hidden" && t.name != "t5_ids" && t.name != "t5_weights" && t.name != "qwen35_hidden" &&
+        t.name != "qwen35_mask" && !is_layer(t.name))
+      throw InvalidArgument("unexpected tensor '" + t.name + "' in connector inputs '" + path +
+                            "' (expected qwen_hidden, t5_ids [+ t5_weights], qwen35_hidden or qwen35_hidden_0.. "
+                            "[+ qwen35_mask])");
+  }
+  for (const char* name : {"qwen_hidden", "t5_ids"})
+    if (!f->contains(name)) throw InvalidArgument("connector inputs '" + path + "' have no '" + name + "' tensor");
+  ConnectorText c;
+  c.qwen = f->tensor("qwen_hidden");
+  c.ids = f->tensor("t5_ids");
+  if (c.qwen.dim() != 3 || c.qwen.size(2) != info.adapter_source_dim || !at::isFloatingType(c.qwen.scalar_type()))
+    throw InvalidArgument("tensor 'qwen_hidden' in '" + path + "' has shape " + shape_str(c.qwen.sizes()) + " (" +
+                          c10::toString(c.qwen.scalar_type()) + "), expected floating-point [B, S, " +
+                          std::to_string(info.adapter_source_dim) + "]");
+  require_finite(c.qwen, "tensor 'qwen_hidden' in '" + path + "'");
+  c.batch = c.qwen.size(0);
+  if (f->contains("t5_weights")) c.weights = f->tensor("t5_weights");
+  if (f->contains("qwen35_hidden")) {
+    c.semantic.qwen35_hidden.push_back(f->tensor("qwen35_hidden"));
+  } else {
+    for (int64_t i = 0; f->contains("qwen35_hidden_" + std::to_string(i)); ++i)
+      c.semantic.qwen35_hidden.push_back(f->tensor("qwen35_hidden_" + std::to_string(i)));
+  }
+  if (c.semantic.qwen35_hidden.empty())
+    throw InvalidArgument("connector inputs '" + path + "' have no 'qwen35_hidden' [" +
+                          std::to_string(info.connector_layers) + ", B, S', " +
+                          std::to_string(info.connector_source_dim) + "] (or qwen35_hidden_0..)");
+  if (f->contains("qwen35_mask")) c.semantic.qwen35_mask = f->tensor("qwen35_mask");
+  return c;
+}
+
 int run(const RunArgs& args) {
   RunArgs a = args;
   const bool embedded = a.checkpoint.empty() && a.synthetic.empty();
@@ -284,6 +338,20 @@ int run(const RunArgs& args) {
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   const ModelInfo& info = locked.info();
   const Context ctx = load_context(a, info);  // before any output: errors leave stdout empty
+  const std::optional<ConnectorText> connector = load_connector_inputs(a, info);
+  if (connector) {
+    // Checked once here (shapes, widths, mask), so that a bad file fails before any step.
+    ConnectorText probe = *connector;
+    if (probe.batch != ctx.cond.size(0))
+      throw InvalidArgument("connector inputs '" + a.connector_inputs + "' have batch " + std::to_string(probe.batch) +
+                            ", the context has " + std::to_string(ctx.cond.size(0)));
+    if (ctx.cond.size(1) != info.adapter_output_tokens)
+      throw InvalidArgument("with --connector-inputs the context must have the adapter's " +
+                            std::to_string(info.adapter_output_tokens) + " tokens, '" + a.context + "' has " +
+                            std::to_string(ctx.cond.size(1)));
+    probe.semantic.timesteps = at::ones({probe.batch}, at::kFloat);
+    locked.encode_text(probe.qwen, probe.ids, probe.weights, probe.semantic);
+  }
   const ModelStats ms0 = model.stats();
   const CacheStats cs0 = cache.stats();
 
@@ -298,6 +366,11 @@ int run(const RunArgs& args) {
               << "\n";
   }
   std::cout << "hardware: " << hardware_summary(device) << "\n";
+  if (connector) {
+    std::cout << "semantic connector: context encoded at every step from " << a.connector_inputs << " (qwen_hidden "
+              << shape_str(connector->qwen.sizes()) << ", " << connector->semantic.qwen35_hidden.size()
+              << " Qwen3.5 tensor(s)" << (connector->semantic.qwen35_mask.defined() ? ", with mask" : "") << ")\n";
+  }
   // Note [host memory limit] (runtime/host_memory_limit.h): what the host-side defaults
   // came from, a container's cgroup limit included.
   std::cout << "host memory limit: "
@@ -373,11 +446,21 @@ int run(const RunArgs& args) {
     }
     throw Error("sluice run: step " + std::to_string(step + 1) + "/" + std::to_string(so.steps) + ": " + what);
   };
+  auto connector_context = [&](sampling::Guidance which, double sigma) {
+    ConnectorText in = *connector;
+    in.semantic.timesteps = at::full({in.batch}, sigma, at::kFloat);
+    const at::Tensor cond = locked.encode_text(in.qwen, in.ids, in.weights, in.semantic).to(at::kCPU, at::kFloat);
+    if (which == sampling::Guidance::cond) return cond;
+    if (which == sampling::Guidance::uncond) return ctx.uncond;
+    return at::cat({ctx.uncond, cond}, 0);
+  };
   auto velocity = [&](const at::Tensor& x, double sigma, sampling::Guidance which) {
-    const at::Tensor& c = which == sampling::Guidance::cond     ? ctx.cond
+    const at::Tensor& c_fixed = which == sampling::Guidance::cond     ? ctx.cond
                           : which == sampling::Guidance::uncond ? ctx.uncond
                                                                 : ctx_both;
     const at::Tensor t = at::full({x.size(0)}, sigma, at::kFloat);
+    // A semantic connector's context follows sigma: the conditional part is encoded at every step.
+    const at::Tensor c = connector ? connector_context(which, sigma) : c_fixed;
     if (lllite_spec) lllite.set_weight(lllite_step_weight(*lllite_spec, step, so.steps));
     // The sampler's own cast to the latent (a no-op there now), so that the check reads the host copy.
     const at::Tensor v = locked.forward(x, t, c, on_layer).to(x.device(), x.scalar_type());
@@ -565,6 +648,11 @@ Subcommand add_run(CLI::App& root) {
   sub->get_option("--lllite")->needs(control_image);
   control_image->needs(sub->get_option("--lllite"));
   sub->add_option("--context", a->context, "safetensors file with 'context' [B,S,D] (+ 'negative_context'); default random");
+  sub->add_option("--connector-inputs", a->connector_inputs,
+                  "For a model with a semantic connector (Anima-3.8B v1.1): safetensors with qwen_hidden, t5_ids "
+                  "[+ t5_weights], qwen35_hidden [layers,B,S',W] [+ qwen35_mask]; the context is encoded from them "
+                  "at every step")
+      ->check(CLI::ExistingFile);
   // Note [output paths]: each checked, and against the others and the inputs, before any work.
   sub->add_option("--output", a->output, "Write the final latent here (.safetensors, tensor 'latent')")
       ->check(output_file_validator());

@@ -181,6 +181,16 @@ sluice_status sluice_synchronize(sluice_locked* lock);
  * -> *out context [B, output_tokens, D]. */
 sluice_status sluice_encode_text(sluice_locked* lock, const DLManagedTensor* qwen_hidden, const DLManagedTensor* t5_ids,
                                  const DLManagedTensor* t5_weights, DLManagedTensor** out);
+/* The same through Anima-3.8B v1.1's semantic connector (README "Anima-3.8B v1.1's semantic
+ * connector"): qwen35_hidden [layers, B, S', W] (the Qwen3.5 layers 7, 15, 23, 31 stacked),
+ * qwen35_mask [B, S'] (non-zero: a valid token) or NULL (all valid), timesteps [B] (the sigma
+ * the DiT gets at this step: the context depends on it, so encode again every step).
+ * SLUICE_ERROR_INVALID_ARGUMENT naming the input for a model without a connector, a wrong
+ * layer count or width, a mask of another shape. */
+sluice_status sluice_encode_text_semantic(sluice_locked* lock, const DLManagedTensor* qwen_hidden,
+                                          const DLManagedTensor* t5_ids, const DLManagedTensor* t5_weights,
+                                          const DLManagedTensor* qwen35_hidden, const DLManagedTensor* qwen35_mask,
+                                          const DLManagedTensor* timesteps, DLManagedTensor** out);
 
 /* LoRA sidecars on a locked model (the stored weights are never modified). The model's device
  * share grows by their bytes from the free budget (only what it cannot give streams more of its

@@ -173,11 +173,24 @@ struct ModelInfo {
   int64_t adapter_source_dim = 0;     // qwen_hidden is [B, S, adapter_source_dim]
   int64_t adapter_vocab_size = 0;     // t5_ids in [0, adapter_vocab_size)
   int64_t adapter_output_tokens = 0;  // encode_text returns [B, adapter_output_tokens, context_dim]
+  bool has_connector = false;         // a semantic connector (Anima-3.8B v1.1): SemanticInputs accepted
+  int64_t connector_layers = 0;       // SemanticInputs::qwen35_hidden holds this many layers
+  int64_t connector_source_dim = 0;   // each [B, S', connector_source_dim]
   std::string config_json;            // the full config
 };
 
 class LockedModel;
 class LoraHandle;
+
+// The semantic connector's inputs for one encode_text (Anima-3.8B v1.1; README "Anima-3.8B
+// v1.1's semantic connector"). Its output depends on the timestep: encode again every step.
+struct SemanticInputs {
+  // Qwen3.5 hidden states: ModelInfo::connector_layers tensors [B, S', connector_source_dim]
+  // (layers 7, 15, 23, 31 of Qwen3.5-4B, in that order), or one stacked [layers, B, S', width].
+  std::vector<at::Tensor> qwen35_hidden;
+  at::Tensor qwen35_mask;  // [B, S'], true (non-zero) for a valid token; undefined: all valid
+  at::Tensor timesteps;    // [B]: the sigma the DiT gets at this step
+};
 
 // Where an adapter's block indices go (a LoRA's, an LLLite's) when it was trained on a shallower
 // Anima than the model: Anima-2.9B (40 blocks) and Anima-3.8B (52) insert new blocks between
@@ -386,6 +399,11 @@ class LockedModel {
   // Non-finite qwen_hidden or t5_weights are an InvalidArgument as in forward.
   at::Tensor encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                          const std::optional<at::Tensor>& t5_weights = std::nullopt);
+  // The same through the semantic connector (ModelInfo::has_connector). InvalidArgument, one
+  // line, for a model without one, a wrong layer count or width, a mask of another shape, a
+  // missing timestep, or non-finite values.
+  at::Tensor encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                         const std::optional<at::Tensor>& t5_weights, const SemanticInputs& semantic);
 
   // Runs forward (encode_text) again on the same inputs with a check after every layer
   // and block, and returns the first module whose output held a NaN or Inf; nothing when

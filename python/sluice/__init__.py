@@ -181,9 +181,21 @@ class LockedModel:
         raise InvalidArgument(f"mask_blocks '{mask_blocks}' is not one of: even, odd, all, or a list of block indices")
 
     def encode_text(self, qwen_hidden: torch.Tensor, t5_ids: torch.Tensor,
-                    t5_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """LLM adapter: Qwen hidden states and T5 ids -> the DiT's cross-attention context."""
-        return self._locked.encode_text(qwen_hidden, t5_ids, t5_weights)
+                    t5_weights: Optional[torch.Tensor] = None, *,
+                    qwen35_hidden: Optional[Union[torch.Tensor, Sequence[torch.Tensor]]] = None,
+                    qwen35_mask: Optional[torch.Tensor] = None,
+                    timesteps: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """LLM adapter: Qwen hidden states and T5 ids -> the DiT's cross-attention context.
+
+        A model with a semantic connector (Anima-3.8B v1.1; info["connector"]["enabled"]) also
+        takes the Qwen3.5 hidden states of its layers (qwen35_hidden: one [layers, B, S', W]
+        tensor or a list of [B, S', W]), their mask [B, S'] (None: all valid) and the step's
+        timesteps [B] (sigma); its output depends on the timestep, so encode again every step.
+        Without them such a model runs its native adapter alone (logged once)."""
+        hidden = None
+        if qwen35_hidden is not None:
+            hidden = [qwen35_hidden] if isinstance(qwen35_hidden, torch.Tensor) else list(qwen35_hidden)
+        return self._locked.encode_text(qwen_hidden, t5_ids, t5_weights, hidden, qwen35_mask, timesteps)
 
     def locate_nonfinite(self, x: torch.Tensor, timesteps: torch.Tensor,
                          context: torch.Tensor, cross_attn_mask: Optional[torch.Tensor] = None,

@@ -302,8 +302,21 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("x"), py::arg("timesteps"), py::arg("context"), py::arg("progress") = py::none(),
           py::arg("cross_attn_mask") = std::nullopt, py::arg("mask_blocks") = std::nullopt)
-      .def("encode_text", &sluice::LockedModel::encode_text, py::arg("qwen_hidden"), py::arg("t5_ids"),
-           py::arg("t5_weights") = std::nullopt, release_gil())
+      .def(
+          "encode_text",
+          [](sluice::LockedModel& m, const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+             const std::optional<at::Tensor>& t5_weights, const std::optional<std::vector<at::Tensor>>& qwen35_hidden,
+             const std::optional<at::Tensor>& qwen35_mask, const std::optional<at::Tensor>& timesteps) {
+            // The semantic connector's inputs (README "Anima-3.8B v1.1's semantic connector").
+            sluice::SemanticInputs semantic;
+            if (qwen35_hidden) semantic.qwen35_hidden = *qwen35_hidden;
+            if (qwen35_mask) semantic.qwen35_mask = *qwen35_mask;
+            if (timesteps) semantic.timesteps = *timesteps;
+            return m.encode_text(qwen_hidden, t5_ids, t5_weights, semantic);
+          },
+          py::arg("qwen_hidden"), py::arg("t5_ids"), py::arg("t5_weights") = std::nullopt,
+          py::arg("qwen35_hidden") = std::nullopt, py::arg("qwen35_mask") = std::nullopt,
+          py::arg("timesteps") = std::nullopt, release_gil())
       .def(
           "locate_nonfinite",
           [](sluice::LockedModel& m, const at::Tensor& x, const at::Tensor& timesteps, const at::Tensor& context,

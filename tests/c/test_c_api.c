@@ -1,7 +1,8 @@
 /* The C API as a C host sees it: compiled as C (not C++), it loads a generated model, runs
  * a forward under a 50% residency cap in CPU-as-device mode, reads the stats, compares the
  * output bit for bit with a fully resident run, checks that a LoRA ends with the lock it was
- * applied through, runs a forward with a regional-prompting mask (sluice_forward_masked), and
+ * applied through, runs a forward with a regional-prompting mask (sluice_forward_masked), encodes
+ * text through a semantic connector (sluice_encode_text_semantic), and
  * checks the errors for a missing file, a bad budget, a wrong tensor shape, a NaN input, a
  * bad mask and a NULL handle. Exit status 0 = every check passed. */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, fdopen */
@@ -10,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <unistd.h> /* getpid */
 
 #include "sluice/sluice.h"
 
@@ -461,6 +464,112 @@ static void lora_block_layout(void) {
   sluice_cache_destroy(cache);
 }
 
+/* An int64 CPU tensor [B, n] of ids in [0, 128), as DLPack (the T5 ids). */
+typedef struct {
+  DLManagedTensor managed;
+  int64_t shape[2];
+  int64_t* data;
+} OwnedIds;
+
+static void ids_deleter(DLManagedTensor* self) {
+  OwnedIds* t = (OwnedIds*)self->manager_ctx;
+  free(t->data);
+  free(t);
+}
+
+static OwnedIds* make_ids(int64_t B, int64_t n) {
+  OwnedIds* t = (OwnedIds*)calloc(1, sizeof(OwnedIds));
+  t->shape[0] = B;
+  t->shape[1] = n;
+  t->data = (int64_t*)malloc((size_t)(B * n) * sizeof(int64_t));
+  for (int64_t i = 0; i < B * n; ++i) t->data[i] = (i * 37 + 11) % 128;
+  t->managed.dl_tensor.data = t->data;
+  t->managed.dl_tensor.device.device_type = kDLCPU;
+  t->managed.dl_tensor.ndim = 2;
+  t->managed.dl_tensor.dtype.code = kDLInt;
+  t->managed.dl_tensor.dtype.bits = 64;
+  t->managed.dl_tensor.dtype.lanes = 1;
+  t->managed.dl_tensor.shape = t->shape;
+  t->managed.manager_ctx = t;
+  t->managed.deleter = ids_deleter;
+  return t;
+}
+
+/* Anima-3.8B v1.1's semantic connector (sluice_encode_text_semantic) on a small generated
+ * model: the context follows the timestep and differs from the native adapter's; a wrong
+ * width and a model without a connector are one-line errors. */
+static void semantic_connector(void) {
+  char config[96];
+  snprintf(config, sizeof config, "/tmp/sluice_c_api_connector_%ld.json", (long)getpid());
+  FILE* f = fopen(config, "w");
+  fputs("{\"preset\": \"anima-tiny\", \"name\": \"tiny-connector\", \"connector\": {\"enabled\": true, "
+        "\"num_queries\": 8, \"resampler_blocks\": 2, \"resampler_dim\": 32, \"resampler_heads\": 4, "
+        "\"mlp_hidden_dim\": 48, \"source_dim\": 24}}",
+        f);
+  fclose(f);
+  sluice_cache* cache = make_cache();
+  sluice_load_options lo;
+  sluice_load_options_init(&lo);
+  lo.seed = 5;
+  lo.storage = "float32";
+  lo.compute = "float32";
+  sluice_model* model = NULL;
+  REQUIRE_OK(sluice_load(cache, config, &lo, &model));
+  sluice_locked* lock = NULL;
+  REQUIRE_OK(sluice_lock(model, &lock));
+  const int64_t qs[3] = {1, 7, 32}, hs[4] = {4, 1, 6, 24}, wide_s[4] = {4, 1, 6, 25}, ts[1] = {1};
+  OwnedTensor* qwen = make_tensor(3, qs, 3);
+  OwnedIds* ids = make_ids(1, 5);
+  OwnedTensor* hidden = make_tensor(4, hs, 4);
+  OwnedTensor* wide = make_tensor(4, wide_s, 4);
+  OwnedTensor* t1 = make_tensor(1, ts, 0);
+  OwnedTensor* t2 = make_tensor(1, ts, 0);
+  t1->data[0] = 0.3f;
+  t2->data[0] = 0.7f;
+  DLManagedTensor *a = NULL, *b = NULL, *a2 = NULL, *native = NULL;
+  REQUIRE_OK(sluice_encode_text_semantic(lock, &qwen->managed, &ids->managed, NULL, &hidden->managed, NULL,
+                                         &t1->managed, &a));
+  REQUIRE_OK(sluice_encode_text_semantic(lock, &qwen->managed, &ids->managed, NULL, &hidden->managed, NULL,
+                                         &t1->managed, &a2));
+  REQUIRE_OK(sluice_encode_text_semantic(lock, &qwen->managed, &ids->managed, NULL, &hidden->managed, NULL,
+                                         &t2->managed, &b));
+  REQUIRE_OK(sluice_encode_text(lock, &qwen->managed, &ids->managed, NULL, &native));
+  CHECK(a->dl_tensor.ndim == 3 && a->dl_tensor.shape[1] == 24 && a->dl_tensor.shape[2] == 32);
+  const size_t bytes = numel(&a->dl_tensor) * sizeof(float);
+  CHECK(memcmp(a->dl_tensor.data, a2->dl_tensor.data, bytes) == 0);     /* same t: same bits */
+  CHECK(memcmp(a->dl_tensor.data, b->dl_tensor.data, bytes) != 0);      /* another t: another context */
+  CHECK(memcmp(a->dl_tensor.data, native->dl_tensor.data, bytes) != 0); /* the connector adds to it */
+  CHECK(sluice_encode_text_semantic(lock, &qwen->managed, &ids->managed, NULL, &wide->managed, NULL, &t1->managed,
+                                    &b) == SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(sluice_last_error(), "width 25, the connector reads 24") != NULL);
+  a->deleter(a);
+  a2->deleter(a2);
+  b->deleter(b);
+  native->deleter(native);
+  sluice_unlock(lock);
+  sluice_model_release(model);
+
+  /* anima-tiny has no connector. */
+  sluice_load_options_init(&lo);
+  REQUIRE_OK(sluice_load(cache, "anima-tiny", &lo, &model));
+  REQUIRE_OK(sluice_lock(model, &lock));
+  DLManagedTensor* none = NULL;
+  CHECK(sluice_encode_text_semantic(lock, &qwen->managed, &ids->managed, NULL, &hidden->managed, NULL, &t1->managed,
+                                    &none) == SLUICE_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(sluice_last_error(), "has no semantic connector") != NULL);
+  CHECK(none == NULL);
+  sluice_unlock(lock);
+  sluice_model_release(model);
+  sluice_cache_destroy(cache);
+  release(qwen);
+  ids->managed.deleter(&ids->managed);
+  release(hidden);
+  release(wide);
+  release(t1);
+  release(t2);
+  remove(config);
+}
+
 int main(void) {
   CHECK(sluice_abi_version() == SLUICE_C_ABI_VERSION);
   CHECK(strlen(sluice_version()) >= 5);
@@ -516,6 +625,7 @@ int main(void) {
 
   lora_ends_with_its_lock();
   regional_prompting();
+  semantic_connector();
   lora_block_layout();
 
   /* Errors. */
