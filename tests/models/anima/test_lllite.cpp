@@ -11,6 +11,7 @@
 #include <string>
 
 #include "models/anima/anima.h"
+#include "models/anima/block_layout.h"
 #include "models/anima/generator.h"
 #include "models/anima/lllite.h"
 #include "models/lora.h"
@@ -398,4 +399,42 @@ TEST_CASE("lllite: resident and streamed under a budget give the same output; th
   CHECK(engine.plan().streamed_count() == 0);
   CHECK(same_bits(forward(), plain));
   engine.detach();
+}
+
+TEST_CASE("lllite: a base (28-block) adapter on a 40-block model binds the blocks it was trained on; as-is by index",
+          "[strict]") {
+  AnimaConfig c = preset("anima-tiny");
+  c.num_blocks = 40;
+  c.name = "anima-tiny-40";
+  AnimaModel m(c, BuildOptions{at::kFloat, at::kCPU});
+  auto params = m->named_parameters();
+  for (const auto& [n, t] : random_weights(c, 3, at::kFloat)) params[n].set_data(t);
+  LLLiteFileSpec s;
+  s.blocks = 28;
+  const LLLiteAdapter a = lllite_from_tensors(lllite_file(s), {}, "base.safetensors");
+  const std::vector<int64_t> pos = block_positions(28, 40);
+  REQUIRE(pos.size() == 28);
+  auto bound_blocks = [&] {
+    std::vector<int64_t> blocks;
+    for (int64_t b = 0; b < 40; ++b) {
+      for (const auto& [n, l] : offload::managed_layers(*m)) {
+        if (n == "blocks." + std::to_string(b) + ".self_attn.q_proj" && !l->input_adapters().empty()) blocks.push_back(b);
+      }
+    }
+    return blocks;
+  };
+  {
+    LLLiteScope measured(*m, a, at::rand({3, 16, 16}));
+    CHECK(bound_blocks() == pos);
+    CHECK(measured.remap_line().find("LLLite 'base.safetensors'") != std::string::npos);
+    CHECK(measured.bound_layers() == 28 * 5);
+  }
+  {
+    LLLiteScope as_is(*m, a, at::rand({3, 16, 16}), 1.0, std::nullopt, /*measured_blocks=*/false);
+    std::vector<int64_t> first(28);
+    for (int64_t i = 0; i < 28; ++i) first[static_cast<size_t>(i)] = i;
+    CHECK(bound_blocks() == first);
+    CHECK(as_is.remap_line().empty());
+  }
+  for (const auto& [n, l] : offload::managed_layers(*m)) CHECK(l->input_adapters().empty());
 }
