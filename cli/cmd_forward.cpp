@@ -104,34 +104,6 @@ void require_floating_finite(const std::string& name, const at::Tensor& t, const
   require_finite(t, "input '" + name + "' in '" + file + "'");
 }
 
-// --mask-blocks: "even" (empty: the model's default, the even blocks), "odd", "all", or
-// comma-separated block indices (each checked against the model by the forward).
-std::vector<int64_t> parse_mask_blocks(const std::string& spec, int64_t num_blocks) {
-  std::vector<int64_t> blocks;
-  if (spec.empty() || spec == "even") return blocks;
-  if (spec == "odd" || spec == "all") {
-    for (int64_t i = spec == "odd" ? 1 : 0; i < num_blocks; i += spec == "odd" ? 2 : 1) blocks.push_back(i);
-    return blocks;
-  }
-  std::stringstream ss(spec);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    int64_t i = -1;
-    try {
-      i = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (item.empty() || used != item.size()) {
-      throw InvalidArgument("--mask-blocks '" + spec + "' is not even, odd, all or comma-separated block indices");
-    }
-    blocks.push_back(i);
-  }
-  if (blocks.empty()) throw InvalidArgument("--mask-blocks '" + spec + "' names no block");
-  return blocks;
-}
-
 int run_forward(const ForwardArgs& a) {
   const std::string& compute = a.dtype_alias.empty() ? a.compute : a.dtype_alias;
   // Said here, not as the flags are parsed: main applies --log-level in between.

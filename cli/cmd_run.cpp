@@ -95,6 +95,8 @@ struct RunArgs {
   AdapterFlags adapters;                  // --lora FILE[:SCALE] (repeatable), --adapter-blocks
   uint64_t seed = 0;                      // noise and random-context seed
   std::string context;                    // safetensors with `context` [B,S,D] (+ optional `negative_context`)
+  std::string cross_attn_mask;            // safetensors with `cross_attn_mask` (regional prompting); empty: none
+  std::string mask_blocks;                // the blocks it applies to: even|odd|all|i,j,k; empty: even
   std::string connector_inputs;           // safetensors with a semantic connector's text inputs; empty: none
   std::string output;                     // final latent (.safetensors)
   std::string stats_json;                 // stats JSON file
@@ -425,6 +427,39 @@ int run(const RunArgs& args) {
   const int64_t lat = px / kLatentScale;
   const at::Tensor noise = sampling::initial_noise({B, info.in_channels, 1, lat, lat}, a.seed);
   const at::Tensor ctx_both = at::cat({ctx.uncond, ctx.cond}, 0);
+  // Regional prompting (README, "Regional prompting"): the mask restricts the conditional
+  // forwards' cross-attention; the unconditional half of a batched forward gets an all-True
+  // mask (InvokeAI leaves the negative prompt unmasked). Its shape is checked by the forward.
+  std::optional<at::Tensor> cond_mask, both_mask;
+  std::vector<int64_t> mask_blocks;
+  if (!a.cross_attn_mask.empty()) {
+    const auto mf = safetensors::File::open(a.cross_attn_mask);
+    if (!mf->contains("cross_attn_mask"))
+      throw InvalidArgument("mask file '" + a.cross_attn_mask + "' has no 'cross_attn_mask' tensor");
+    at::Tensor m = mf->tensor("cross_attn_mask");
+    if (m.scalar_type() != at::kBool && m.scalar_type() != at::kByte)
+      throw InvalidArgument("tensor 'cross_attn_mask' in '" + a.cross_attn_mask + "' has dtype " +
+                            std::string(c10::toString(m.scalar_type())) + ", expected bool or uint8");
+    m = m.ne(0);
+    // The forward sees [uncond, cond] batches: name the shape this file must have here.
+    const int64_t side = (lat + info.patch_spatial - 1) / info.patch_spatial, L = side * side, S = ctx.cond.size(1);
+    const bool fits = (m.dim() == 2 && m.size(0) == L && m.size(1) == S) ||
+                      (m.dim() == 3 && m.size(0) == B && m.size(1) == L && m.size(2) == S);
+    if (!fits)
+      throw InvalidArgument("tensor 'cross_attn_mask' in '" + a.cross_attn_mask + "' has shape " + shape_str(m.sizes()) +
+                            ", expected [L, S] = [" + std::to_string(L) + ", " + std::to_string(S) + "] or [" +
+                            std::to_string(B) + ", " + std::to_string(L) + ", " + std::to_string(S) +
+                            "] (L = image tokens " + std::to_string(side) + "*" + std::to_string(side) + " of the " +
+                            std::to_string(lat) + "x" + std::to_string(lat) + " latent, S = context tokens)");
+    if (m.dim() == 2) m = m.unsqueeze(0).expand({B, m.size(0), m.size(1)});
+    cond_mask = m.contiguous();
+    both_mask = at::cat({at::ones_like(m), m}, 0);
+    mask_blocks = parse_mask_blocks(a.mask_blocks, info.num_blocks);
+    std::cout << "regional prompting: cross_attn_mask " << shape_str(cond_mask->sizes()) << " from "
+              << a.cross_attn_mask << ", blocks " << (a.mask_blocks.empty() ? "even" : a.mask_blocks) << "\n";
+  } else if (!a.mask_blocks.empty()) {
+    throw InvalidArgument("--mask-blocks needs --cross-attn-mask");
+  }
   std::cout << "sampling: " << so.steps << " steps, cfg " << fmt("%g", so.cfg) << ", shift " << fmt("%g", so.shift)
             << ", " << px << "x" << px << " px (latent " << shape_str(noise.sizes()) << "), seed " << a.seed
             << ", context " << ctx.source << "\n";
@@ -463,8 +498,14 @@ int run(const RunArgs& args) {
     const at::Tensor c = connector ? connector_context(which, sigma) : c_fixed;
     if (lllite_spec) lllite.set_weight(lllite_step_weight(*lllite_spec, step, so.steps));
     // The sampler's own cast to the latent (a no-op there now), so that the check reads the host copy.
-    const at::Tensor v = locked.forward(x, t, c, on_layer).to(x.device(), x.scalar_type());
-    if (!all_finite(v)) fail(nonfinite_output_message("dit", "velocity", v, locked.locate_nonfinite(x, t, c)));
+    ForwardOptions fo;
+    fo.progress = on_layer;
+    if (cond_mask && which != sampling::Guidance::uncond) {
+      fo.cross_attn_mask = which == sampling::Guidance::cond ? *cond_mask : *both_mask;
+      fo.mask_blocks = mask_blocks;
+    }
+    const at::Tensor v = locked.forward(x, t, c, fo).to(x.device(), x.scalar_type());
+    if (!all_finite(v)) fail(nonfinite_output_message("dit", "velocity", v, locked.locate_nonfinite(x, t, c, fo)));
     return v;
   };
   uint64_t seen = ms0.forwards;
@@ -648,6 +689,11 @@ Subcommand add_run(CLI::App& root) {
   sub->get_option("--lllite")->needs(control_image);
   control_image->needs(sub->get_option("--lllite"));
   sub->add_option("--context", a->context, "safetensors file with 'context' [B,S,D] (+ 'negative_context'); default random");
+  sub->add_option("--cross-attn-mask", a->cross_attn_mask,
+                  "Regional prompting: safetensors file with 'cross_attn_mask' (bool or uint8 [L,S] or [B,L,S], "
+                  "L = (px/16)^2 image tokens, S = context tokens), applied to the conditional forwards")
+      ->check(CLI::ExistingFile);
+  sub->add_option("--mask-blocks", a->mask_blocks, "Blocks --cross-attn-mask applies to: even (default), odd, all, or i,j,k");
   sub->add_option("--connector-inputs", a->connector_inputs,
                   "For a model with a semantic connector (Anima-3.8B v1.1): safetensors with qwen_hidden, t5_ids "
                   "[+ t5_weights], qwen35_hidden [layers,B,S',W] [+ qwen35_mask]; the context is encoded from them "
@@ -666,7 +712,8 @@ Subcommand add_run(CLI::App& root) {
   check_output_paths(sub,
                      {{"--output", &a->output}, {"--stats-json", &a->stats_json}, {"--trace", &a->trace},
                       {"--timeline", &a->timeline}},
-                     {{"--checkpoint", &a->checkpoint}, {"--synthetic", &a->synthetic}, {"--context", &a->context}});
+                     {{"--checkpoint", &a->checkpoint}, {"--synthetic", &a->synthetic}, {"--context", &a->context},
+                      {"--cross-attn-mask", &a->cross_attn_mask}});
   return {sub, [a] { return run(*a); }};
 }
 

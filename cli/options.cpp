@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <sstream>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -357,6 +358,38 @@ anima::AnimaConfig load_config(const std::string& name_or_file) {
   anima::AnimaConfig c = anima::config_from_name_or_file(name_or_file);
   c.validate();
   return c;
+}
+
+std::vector<int64_t> parse_mask_blocks(const std::string& spec, int64_t num_blocks) {
+  std::vector<int64_t> blocks;
+  if (spec.empty() || spec == "even") return blocks;
+  if (spec == "odd" || spec == "all") {
+    for (int64_t i = spec == "odd" ? 1 : 0; i < num_blocks; i += spec == "odd" ? 2 : 1) blocks.push_back(i);
+    return blocks;
+  }
+  std::stringstream ss(spec);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    int64_t i = -1;
+    try {
+      i = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size()) {
+      throw InvalidArgument("--mask-blocks '" + spec + "' is not even, odd, all or comma-separated block indices");
+    }
+    blocks.push_back(i);
+  }
+  if (blocks.empty()) throw InvalidArgument("--mask-blocks '" + spec + "' names no block");
+  for (const int64_t i : blocks) {
+    if (i < 0 || i >= num_blocks) {
+      throw InvalidArgument("--mask-blocks has block " + std::to_string(i) + ", the model has " +
+                            std::to_string(num_blocks) + " blocks (0.." + std::to_string(num_blocks - 1) + ")");
+    }
+  }
+  return blocks;
 }
 
 }  // namespace sluice::cli

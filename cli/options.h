@@ -88,4 +88,10 @@ void add_load_threads_option(CLI::App* sub, int& load_threads);
 CLI::Validator config_validator();
 anima::AnimaConfig load_config(const std::string& name_or_file);
 
+// --mask-blocks (regional prompting, README "Regional prompting"): "even" or empty (the
+// model's default, the even blocks: an empty list), "odd", "all" of `num_blocks`, or
+// comma-separated block indices (each checked by the forward); InvalidArgument naming the
+// flag otherwise.
+std::vector<int64_t> parse_mask_blocks(const std::string& spec, int64_t num_blocks);
+
 }  // namespace sluice::cli

@@ -249,7 +249,7 @@ TEST_CASE("regional prompting: sluice forward reads cross_attn_mask from its inp
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
-  expect_error(with(bool_in, {"--mask-blocks", "2"}), 1, {"mask_blocks has block 2, the model has 2 blocks (0..1)"});
+  expect_error(with(bool_in, {"--mask-blocks", "2"}), 1, {"--mask-blocks has block 2, the model has 2 blocks (0..1)"});
   expect_error(with(bool_in, {"--mask-blocks", "0,x"}), 1,
                {"--mask-blocks '0,x' is not even, odd, all or comma-separated block indices"});
   expect_error(with(plain_in, {"--mask-blocks", "odd"}), 1, {"--mask-blocks needs a 'cross_attn_mask'", plain_in});
@@ -257,4 +257,59 @@ TEST_CASE("regional prompting: sluice forward reads cross_attn_mask from its inp
   expect_error(with(float_in, {}), 1, {"input 'cross_attn_mask'", float_in, "has dtype Float, expected bool or uint8"});
   const std::string short_in = inputs("short_in.safetensors", mask.narrow(0, 0, 15));
   expect_error(with(short_in, {}), 1, {"cross_attn_mask has shape [15, 5], expected [L, S] = [16, 5]"});
+}
+
+TEST_CASE("regional prompting: sluice run takes --cross-attn-mask for its conditional forwards") {
+  using sluice::testing::run_ok;
+  sluice::testing::TempDir dir;
+  at::Generator gen = at::detail::createCPUGenerator(12);
+  const std::string ctx = dir / "ctx.safetensors";
+  sluice::safetensors::save(ctx, {{"context", at::randn({1, 5, 32}, gen)}});
+  const at::Tensor mask = random_mask(16, 5, 13);  // 64 px: latent 8 x 8, L = 4 * 4
+  const auto save_mask = [&](const std::string& name, const at::Tensor& m) {
+    sluice::safetensors::save(dir / name, {{"cross_attn_mask", m}});
+    return dir / name;
+  };
+  const std::string bool_mask = save_mask("bool.safetensors", mask), byte_mask = save_mask("byte.safetensors", mask.to(at::kByte));
+  const auto run = [&](const std::vector<std::string>& extra) {
+    const std::string out = dir / "latent.safetensors";
+    std::vector<std::string> args{"run", "--device", "cpu", "--synthetic", "anima-tiny", "--steps", "2",
+                                  "--resolution", "64", "--compute", "float32", "--context", ctx, "--output", out};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const sluice::testing::Result r = run_ok(args);
+    return std::make_pair(sluice::safetensors::File::open(out)->tensor("latent").clone(), r.out);
+  };
+  const auto [plain, plain_out] = run({});
+  const auto [masked, masked_out] = run({"--cross-attn-mask", bool_mask});
+  CHECK(masked_out.find("regional prompting: cross_attn_mask [1, 16, 5] from " + bool_mask + ", blocks even") !=
+        std::string::npos);
+  CHECK(plain_out.find("regional prompting") == std::string::npos);
+  CHECK(max_diff(masked, plain) > 1e-5);
+  CHECK(at::equal(run({"--cross-attn-mask", byte_mask, "--mask-blocks", "0"}).first, masked));
+  CHECK_FALSE(at::equal(run({"--cross-attn-mask", bool_mask, "--mask-blocks", "all"}).first, masked));
+
+  const std::vector<std::string> base{"run", "--device", "cpu", "--synthetic", "anima-tiny", "--steps", "1",
+                                      "--resolution", "64", "--context", ctx};
+  auto with = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  // sluice run has printed its load lines by then: one error line, exit status 1.
+  const auto expect_run_error = [&](const std::vector<std::string>& extra, const std::string& line) {
+    const sluice::testing::Result r = sluice::testing::run_cli(with(extra));
+    INFO(sluice::testing::describe(with(extra), r));
+    CHECK(r.status == 1);
+    CHECK(r.err == "sluice: error: " + line + "\n");
+  };
+  const std::string short_mask = save_mask("short.safetensors", mask.narrow(1, 0, 4));
+  expect_run_error({"--cross-attn-mask", short_mask},
+                   "tensor 'cross_attn_mask' in '" + short_mask + "' has shape [16, 4], expected [L, S] = [16, 5] or "
+                   "[1, 16, 5] (L = image tokens 4*4 of the 8x8 latent, S = context tokens)");
+  const std::string float_mask = save_mask("float.safetensors", mask.to(at::kFloat));
+  expect_run_error({"--cross-attn-mask", float_mask},
+                   "tensor 'cross_attn_mask' in '" + float_mask + "' has dtype Float, expected bool or uint8");
+  expect_run_error({"--mask-blocks", "odd"}, "--mask-blocks needs --cross-attn-mask");
+  expect_run_error({"--cross-attn-mask", bool_mask, "--mask-blocks", "9"},
+                   "--mask-blocks has block 9, the model has 2 blocks (0..1)");
 }
