@@ -388,7 +388,8 @@ int run(const RunArgs& args) {
             << mb(ms0.resident_bytes) << " ("
             << fmt("%.1f", ms0.total_bytes ? 100.0 * static_cast<double>(ms0.resident_bytes) / static_cast<double>(ms0.total_bytes) : 0.0)
             << "%), streamed per forward " << mb(ms0.streamed_dit_bytes) << " (+ " << mb(ms0.streamed_adapter_bytes)
-            << " of LLM adapter layers, unused here)\n";
+            << (connector ? " of LLM adapter and connector layers, streamed by each step's encode)\n"
+                          : " of LLM adapter layers, unused here)\n");
   std::cout << "budget " << mb(cs0.vram_budget_bytes)
             << (cs0.vram_budget_source.empty() ? std::string() : " [" + cs0.vram_budget_source + "]")
             << " (working memory " << mb(cs0.working_memory_bytes)

@@ -910,6 +910,7 @@ TEST_CASE("run: an anima-3.8b-shaped model with a semantic connector encodes its
   const std::string half = dir / "half.safetensors", full = dir / "full.safetensors", plain = dir / "plain.safetensors";
   const Result r = run_ok(run_args("0.5", half, true));
   CHECK(r.out.find("semantic connector: context encoded at every step from " + inputs) != std::string::npos);
+  CHECK(r.out.find("of LLM adapter and connector layers, streamed by each step's encode)") != std::string::npos);
   const at::Tensor latent = read_latent(half);
   CHECK(at::isfinite(latent).all().item<bool>());
   // One encode per step (and one check before the first), each an "adapter" forward.
