@@ -180,7 +180,8 @@ std::optional<at::ScalarType> stored_weight_dtype(const std::string& path) {
 struct Context {
   at::Tensor cond;    // [B, S, D]
   at::Tensor uncond;  // [B, S, D]
-  std::string source;
+  std::string source;         // where both came from, for the sampling line
+  std::string uncond_source;  // where the unconditional one came from
 };
 
 Context load_context(const RunArgs& a, const ModelInfo& info) {
@@ -191,8 +192,9 @@ Context load_context(const RunArgs& a, const ModelInfo& info) {
     at::Generator gen = at::detail::createCPUGenerator(a.seed + 1);
     c.cond = at::randn({1, S, info.context_dim}, gen);
     c.uncond = at::zeros_like(c.cond);
+    c.uncond_source = "zeros";
     c.source = "random [1, " + std::to_string(S) + ", " + std::to_string(info.context_dim) + "] (seed " +
-               std::to_string(a.seed + 1) + "), unconditional zeros";
+               std::to_string(a.seed + 1) + "), unconditional " + c.uncond_source;
     return c;
   }
   const auto f = safetensors::File::open(a.context);
@@ -222,6 +224,7 @@ Context load_context(const RunArgs& a, const ModelInfo& info) {
   } else {
     c.uncond = at::zeros_like(c.cond);
   }
+  c.uncond_source = f->contains("negative_context") ? "negative_context of " + a.context : std::string("zeros");
   c.source = a.context + " " + shape_str(c.cond.sizes()) +
              (f->contains("negative_context") ? " with negative_context" : ", unconditional zeros");
   return c;
@@ -463,7 +466,10 @@ int run(const RunArgs& args) {
   }
   std::cout << "sampling: " << so.steps << " steps, cfg " << fmt("%g", so.cfg) << ", shift " << fmt("%g", so.shift)
             << ", " << px << "x" << px << " px (latent " << shape_str(noise.sizes()) << "), seed " << a.seed
-            << ", context " << ctx.source << "\n";
+            << ", context "
+            << (connector ? "encoded at every step from " + a.connector_inputs + ", unconditional " + ctx.uncond_source
+                          : ctx.source)
+            << "\n";
   std::cout.flush();
 
   RunProgress progress(so.steps);  // the live line, on a terminal only

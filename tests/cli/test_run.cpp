@@ -910,6 +910,9 @@ TEST_CASE("run: an anima-3.8b-shaped model with a semantic connector encodes its
   const std::string half = dir / "half.safetensors", full = dir / "full.safetensors", plain = dir / "plain.safetensors";
   const Result r = run_ok(run_args("0.5", half, true));
   CHECK(r.out.find("semantic connector: context encoded at every step from " + inputs) != std::string::npos);
+  // The sampling line names the encoded context, not the random one the run would use without it.
+  CHECK(r.out.find(", context encoded at every step from " + inputs + ", unconditional zeros") != std::string::npos);
+  CHECK(r.out.find(", context random [") == std::string::npos);
   CHECK(r.out.find("of LLM adapter and connector layers, streamed by each step's encode)") != std::string::npos);
   const at::Tensor latent = read_latent(half);
   CHECK(at::isfinite(latent).all().item<bool>());
