@@ -14,6 +14,9 @@
   README sections;
 - offload/'s folders include one way (offload/README.md): a folder includes nothing from a
   folder above it.
+- no Catch2 test case under tests/ has a `;` in its name: catch_discover_tests splits a name
+  at `;` into several ctest entries, each of which matches no case and passes having run
+  nothing.
 
 Usage: scripts/check_tree.py [ROOT]   (default: the checkout holding this script). Exits 1
 and prints one line per fault, or prints a summary line and exits 0.
@@ -161,6 +164,7 @@ def main():
         if name in defs and not any(d == where or d.endswith("/" + where) for d, _ in defs[name]):
             faults.append(f"{f}:{n}: cites Note [{name}] in {where}, but it is defined in {defs[name][0][0]}")
     faults += layering(root, files)
+    faults += test_case_names(root, files)
     for line in faults:
         print(line)
     if faults:
@@ -169,6 +173,28 @@ def main():
     print(f"check_tree: {len(defs)} notes defined once each, {sum(len(v) for v in refs.values())} citations "
           f"resolve; every file named in a comment exists; offload/ includes run one way")
     return 0
+
+
+# TEST_CASE( followed by its name: one string literal or several adjacent ones.
+TEST_CASE_NAME = re.compile(r'\bTEST_CASE\(\s*((?:"(?:[^"\\\n]|\\.)*"\s*)+)')
+
+
+def test_case_names(root, files):
+    """A Catch2 case whose name holds ';' never runs under ctest (catch_discover_tests splits
+    the name into several entries, each filtering on a fragment that matches no case)."""
+    faults = []
+    for f in files:
+        if not (f.startswith("tests/") and f.endswith(".cpp")):
+            continue
+        with open(os.path.join(root, f), encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+        for m in TEST_CASE_NAME.finditer(text):
+            name = "".join(re.findall(r'"((?:[^"\\\n]|\\.)*)"', m.group(1)))
+            if ";" in name:
+                n = text.count("\n", 0, m.start()) + 1
+                faults.append(f"{f}:{n}: test case name has ';' ({name!r}): ctest would split it into entries "
+                              "that run nothing; use ',' instead")
+    return faults
 
 
 def cited_exists(citer, cited, existing, basenames):

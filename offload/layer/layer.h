@@ -23,7 +23,7 @@
 // adds scale*(x A^T) B^T with scale = alpha/rank * strength, fp8 weight untouched"),
 // tests/models/anima/test_anima_model.cpp ("anima model: managed layers carry their dotted names in
 // execution order"), tests/models/anima/test_lllite.cpp ("lllite: an input adapter runs before the
-// matmul and before the LoRA sidecars; the last added first"),
+// matmul and before the LoRA sidecars, the last added first"),
 // tests/offload/layer/test_foreign_model.cpp ("foreign model: an fp8 embedding
 // looks up its rows and upcasts only those, resident or streamed"),
 // tests/offload/engine/test_engine.cpp ("engine: a layer that throws mid-forward leaves the engine

@@ -116,7 +116,7 @@ TEST_CASE("api: an LLLite moves the output, its weight steps, and removal restor
   CHECK(at::equal(again(in.x, in.t, in.ctx), base));
 }
 
-TEST_CASE("api: an LLLite at half residency gives the fully resident output; bad inputs are one line", "[strict]") {
+TEST_CASE("api: an LLLite at half residency gives the fully resident output, bad inputs are one line", "[strict]") {
   TempDir dir;
   sluice::testing::LLLiteFileSpec ip;
   ip.in_channels = 4;
@@ -154,7 +154,7 @@ TEST_CASE("api: an LLLite at half residency gives the fully resident output; bad
   }
 }
 
-TEST_CASE("api: the C functions bind, weigh and unbind an LLLite; errors are statuses with one line", "[strict]") {
+TEST_CASE("api: the C functions bind, weigh and unbind an LLLite, errors are statuses with one line", "[strict]") {
   TempDir dir;
   sluice::safetensors::save(dir.file("ll.safetensors"), sluice::testing::lllite_file({}), {});
   sluice_cache_options o;

@@ -75,7 +75,7 @@ sluice::testing::Result ok(const std::vector<std::string>& args) {
 
 }  // namespace
 
-TEST_CASE("lllite cli: sluice forward --lllite reads lllite_cond; weight 0 is the plain output; bad specs are one line",
+TEST_CASE("lllite cli: sluice forward --lllite reads lllite_cond, weight 0 is the plain output, bad specs are one line",
           "[strict]") {
   TempDir dir;
   const std::string ck = dir / "ck.safetensors", ll = dir / "ll.safetensors", in = dir / "in.safetensors";

@@ -68,4 +68,6 @@ expect_fault "the device layer including the engine" "offload/device/ includes o
 clean_tree; echo '// stray' > offload/loose.cpp
 expect_fault "a source file directly in offload/" "offload/loose.cpp: a source file directly in offload/"
 
+clean_tree; mkdir -p tests && printf 'TEST_CASE("thing: it works; " "it is one line", "[strict]") {}\n' > tests/test_thing.cpp
+expect_fault "a test case name with ';'" "tests/test_thing.cpp:1: test case name has ';'"
 exit $failures

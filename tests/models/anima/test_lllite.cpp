@@ -205,7 +205,7 @@ TEST_CASE("lllite: image and mask are checked against the adapter's input channe
   for (const auto& [n, l] : offload::managed_layers(*m)) CHECK(l->input_adapters().empty());
 }
 
-TEST_CASE("lllite: it moves the output; weight 0 and no image pass through and removal restores it bit for bit",
+TEST_CASE("lllite: it moves the output, weight 0 and no image pass through and removal restores it bit for bit",
           "[strict][accel]") {
   for (const bool fp8 : {false, true}) {
     INFO("fp8 " << fp8);
@@ -251,7 +251,7 @@ TEST_CASE("lllite: it moves the output; weight 0 and no image pass through and r
   }
 }
 
-TEST_CASE("lllite: an input adapter runs before the matmul and before the LoRA sidecars; the last added first",
+TEST_CASE("lllite: an input adapter runs before the matmul and before the LoRA sidecars, the last added first",
           "[strict][accel]") {
   struct Add : offload::InputPerturbation {
     at::Tensor d;
@@ -325,7 +325,7 @@ TEST_CASE("lllite: with a LoRA on the same layers, either removed first leaves e
   CHECK(same_bits(dit(*m, in), plain));
 }
 
-TEST_CASE("lllite: an inpaint adapter uses its mask; masked input zeroes the RGB under it", "[strict][accel]") {
+TEST_CASE("lllite: an inpaint adapter uses its mask, masked input zeroes the RGB under it", "[strict][accel]") {
   AnimaModel m = model(false);
   const Inputs in = inputs(at::kFloat);
   LLLiteFileSpec ip;
@@ -362,7 +362,7 @@ TEST_CASE("lllite: an inpaint adapter uses its mask; masked input zeroes the RGB
 }
 
 // Not [accel]: the torch test accelerator has no convolution, which the trunk needs.
-TEST_CASE("lllite: resident and streamed under a budget give the same output; the weights are charged",
+TEST_CASE("lllite: resident and streamed under a budget give the same output, the weights are charged",
           "[strict]") {
   AnimaModel m = model(true);
   const Inputs in = inputs(at::kBFloat16);
@@ -401,7 +401,7 @@ TEST_CASE("lllite: resident and streamed under a budget give the same output; th
   engine.detach();
 }
 
-TEST_CASE("lllite: a base (28-block) adapter on a 40-block model binds the blocks it was trained on; as-is by index",
+TEST_CASE("lllite: a base (28-block) adapter on a 40-block model binds the blocks it was trained on, as-is by index",
           "[strict]") {
   AnimaConfig c = preset("anima-tiny");
   c.num_blocks = 40;
