@@ -75,6 +75,51 @@ class _NoInit:
             c.reset_parameters = f
 
 
+def make_checkpoint(cli, preset, seed, path):
+    """`sluice make-checkpoint` of `preset` in fp32 at `path`; returns the preset's AnimaConfig
+    (the "config" object of `sluice inspect --json`)."""
+    import subprocess
+    info = json.loads(subprocess.run([cli, "inspect", "--config", preset, "--json"], check=True,
+                                     capture_output=True, text=True).stdout)
+    subprocess.run([cli, "make-checkpoint", "--config", preset, "--seed", str(seed), "--out", path, "--dtype",
+                    "float32"], check=True, capture_output=True)
+    return info["config"]
+
+
+def invokeai_transformer(anima_transformer, checkpoint, cfg):
+    """InvokeAI's AnimaTransformer (the wheel's `anima_transformer` module) at the checkpoint's
+    shapes, loaded strictly from it in fp32. AnimaTransformer.__init__ builds its LLMAdapter at
+    the full size: it is built at the config's size here, through the name the module looks up."""
+    import functools
+    a = cfg["adapter"]
+    full = anima_transformer.LLMAdapter
+    anima_transformer.LLMAdapter = functools.partial(full, vocab_size=a["vocab_size"], dim=a["model_dim"],
+                                                     num_layers=a["num_blocks"], num_heads=a["num_heads"])
+    try:
+        with _NoInit():
+            tr = anima_transformer.AnimaTransformer(
+                in_channels=cfg["in_channels"], out_channels=cfg["out_channels"],
+                patch_spatial=cfg["patch_spatial"], patch_temporal=cfg["patch_temporal"],
+                concat_padding_mask=cfg["concat_padding_mask"], model_channels=cfg["model_channels"],
+                num_blocks=cfg["num_blocks"], num_heads=cfg["num_heads"], mlp_ratio=float(cfg["mlp_ratio"]),
+                crossattn_emb_channels=cfg["crossattn_emb_channels"], pos_emb_cls="rope3d",
+                use_adaln_lora=cfg["use_adaln_lora"], adaln_lora_dim=cfg["adaln_lora_dim"],
+                rope_h_extrapolation_ratio=cfg["rope_h_extrapolation_ratio"],
+                rope_w_extrapolation_ratio=cfg["rope_w_extrapolation_ratio"],
+                rope_t_extrapolation_ratio=cfg["rope_t_extrapolation_ratio"], extra_per_block_abs_pos_emb=False)
+    finally:
+        anima_transformer.LLMAdapter = full
+    with safe_open(checkpoint, framework="pt", device="cpu") as f:
+        sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: f.get_tensor(k).float() for k in f.keys()}
+    tr.load_state_dict(sd, strict=True, assign=True)
+    return tr.eval().requires_grad_(False)
+
+
+def rel_l2(a, b):
+    """Relative L2 error of `a` against the reference `b`, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 def build_models(ref, cfg):
     """Builds the DiT and adapter with uninitialized parameters (see _NoInit)."""
     with _NoInit():

@@ -11,10 +11,7 @@ like the DiT pads it) and a batch of 2 (the embedding broadcast). fp32 relative 
 the adapter must move InvokeAI's output by far more than that, so the comparison is not
 vacuous. Needs SLUICE_CLI and the installed bindings (ctest's "parity: LLLite ..." entry).
 """
-import functools
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +32,7 @@ sys.path.insert(0, str(INVOKEAI_PKG))
 sys.path.insert(0, str(HERE))
 
 from invokeai.backend.anima import anima_transformer, control_net_lllite  # noqa: E402
-from reference_anima import _NoInit  # noqa: E402
+from reference_anima import invokeai_transformer, make_checkpoint, rel_l2  # noqa: E402
 
 CLI = os.environ["SLUICE_CLI"]
 PRESET = "anima-tiny"
@@ -47,39 +44,9 @@ B, T, H, W, S = 2, 1, 13, 10, 6
 def setup():
     with tempfile.TemporaryDirectory(dir=os.environ.get("SLUICE_TEST_TMP")) as d:
         ckpt = os.path.join(d, "ckpt.safetensors")
-        info = json.loads(subprocess.run([CLI, "inspect", "--config", PRESET, "--json"], check=True,
-                                         capture_output=True, text=True).stdout)
-        subprocess.run([CLI, "make-checkpoint", "--config", PRESET, "--seed", "50", "--out", ckpt, "--dtype",
-                        "float32"], check=True, capture_output=True)
-        cfg = info["config"]
+        cfg = make_checkpoint(CLI, PRESET, 50, ckpt)
         files = {kind: write_lllite(os.path.join(d, f"{kind}.safetensors"), cfg, kind) for kind in ("rgb", "inpaint")}
-        yield ckpt, cfg, invokeai_model(ckpt, cfg), files
-
-
-def invokeai_model(ckpt, cfg):
-    """InvokeAI's AnimaTransformer at the checkpoint's shapes, loaded strictly from it."""
-    a = cfg["adapter"]
-    full = anima_transformer.LLMAdapter
-    anima_transformer.LLMAdapter = functools.partial(full, vocab_size=a["vocab_size"], dim=a["model_dim"],
-                                                     num_layers=a["num_blocks"], num_heads=a["num_heads"])
-    try:
-        with _NoInit():
-            tr = anima_transformer.AnimaTransformer(
-                in_channels=cfg["in_channels"], out_channels=cfg["out_channels"],
-                patch_spatial=cfg["patch_spatial"], patch_temporal=cfg["patch_temporal"],
-                concat_padding_mask=cfg["concat_padding_mask"], model_channels=cfg["model_channels"],
-                num_blocks=cfg["num_blocks"], num_heads=cfg["num_heads"], mlp_ratio=float(cfg["mlp_ratio"]),
-                crossattn_emb_channels=cfg["crossattn_emb_channels"], pos_emb_cls="rope3d",
-                use_adaln_lora=cfg["use_adaln_lora"], adaln_lora_dim=cfg["adaln_lora_dim"],
-                rope_h_extrapolation_ratio=cfg["rope_h_extrapolation_ratio"],
-                rope_w_extrapolation_ratio=cfg["rope_w_extrapolation_ratio"],
-                rope_t_extrapolation_ratio=cfg["rope_t_extrapolation_ratio"], extra_per_block_abs_pos_emb=False)
-    finally:
-        anima_transformer.LLMAdapter = full
-    with safe_open(ckpt, framework="pt", device="cpu") as f:
-        sd = {k[len("net."):] if k.startswith("net.") else k: f.get_tensor(k).float() for k in f.keys()}
-    tr.load_state_dict(sd, strict=True, assign=True)
-    return tr.eval().requires_grad_(False)
+        yield ckpt, cfg, invokeai_transformer(anima_transformer, ckpt, cfg), files
 
 
 def write_lllite(path, cfg, kind):
@@ -139,10 +106,6 @@ def invokeai_forward(tr, path, x, t, ctx, image, mask):
             return tr(x=x, timesteps=t, context=ctx)
     finally:
         adapter.restore()
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("max_resident", [None, 0.5], ids=["resident", "half-resident"])

@@ -12,17 +12,13 @@ extension's block choice replaced). The masked output must differ from the plain
 more than the tolerance, so the comparison is not vacuous. Needs SLUICE_CLI and the
 installed bindings (ctest's "parity: regional prompting ..." entry sets both).
 """
-import functools
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 import sluice
 
@@ -37,7 +33,7 @@ sys.path.insert(0, str(HERE))
 from invokeai.backend.anima import anima_transformer  # noqa: E402
 from invokeai.backend.anima.anima_transformer_patch import patch_anima_for_regional_prompting  # noqa: E402
 from invokeai.backend.anima.regional_prompting import AnimaRegionalPromptingExtension  # noqa: E402
-from reference_anima import _NoInit  # noqa: E402
+from reference_anima import invokeai_transformer, make_checkpoint, rel_l2  # noqa: E402
 
 CLI = os.environ["SLUICE_CLI"]
 PRESET = "anima-small"
@@ -49,38 +45,8 @@ B, T, H, W, S = 1, 1, 14, 10, 12   # L = 1 * 7 * 5 = 35 image tokens
 def setup():
     with tempfile.TemporaryDirectory(dir=os.environ.get("SLUICE_TEST_TMP")) as d:
         ckpt = os.path.join(d, "ckpt.safetensors")
-        info = json.loads(subprocess.run([CLI, "inspect", "--config", PRESET, "--json"], check=True,
-                                         capture_output=True, text=True).stdout)
-        subprocess.run([CLI, "make-checkpoint", "--config", PRESET, "--seed", "40", "--out", ckpt, "--dtype",
-                        "float32"], check=True, capture_output=True)
-        yield ckpt, info["config"], invokeai_model(ckpt, info["config"])
-
-
-def invokeai_model(ckpt, cfg):
-    """InvokeAI's AnimaTransformer at the checkpoint's shapes (its LLMAdapter built at the
-    config's size through the name the module looks up), loaded strictly from it."""
-    a = cfg["adapter"]
-    full = anima_transformer.LLMAdapter
-    anima_transformer.LLMAdapter = functools.partial(full, vocab_size=a["vocab_size"], dim=a["model_dim"],
-                                                     num_layers=a["num_blocks"], num_heads=a["num_heads"])
-    try:
-        with _NoInit():
-            tr = anima_transformer.AnimaTransformer(
-                in_channels=cfg["in_channels"], out_channels=cfg["out_channels"],
-                patch_spatial=cfg["patch_spatial"], patch_temporal=cfg["patch_temporal"],
-                concat_padding_mask=cfg["concat_padding_mask"], model_channels=cfg["model_channels"],
-                num_blocks=cfg["num_blocks"], num_heads=cfg["num_heads"], mlp_ratio=float(cfg["mlp_ratio"]),
-                crossattn_emb_channels=cfg["crossattn_emb_channels"], pos_emb_cls="rope3d",
-                use_adaln_lora=cfg["use_adaln_lora"], adaln_lora_dim=cfg["adaln_lora_dim"],
-                rope_h_extrapolation_ratio=cfg["rope_h_extrapolation_ratio"],
-                rope_w_extrapolation_ratio=cfg["rope_w_extrapolation_ratio"],
-                rope_t_extrapolation_ratio=cfg["rope_t_extrapolation_ratio"], extra_per_block_abs_pos_emb=False)
-    finally:
-        anima_transformer.LLMAdapter = full
-    with safe_open(ckpt, framework="pt", device="cpu") as f:
-        sd = {k[len("net."):] if k.startswith("net.") else k: f.get_tensor(k).float() for k in f.keys()}
-    tr.load_state_dict(sd, strict=True, assign=True)
-    return tr.eval().requires_grad_(False)
+        cfg = make_checkpoint(CLI, PRESET, 40, ckpt)
+        yield ckpt, cfg, invokeai_transformer(anima_transformer, ckpt, cfg)
 
 
 def inputs(cfg):
@@ -100,10 +66,6 @@ def invokeai_forward(tr, x, t, ctx, mask, every_block=False):
         ext.get_cross_attn_mask = lambda block_index: mask
     with torch.no_grad(), patch_anima_for_regional_prompting(tr, ext):
         return tr(x=x, timesteps=t, context=ctx)
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("max_resident", [None, 0.5], ids=["resident", "half-resident"])
