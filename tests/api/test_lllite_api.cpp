@@ -15,21 +15,13 @@
 
 #include "runtime/error.h"        // exception types callers catch
 #include "runtime/safetensors.h"  // writing the fixture
+#include "tests/support/cli_runner.h"  // TempDir
 #include "tests/support/device_env.h"
 #include "tests/support/lllite_file.h"
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = std::string(SLUICE_BINARY_DIR) + "/tmp_lllite_api_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { (void)std::system(("rm -rf '" + path + "'").c_str()); }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using sluice::testing::TempDir;  // tests/support/cli_runner.h
 
 sluice::RuntimeOptions cpu(const std::string& budget = "512MiB") {
   sluice::RuntimeOptions o;
@@ -66,7 +58,7 @@ std::string error_of(const std::function<void()>& f) {
 // Not [accel]: the torch test accelerator has no convolution, which the LLLite trunk needs.
 TEST_CASE("api: an LLLite moves the output, its weight steps, and removal restores it bit for bit", "[strict]") {
   TempDir dir;
-  sluice::safetensors::save(dir.file("ll.safetensors"), sluice::testing::lllite_file({}), {});
+  sluice::safetensors::save(dir / "ll.safetensors", sluice::testing::lllite_file({}), {});
   sluice::ModelCache cache(cpu());
   sluice::Model model = cache.load("anima-tiny");
   const Inputs in = inputs(model.info());
@@ -74,14 +66,14 @@ TEST_CASE("api: an LLLite moves the output, its weight steps, and removal restor
   const at::Tensor base = m(in.x, in.t, in.ctx);
   const uint64_t share = parse(model.stats_json()).at("budget").at("share_bytes");
   {
-    sluice::LLLiteHandle ll = m.apply_lllite(dir.file("ll.safetensors"), in.image, 1.0);
+    sluice::LLLiteHandle ll = m.apply_lllite(dir / "ll.safetensors", in.image, 1.0);
     CHECK(ll.active());
     CHECK(ll.modules() == 10);
     CHECK(ll.bound_layers() == 10);
     CHECK(ll.device_bytes() > 0);
     const nlohmann::json s = parse(model.stats_json());
     REQUIRE(s.at("lllite").size() == 1);
-    CHECK(s.at("lllite")[0].at("source") == dir.file("ll.safetensors"));
+    CHECK(s.at("lllite")[0].at("source") == dir / "ll.safetensors");
     CHECK(s.at("lllite")[0].at("device_bytes") == ll.device_bytes());
     CHECK(s.at("lllite")[0].at("modules") == 10);
     CHECK(s.at("lllite")[0].at("layers_bound") == 10);
@@ -99,7 +91,7 @@ TEST_CASE("api: an LLLite moves the output, its weight steps, and removal restor
     model.full_unload();
     CHECK(at::equal(m(in.x, in.t, in.ctx), on));
     CHECK(error_of<sluice::InvalidArgument>([&] { ll.set_weight(NAN); }) ==
-          "LLLite '" + dir.file("ll.safetensors") + "': weight nan is not finite");
+          "LLLite '" + dir / "ll.safetensors" + "': weight nan is not finite");
     ll.remove();
     CHECK_FALSE(ll.active());
   }
@@ -107,7 +99,7 @@ TEST_CASE("api: an LLLite moves the output, its weight steps, and removal restor
   CHECK(parse(model.stats_json()).at("lllite").empty());
   CHECK(parse(model.stats_json()).at("device").at("lora_bytes").get<uint64_t>() == 0);
   // A handle outliving its lock is inactive; the next lock finds the model as loaded.
-  sluice::LLLiteHandle kept = m.apply_lllite(dir.file("ll.safetensors"), in.image);
+  sluice::LLLiteHandle kept = m.apply_lllite(dir / "ll.safetensors", in.image);
   m.unlock();
   CHECK_FALSE(kept.active());
   CHECK(error_of<sluice::InvalidArgument>([&] { kept.set_weight(0.5); }).find("is no longer bound") !=
@@ -120,43 +112,43 @@ TEST_CASE("api: an LLLite at half residency gives the fully resident output, bad
   TempDir dir;
   sluice::testing::LLLiteFileSpec ip;
   ip.in_channels = 4;
-  sluice::safetensors::save(dir.file("ip.safetensors"), sluice::testing::lllite_file(ip), {});
-  sluice::safetensors::save(dir.file("rgb.safetensors"), sluice::testing::lllite_file({}), {});
+  sluice::safetensors::save(dir / "ip.safetensors", sluice::testing::lllite_file(ip), {});
+  sluice::safetensors::save(dir / "rgb.safetensors", sluice::testing::lllite_file({}), {});
   sluice::ModelCache cache(cpu());
   sluice::Model model = cache.load("anima-tiny");
   const Inputs in = inputs(model.info());
   at::Tensor full;
   {
     sluice::LockedModel m = model.lock();
-    sluice::LLLiteHandle ll = m.apply_lllite(dir.file("ip.safetensors"), in.image, 0.7, in.mask);
+    sluice::LLLiteHandle ll = m.apply_lllite(dir / "ip.safetensors", in.image, 0.7, in.mask);
     full = m(in.x, in.t, in.ctx);
   }
   model.set_max_resident(0.5);
   {
     sluice::LockedModel m = model.lock();
-    sluice::LLLiteHandle ll = m.apply_lllite(dir.file("ip.safetensors"), in.image, 0.7, in.mask);
+    sluice::LLLiteHandle ll = m.apply_lllite(dir / "ip.safetensors", in.image, 0.7, in.mask);
     CHECK(model.stats().streamed_layers > 0);
     CHECK(at::equal(m(in.x, in.t, in.ctx), full));
-    const std::string ip_name = "LLLite '" + dir.file("ip.safetensors") + "'";
-    CHECK(error_of<sluice::InvalidArgument>([&] { m.apply_lllite(dir.file("ip.safetensors"), in.image); }) ==
+    const std::string ip_name = "LLLite '" + dir / "ip.safetensors" + "'";
+    CHECK(error_of<sluice::InvalidArgument>([&] { m.apply_lllite(dir / "ip.safetensors", in.image); }) ==
           ip_name + " is an inpaint adapter (4 input channels): it needs a mask (1 = inpaint, 0 = keep)");
-    CHECK(error_of<sluice::InvalidArgument>([&] { m.apply_lllite(dir.file("rgb.safetensors"), in.image, 1.0, in.mask); }) ==
-          "LLLite '" + dir.file("rgb.safetensors") + "' takes an RGB image only (3 input channels): it takes no mask");
+    CHECK(error_of<sluice::InvalidArgument>([&] { m.apply_lllite(dir / "rgb.safetensors", in.image, 1.0, in.mask); }) ==
+          "LLLite '" + dir / "rgb.safetensors" + "' takes an RGB image only (3 input channels): it takes no mask");
     at::Tensor nan_image = in.image.clone();
     nan_image[0][1][2] = NAN;
     const std::string nan_error =
-        error_of<sluice::InvalidArgument>([&] { m.apply_lllite(dir.file("rgb.safetensors"), nan_image); });
+        error_of<sluice::InvalidArgument>([&] { m.apply_lllite(dir / "rgb.safetensors", nan_image); });
     INFO(nan_error);
     CHECK(nan_error == "apply_lllite: input 'cond_image' has 1 non-finite value (first at [0, 1, 2]: nan)");
     CHECK(nan_error.find('\n') == std::string::npos);
-    CHECK_THROWS_AS(m.apply_lllite(dir.file("missing.safetensors"), in.image), sluice::FileError);
+    CHECK_THROWS_AS(m.apply_lllite(dir / "missing.safetensors", in.image), sluice::FileError);
     CHECK(parse(model.stats_json()).at("lllite").size() == 1);  // the failed ones bound nothing
   }
 }
 
 TEST_CASE("api: the C functions bind, weigh and unbind an LLLite, errors are statuses with one line", "[strict]") {
   TempDir dir;
-  sluice::safetensors::save(dir.file("ll.safetensors"), sluice::testing::lllite_file({}), {});
+  sluice::safetensors::save(dir / "ll.safetensors", sluice::testing::lllite_file({}), {});
   sluice_cache_options o;
   sluice_cache_options_init(&o);
   o.device = "cpu";
@@ -180,7 +172,7 @@ TEST_CASE("api: the C functions bind, weigh and unbind an LLLite, errors are sta
   const at::Tensor base = forward();
   DLManagedTensor* img = at::toDLPack(image);
   sluice_lllite* ll = nullptr;
-  REQUIRE(sluice_lllite_apply(lock, dir.file("ll.safetensors").c_str(), img, 1.0, nullptr, nullptr, &ll) == SLUICE_OK);
+  REQUIRE(sluice_lllite_apply(lock, (dir / "ll.safetensors").c_str(), img, 1.0, nullptr, nullptr, &ll) == SLUICE_OK);
   CHECK(sluice_lllite_active(ll) == 1);
   const at::Tensor on = forward();
   CHECK_FALSE(at::equal(on, base));
@@ -191,11 +183,11 @@ TEST_CASE("api: the C functions bind, weigh and unbind an LLLite, errors are sta
   // A mask for an RGB adapter: refused, nothing bound, one line.
   sluice_lllite* bad = nullptr;
   DLManagedTensor* mask = at::toDLPack(at::ones({30, 30}));
-  CHECK(sluice_lllite_apply(lock, dir.file("ll.safetensors").c_str(), img, 1.0, mask, nullptr, &bad) ==
+  CHECK(sluice_lllite_apply(lock, (dir / "ll.safetensors").c_str(), img, 1.0, mask, nullptr, &bad) ==
         SLUICE_ERROR_INVALID_ARGUMENT);
   CHECK(bad == nullptr);
   CHECK(std::string(sluice_last_error()).find("takes no mask") != std::string::npos);
-  CHECK(sluice_lllite_apply(lock, dir.file("nope.safetensors").c_str(), img, 1.0, nullptr, nullptr, &bad) ==
+  CHECK(sluice_lllite_apply(lock, (dir / "nope.safetensors").c_str(), img, 1.0, nullptr, nullptr, &bad) ==
         SLUICE_ERROR_FILE);
   mask->deleter(mask);
   img->deleter(img);

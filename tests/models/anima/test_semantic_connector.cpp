@@ -26,6 +26,7 @@
 #include "runtime/fp8.h"
 #include "runtime/logging.h"
 #include "runtime/safetensors.h"
+#include "tests/support/cli_runner.h"  // TempDir
 #include "tests/support/device_env.h"
 
 using namespace sluice;
@@ -99,17 +100,7 @@ std::string checkpoint_error_of(const std::function<void()>& f) {
   return "<no CheckpointError>";
 }
 
-struct TempDir {
-  std::string dir;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/sluice_connector_XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    dir = templ;
-  }
-  ~TempDir() { std::system(("rm -rf '" + dir + "'").c_str()); }
-  std::string path(const std::string& n) const { return dir + "/" + n; }
-};
+using sluice::testing::TempDir;  // tests/support/cli_runner.h
 
 }  // namespace
 
@@ -417,7 +408,7 @@ TEST_CASE("semantic connector: a generated checkpoint carries it under net.anima
           "[strict]") {
   TempDir dir;
   const AnimaConfig c = connector_config();
-  const std::string path = dir.path("connector.safetensors");
+  const std::string path = dir / "connector.safetensors";
   write_random_checkpoint(c, 5, at::kFloat, path);
   const auto file = safetensors::File::open(path);
   CHECK(file->metadata().at("anima_v2_adapter_architecture") == kConnectorArchitecture);
@@ -442,7 +433,7 @@ TEST_CASE("semantic connector: a generated checkpoint carries it under net.anima
   std::map<std::string, std::string> meta = connector_metadata(c.connector);
   meta["sluice.config"] = config_to_json(c).dump();
   meta["anima_v2_adapter_architecture"] = "anima_semantic_connector_v9";
-  const std::string unknown = dir.path("unknown.safetensors");
+  const std::string unknown = dir / "unknown.safetensors";
   safetensors::save(unknown, tensors, meta);
   CHECK(checkpoint_error_of([&] { load_anima(unknown); }) ==
         "checkpoint '" + unknown +
@@ -452,7 +443,7 @@ TEST_CASE("semantic connector: a generated checkpoint carries it under net.anima
   meta = connector_metadata(c.connector);
   meta["sluice.config"] = config_to_json(c).dump();
   meta["anima_v2_adapter_semantic_query_tokens"] = "16";
-  const std::string wrong = dir.path("wrong.safetensors");
+  const std::string wrong = dir / "wrong.safetensors";
   safetensors::save(wrong, tensors, meta);
   const std::string error = checkpoint_error_of([&] { load_anima(wrong); });
   CHECK(error.find("net.anima_v2_connector.semantic_resampler.query_tokens file [1, 8, 32] vs model [1, 16, 32]") !=
