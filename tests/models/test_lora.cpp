@@ -27,6 +27,7 @@
 #include "runtime/logging.h"
 #include "runtime/safetensors.h"
 #include "tests/support/device_env.h"
+#include "tests/support/engine_options.h"
 
 using namespace sluice;
 using namespace sluice::anima;
@@ -34,8 +35,7 @@ using Tensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 namespace {
 
-AnimaModel fp8_model(const std::string& name, uint64_t seed = 3) {
-  const AnimaConfig c = preset(name);
+AnimaModel fp8_model(const AnimaConfig& c, uint64_t seed = 3) {
   AnimaModel model(c, BuildOptions{at::kBFloat16, at::kCPU});
   auto params = model->named_parameters();
   for (const auto& [name, t] : random_weights(c, seed, at::kBFloat16)) params[name].set_data(t);
@@ -45,6 +45,8 @@ AnimaModel fp8_model(const std::string& name, uint64_t seed = 3) {
   offload::apply_storage(*model, c.name, o, declared_fp8_skips());
   return model;
 }
+
+AnimaModel fp8_model(const std::string& name, uint64_t seed = 3) { return fp8_model(preset(name), seed); }
 
 AnimaModel fp8_tiny(uint64_t seed = 3) { return fp8_model("anima-tiny", seed); }
 
@@ -381,16 +383,7 @@ Tensors every_linear(torch::nn::Module& m, int64_t rank) {
   return t;
 }
 
-offload::EngineOptions engine_options(std::shared_ptr<offload::DeviceBackend> dev) {
-  offload::EngineOptions o;
-  // None on the CPU device, whose allocator sees only sluice's own allocations; a torch
-  // device's also holds the forward's activations and rounds every block.
-  o.working_memory_bytes = dev->device().is_cpu() ? 0 : 4ull << 20;
-  o.device = std::move(dev);
-  o.plan_from_measurements = false;
-  o.log_attach = false;
-  return o;
-}
+using sluice::testing::engine_options;  // tests/support/engine_options.h
 
 uint64_t alive_peak(const offload::DeviceBackend& dev) {
   const auto a = dev.allocator_stats();
@@ -522,14 +515,7 @@ AnimaModel fp8_tiny_depth(int64_t blocks, uint64_t seed = 3) {
   AnimaConfig c = preset("anima-tiny");
   c.num_blocks = blocks;
   c.name = "anima-tiny-" + std::to_string(blocks);
-  AnimaModel model(c, BuildOptions{at::kBFloat16, at::kCPU});
-  auto params = model->named_parameters();
-  for (const auto& [name, t] : random_weights(c, seed, at::kBFloat16)) params[name].set_data(t);
-  Fp8Options o;
-  o.storage = at::kFloat8_e4m3fn;
-  o.compute = at::kBFloat16;
-  offload::apply_storage(*model, c.name, o, declared_fp8_skips());
-  return model;
+  return fp8_model(c, seed);
 }
 
 // A LoRA over blocks 0..source_blocks-1 (two Linears each, kohya-flattened and dotted keys) and

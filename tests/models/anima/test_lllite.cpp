@@ -21,6 +21,7 @@
 #include "runtime/error.h"
 #include "runtime/fp8.h"
 #include "tests/support/device_env.h"
+#include "tests/support/engine_options.h"
 #include "tests/support/lllite_file.h"
 
 using namespace sluice;
@@ -93,14 +94,7 @@ Tensors replaced(Tensors t, const std::string& key, at::Tensor v) {
   return t;
 }
 
-offload::EngineOptions engine_options(std::shared_ptr<offload::DeviceBackend> dev) {
-  offload::EngineOptions o;
-  o.working_memory_bytes = dev->device().is_cpu() ? 0 : 4ull << 20;
-  o.device = std::move(dev);
-  o.plan_from_measurements = false;
-  o.log_attach = false;
-  return o;
-}
+using sluice::testing::engine_options;  // tests/support/engine_options.h
 
 double rel_l2(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() / b.to(at::kDouble).norm().item<double>();

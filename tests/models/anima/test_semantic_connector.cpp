@@ -28,6 +28,7 @@
 #include "runtime/safetensors.h"
 #include "tests/support/cli_runner.h"  // TempDir
 #include "tests/support/device_env.h"
+#include "tests/support/engine_options.h"
 
 using namespace sluice;
 using namespace sluice::anima;
@@ -328,11 +329,7 @@ TEST_CASE("semantic connector: its layers are managed: fp8 storage, and streamed
   CHECK(connector_layers == 2 * 11 + 3 + 2 * 4 * 2);
 
   auto dev = sluice::testing::test_device_or_cpu();
-  offload::EngineOptions o;
-  o.working_memory_bytes = dev->device().is_cpu() ? 0 : 4ull << 20;
-  o.device = dev;
-  o.plan_from_measurements = false;
-  o.log_attach = false;
+  const offload::EngineOptions o = sluice::testing::engine_options(dev);
   const offload::WeightNeeds n = offload::StreamingEngine::needs(*m, o);
   const auto run = [&](offload::StreamingEngine& engine) {
     offload::ForwardScope scope(engine, "adapter");
