@@ -159,13 +159,16 @@ at::Tensor run_dit(anima::AnimaModelImpl& m, offload::StreamingEngine& engine, c
   return m.forward(x.to(dev, dt), timesteps.to(dev), context.to(dev, dt), mask);
 }
 
+// The LLM adapter (and a semantic connector, when `connector` is given) on the engine's
+// device, the inputs moved there in the compute dtype.
 at::Tensor run_adapter(anima::AnimaModelImpl& m, offload::StreamingEngine& engine, const at::Tensor& qwen_hidden,
-                       const at::Tensor& t5_ids, const std::optional<at::Tensor>& t5_weights) {
+                       const at::Tensor& t5_ids, const std::optional<at::Tensor>& t5_weights,
+                       const anima::ConnectorInputs* connector = nullptr) {
   const at::Device dev = engine.device().device();
   const at::ScalarType dt = m.compute_dtype();
   std::optional<at::Tensor> w;
   if (t5_weights) w = t5_weights->to(dev, dt);
-  return m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w);
+  return m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w, connector);
 }
 
 // Removes the LoRA of `st` (its sidecars go, the share shrinks back: Note [sidecar share])
@@ -610,13 +613,8 @@ at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Ten
   at::Tensor out;
   t->model->cache->run(t->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
     c10::InferenceMode inference;
-    const at::Device dev = engine.device().device();
-    const at::ScalarType dt = m.compute_dtype();
-    std::optional<at::Tensor> w;
-    if (t5_weights) w = t5_weights->to(dev, dt);
     offload::ForwardScope scope(engine, "adapter");
-    out = m.encode_text(qwen_hidden.to(dev, dt), t5_ids.to(dev, at::kLong), w,
-                        connector.given() ? &connector : nullptr);
+    out = run_adapter(m, engine, qwen_hidden, t5_ids, t5_weights, connector.given() ? &connector : nullptr);
   });
   return out;
 }
