@@ -12,6 +12,10 @@
 #                                               # against that torch; then
 #                                               # examples/cpp against the installed package
 #   bash scripts/torch_end.sh VERSION python   # the Python suite against the installed package
+#   bash scripts/torch_end.sh VERSION clean    # removes the venv and the build folder (about
+#                                               # 9 GiB an end with torch's CUDA wheels), keeping
+#                                               # the logs; ctest runs it after the end's last step,
+#                                               # so that one end at a time is on disk
 #
 #   SLUICE_ENDS_DIR  where each version's venv and build folder go (default: build/torch-ends)
 #   SLUICE_PYTHON    the python the venvs are made from (default: python3)
@@ -104,8 +108,12 @@ run_step() {
     log "the strict CPU device"
     SLUICE_STRICT_DEVICE=1 "$PY" -m pytest -q -p no:cacheprovider "${paths[@]}"
     ;;
+  clean)
+    log "removing $VENV and $BUILD ($(du -sh "$DIR" 2>/dev/null | cut -f1) in $DIR)"
+    rm -rf "$VENV" "$BUILD"
+    ;;
   *)
-    echo "torch_end.sh: STEP '$STEP': expected install, cpp or python" >&2
+    echo "torch_end.sh: STEP '$STEP': expected install, cpp, python or clean" >&2
     exit 2
     ;;
   esac
