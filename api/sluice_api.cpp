@@ -585,10 +585,12 @@ at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Ten
   return encode_text(qwen_hidden, t5_ids, t5_weights, SemanticInputs{});
 }
 
-at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
-                                    const std::optional<at::Tensor>& t5_weights, const SemanticInputs& semantic) {
-  const auto& t = need(token_);
-  // The connector's inputs, as the model checks them (models/anima/semantic_connector.h).
+// encode_text's inputs checked for `call` (one InvalidArgument naming the input at fault),
+// and the connector's inputs as the model takes them (models/anima/semantic_connector.h
+// checks their shapes against the connector).
+static anima::ConnectorInputs check_text_inputs(const char* call, const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                                const std::optional<at::Tensor>& t5_weights,
+                                                const SemanticInputs& semantic) {
   anima::ConnectorInputs connector;
   connector.hidden = semantic.qwen35_hidden;
   connector.mask = semantic.qwen35_mask;
@@ -596,10 +598,10 @@ at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Ten
   for (size_t i = 0; i < connector.hidden.size(); ++i) {
     const std::string name = "qwen35_hidden[" + std::to_string(i) + "]";
     if (connector.hidden[i].defined()) require_floating(name.c_str(), connector.hidden[i]);
-    if (connector.hidden[i].defined()) require_finite_inputs("encode_text", {{name.c_str(), &connector.hidden[i]}});
+    if (connector.hidden[i].defined()) require_finite_inputs(call, {{name.c_str(), &connector.hidden[i]}});
   }
   if (connector.timesteps.defined() && connector.timesteps.is_floating_point()) {
-    require_finite_inputs("encode_text", {{"timesteps", &connector.timesteps}});
+    require_finite_inputs(call, {{"timesteps", &connector.timesteps}});
   }
   require_floating("qwen_hidden", qwen_hidden);
   if (!t5_ids.defined()) throw InvalidArgument("input 't5_ids' is undefined");
@@ -609,7 +611,14 @@ at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Ten
                           ", expected an integer dtype");
   }
   if (t5_weights) require_floating("t5_weights", *t5_weights);
-  require_finite_inputs("encode_text", {{"qwen_hidden", &qwen_hidden}, {"t5_weights", t5_weights ? &*t5_weights : nullptr}});
+  require_finite_inputs(call, {{"qwen_hidden", &qwen_hidden}, {"t5_weights", t5_weights ? &*t5_weights : nullptr}});
+  return connector;
+}
+
+at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                    const std::optional<at::Tensor>& t5_weights, const SemanticInputs& semantic) {
+  const auto& t = need(token_);
+  const anima::ConnectorInputs connector = check_text_inputs("encode_text", qwen_hidden, t5_ids, t5_weights, semantic);
   at::Tensor out;
   t->model->cache->run(t->lock, [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
     c10::InferenceMode inference;
@@ -621,14 +630,17 @@ at::Tensor LockedModel::encode_text(const at::Tensor& qwen_hidden, const at::Ten
 
 std::optional<NonFiniteReport> LockedModel::locate_nonfinite_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                                                                   const std::optional<at::Tensor>& t5_weights) {
+  return locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights, SemanticInputs{});
+}
+
+std::optional<NonFiniteReport> LockedModel::locate_nonfinite_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                                                  const std::optional<at::Tensor>& t5_weights,
+                                                                  const SemanticInputs& semantic) {
   const auto& t = need(token_);
-  require_floating("qwen_hidden", qwen_hidden);
-  if (!t5_ids.defined()) throw InvalidArgument("input 't5_ids' is undefined");
-  if (t5_weights) require_floating("t5_weights", *t5_weights);
-  require_finite_inputs("locate_nonfinite_text",
-                        {{"qwen_hidden", &qwen_hidden}, {"t5_weights", t5_weights ? &*t5_weights : nullptr}});
+  const anima::ConnectorInputs connector =
+      check_text_inputs("locate_nonfinite_text", qwen_hidden, t5_ids, t5_weights, semantic);
   return locate(*t, "adapter", [&](anima::AnimaModelImpl& m, offload::StreamingEngine& engine) {
-    return run_adapter(m, engine, qwen_hidden, t5_ids, t5_weights);
+    return run_adapter(m, engine, qwen_hidden, t5_ids, t5_weights, connector.given() ? &connector : nullptr);
   });
 }
 

@@ -222,7 +222,7 @@ int run_forward(const ForwardArgs& a) {
     context = model.encode_text(qwen_in, ids_in, weights, sem);
     if (!all_finite(context))  // Note [non-finite values]: named by a re-run with a per-layer check
       throw Error("sluice forward: " + nonfinite_output_message("adapter", "context", context,
-                                                                model.locate_nonfinite_text(qwen_in, ids_in, weights)));
+                                                                model.locate_nonfinite_text(qwen_in, ids_in, weights, sem)));
     outputs.emplace_back("context", context);
   } else {
     context = in->tensor("context");

@@ -492,6 +492,11 @@ int run(const RunArgs& args) {
     ConnectorText in = *connector;
     in.semantic.timesteps = at::full({in.batch}, sigma, at::kFloat);
     const at::Tensor cond = locked.encode_text(in.qwen, in.ids, in.weights, in.semantic).to(at::kCPU, at::kFloat);
+    // Note [non-finite values]: a connector layer that overflows is named here, not as the
+    // DiT layer that first reads its context.
+    if (!all_finite(cond))
+      fail(nonfinite_output_message("adapter", "context", cond,
+                                    locked.locate_nonfinite_text(in.qwen, in.ids, in.weights, in.semantic)));
     if (which == sampling::Guidance::cond) return cond;
     if (which == sampling::Guidance::uncond) return ctx.uncond;
     return at::cat({ctx.uncond, cond}, 0);

@@ -418,6 +418,11 @@ class LockedModel {
                                                   const at::Tensor& context, const ForwardOptions& options);
   std::optional<NonFiniteReport> locate_nonfinite_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
                                                        const std::optional<at::Tensor>& t5_weights = std::nullopt);
+  // The same through the semantic connector, with the inputs encode_text got: a connector
+  // whose output held a NaN or Inf is named as one of its layers (SemanticInputs as there).
+  std::optional<NonFiniteReport> locate_nonfinite_text(const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
+                                                       const std::optional<at::Tensor>& t5_weights,
+                                                       const SemanticInputs& semantic);
 
   // Streams (GPU). forward() and encode_text() run on the calling thread's current stream
   // of the model's device, whichever it is (a host may use streams of its own); inputs

@@ -138,6 +138,13 @@ class LLLite:
         self.remove()
 
 
+def _qwen35_list(qwen35_hidden) -> Optional[list]:
+    """The semantic connector's Qwen3.5 hidden states as the binding takes them: a list."""
+    if qwen35_hidden is None:
+        return None
+    return [qwen35_hidden] if isinstance(qwen35_hidden, torch.Tensor) else list(qwen35_hidden)
+
+
 class LockedModel:
     """A model in use: never evicted or unloaded while locked. Call it for the velocity."""
 
@@ -192,10 +199,8 @@ class LockedModel:
         tensor or a list of [B, S', W]), their mask [B, S'] (None: all valid) and the step's
         timesteps [B] (sigma); its output depends on the timestep, so encode again every step.
         Without them such a model runs its native adapter alone (logged once)."""
-        hidden = None
-        if qwen35_hidden is not None:
-            hidden = [qwen35_hidden] if isinstance(qwen35_hidden, torch.Tensor) else list(qwen35_hidden)
-        return self._locked.encode_text(qwen_hidden, t5_ids, t5_weights, hidden, qwen35_mask, timesteps)
+        return self._locked.encode_text(qwen_hidden, t5_ids, t5_weights, _qwen35_list(qwen35_hidden), qwen35_mask,
+                                        timesteps)
 
     def locate_nonfinite(self, x: torch.Tensor, timesteps: torch.Tensor,
                          context: torch.Tensor, cross_attn_mask: Optional[torch.Tensor] = None,
@@ -209,9 +214,14 @@ class LockedModel:
         return self._locked.locate_nonfinite(x, timesteps, context, cross_attn_mask, self._mask_blocks(mask_blocks))
 
     def locate_nonfinite_text(self, qwen_hidden: torch.Tensor, t5_ids: torch.Tensor,
-                              t5_weights: Optional[torch.Tensor] = None) -> Optional[dict]:
-        """locate_nonfinite for encode_text."""
-        return self._locked.locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights)
+                              t5_weights: Optional[torch.Tensor] = None, *,
+                              qwen35_hidden: Optional[Union[torch.Tensor, Sequence[torch.Tensor]]] = None,
+                              qwen35_mask: Optional[torch.Tensor] = None,
+                              timesteps: Optional[torch.Tensor] = None) -> Optional[dict]:
+        """locate_nonfinite for encode_text, with the same inputs (the semantic connector's
+        included, so that a connector layer can be the one named)."""
+        return self._locked.locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights, _qwen35_list(qwen35_hidden),
+                                                  qwen35_mask, timesteps)
 
     def lora(self, path: str, scale: float = 1.0, block_layout: str = "measured") -> Lora:
         """Applies a LoRA file as a forward-time sidecar; use it as a context manager. It is

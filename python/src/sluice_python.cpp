@@ -336,15 +336,22 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "locate_nonfinite_text",
           [](sluice::LockedModel& m, const at::Tensor& qwen_hidden, const at::Tensor& t5_ids,
-             const std::optional<at::Tensor>& t5_weights) {
+             const std::optional<at::Tensor>& t5_weights, const std::optional<std::vector<at::Tensor>>& qwen35_hidden,
+             const std::optional<at::Tensor>& qwen35_mask, const std::optional<at::Tensor>& timesteps) {
+            sluice::SemanticInputs semantic;  // as encode_text
+            if (qwen35_hidden) semantic.qwen35_hidden = *qwen35_hidden;
+            if (qwen35_mask) semantic.qwen35_mask = *qwen35_mask;
+            if (timesteps) semantic.timesteps = *timesteps;
             std::optional<sluice::NonFiniteReport> r;
             {
               py::gil_scoped_release release;
-              r = m.locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights);
+              r = m.locate_nonfinite_text(qwen_hidden, t5_ids, t5_weights, semantic);
             }
             return nonfinite_dict(r);
           },
-          py::arg("qwen_hidden"), py::arg("t5_ids"), py::arg("t5_weights") = std::nullopt)
+          py::arg("qwen_hidden"), py::arg("t5_ids"), py::arg("t5_weights") = std::nullopt,
+          py::arg("qwen35_hidden") = std::nullopt, py::arg("qwen35_mask") = std::nullopt,
+          py::arg("timesteps") = std::nullopt)
       .def(
           "apply_lora",
           [](sluice::LockedModel& l, const std::string& path, double scale, const std::string& block_layout) {

@@ -1,7 +1,8 @@
 """Anima-3.8B v1.1's semantic connector through the Python bindings: locked.encode_text's
 qwen35_hidden / qwen35_mask / timesteps keywords, the same bits as `sluice forward`, the
-context following the timestep, and the refusals as sluice.InvalidArgument. A small random
-model with a connector, made by `sluice make-checkpoint` from a JSON config."""
+context following the timestep, the refusals as sluice.InvalidArgument, and a connector layer
+that overflows named by locate_nonfinite_text, `sluice forward` and `sluice run`. A small
+random model with a connector, made by `sluice make-checkpoint` from a JSON config."""
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import tempfile
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import sluice
@@ -93,3 +95,57 @@ def test_bad_connector_inputs_are_one_line_errors(checkpoint):
     with tiny.lock() as locked:
         with pytest.raises(sluice.InvalidArgument, match="has no semantic connector"):
             locked.encode_text(qwen, ids, qwen35_hidden=hidden, timesteps=t)
+
+
+def test_a_connector_layer_that_overflows_is_named_by_locate_nonfinite_text_forward_and_run(checkpoint, workdir):
+    # One connector Linear made to overflow fp32 (weights of 3e38 over a 32-wide input): the
+    # context is non-finite only through the connector, so only a re-run with its inputs can
+    # name the layer (Note [non-finite values]).
+    layer = "anima_v2_connector.semantic_resampler.output_projection"
+    with safe_open(checkpoint, "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = next(k for k in tensors if k.endswith(layer + ".weight"))
+    tensors[key] = torch.full_like(tensors[key], 3e38)
+    bad = os.path.join(workdir, "overflow.safetensors")
+    save_file(tensors, bad, metadata=metadata)
+
+    cache = sluice.ModelCache(device="cpu")
+    model = cache.load(bad, storage="float32", compute="float32")
+    qwen, ids, hidden, mask = text_inputs()
+    t = torch.tensor([0.8, 0.8])
+    with model.lock() as locked:
+        ctx = locked.encode_text(qwen, ids, qwen35_hidden=hidden, qwen35_mask=mask, timesteps=t)
+        assert not torch.isfinite(ctx).all()
+        # The native adapter alone is finite: without the connector's inputs nothing is found.
+        assert torch.isfinite(locked.encode_text(qwen, ids)).all()
+        assert locked.locate_nonfinite_text(qwen, ids) is None
+        r = locked.locate_nonfinite_text(qwen, ids, qwen35_hidden=list(hidden), qwen35_mask=mask, timesteps=t)
+        assert r is not None
+        assert r["kind"] == "adapter"
+        assert r["module"] == layer
+        assert 0 < r["nonfinite_values"] <= r["values"]
+        assert r["output_nonfinite_values"] == int((~torch.isfinite(ctx)).sum())
+        assert model.stats()["nonfinite"]["last"]["module"] == layer
+
+    # `sluice forward` and `sluice run` end with one line naming the layer.
+    inputs = os.path.join(workdir, "overflow_inputs.safetensors")
+    g = torch.Generator().manual_seed(1)
+    save_file({"x": torch.randn(2, 16, 1, 8, 8, generator=g), "timesteps": t, "qwen_hidden": qwen,
+               "t5_ids": ids, "qwen35_hidden": hidden, "qwen35_mask": mask}, inputs)
+    fwd = subprocess.run([CLI, "forward", "--checkpoint", bad, "--inputs", inputs, "--output",
+                          os.path.join(workdir, "overflow_out.safetensors"), "--storage", "float32", "--compute", "float32"],
+                         capture_output=True, text=True)
+    assert fwd.returncode == 1, fwd.stderr
+    assert "the adapter forward's context is non-finite" in fwd.stderr
+    assert "first non-finite output: " + layer in fwd.stderr
+    run_inputs = os.path.join(workdir, "overflow_run_inputs.safetensors")
+    save_file({"qwen_hidden": qwen[:1], "t5_ids": ids[:1], "qwen35_hidden": hidden[:, :1].contiguous(),
+               "qwen35_mask": mask[:1]}, run_inputs)
+    run = subprocess.run([CLI, "run", "--device", "cpu", "--checkpoint", bad, "--steps", "2", "--resolution", "64",
+                          "--storage", "float32", "--compute", "float32", "--connector-inputs", run_inputs,
+                          "--output", os.path.join(workdir, "overflow_latent.safetensors")],
+                         capture_output=True, text=True)
+    assert run.returncode == 1, run.stderr
+    assert "step 1/2: the adapter forward's context is non-finite" in run.stderr
+    assert "first non-finite output: " + layer in run.stderr
