@@ -26,26 +26,13 @@
 #include "runtime/safetensors.h"  // writing the LoRA fixture
 #include "tests/support/device_env.h"     // SLUICE_TEST_DEVICE
 #include "tests/support/single_thread.h"  // one intra-op thread
+#include "tests/support/temp_dir.h"
 
 namespace {
 
 constexpr uint64_t MiB = 1ull << 20;
 
-// A fresh directory under the build tree, removed with POSIX calls (torch's own
-// std::filesystem symbols crash in test binaries).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = std::string(SLUICE_BINARY_DIR) + "/tmp_api_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    const std::string cmd = "rm -rf '" + path + "'";
-    (void)std::system(cmd.c_str());
-  }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using sluice::testing::TempDir;  // tests/support/temp_dir.h
 
 // How the device of cpu() below names itself ("cpu", "testaccel:0").
 std::string device_name() {
@@ -351,11 +338,11 @@ TEST_CASE("api: LoRA changes the output and its removal restores it bit-exactly"
       {"blocks.1.mlp.layer2.lora_A.weight", at::randn({2, 4 * d}, gen)},
       {"blocks.1.mlp.layer2.lora_B.weight", at::randn({d, 2}, gen)},
   };
-  sluice::safetensors::save(dir.file("lora.safetensors"), t, {});
+  sluice::safetensors::save(dir / "lora.safetensors", t, {});
   sluice::LockedModel m = model.lock();
   const at::Tensor base = m(in.x, in.t, in.ctx);
   {
-    sluice::LoraHandle lora = m.apply_lora(dir.file("lora.safetensors"), 0.8);
+    sluice::LoraHandle lora = m.apply_lora(dir / "lora.safetensors", 0.8);
     CHECK(lora.patched_layers() == 2);
     const at::Tensor patched = m(in.x, in.t, in.ctx);
     CHECK_FALSE(at::equal(patched, base));
@@ -367,11 +354,11 @@ TEST_CASE("api: LoRA changes the output and its removal restores it bit-exactly"
   }
   CHECK(at::equal(m(in.x, in.t, in.ctx), base));
   {
-    sluice::LoraHandle lora = m.apply_lora(dir.file("lora.safetensors"), 0.8);
+    sluice::LoraHandle lora = m.apply_lora(dir / "lora.safetensors", 0.8);
     CHECK_FALSE(at::equal(m(in.x, in.t, in.ctx), base));
   }  // removed on destruction
   CHECK(at::equal(m(in.x, in.t, in.ctx), base));
-  CHECK_THROWS_AS(m.apply_lora(dir.file("missing.safetensors")), sluice::FileError);
+  CHECK_THROWS_AS(m.apply_lora(dir / "missing.safetensors"), sluice::FileError);
 }
 
 namespace {
@@ -410,11 +397,11 @@ TEST_CASE("api: a LoRA's sidecars grow the model's share into the free budget an
   const uint64_t share = share_of(model);
   const std::string map = model.residency_map();
   REQUIRE(map.rfind("blocks: RRRRRRRR;", 0) == 0);  // fully resident: its share has no room to spare
-  save_block_lora(dir.file("r64.safetensors"), model.info(), 64);
+  save_block_lora(dir / "r64.safetensors", model.info(), 64);
   sluice::LockedModel m = model.lock();
   const at::Tensor base = m(in.x, in.t, in.ctx);
   {
-    sluice::LoraHandle lora = m.apply_lora(dir.file("r64.safetensors"));
+    sluice::LoraHandle lora = m.apply_lora(dir / "r64.safetensors");
     const uint64_t sidecars = lora_bytes_of(model);
     CHECK(sidecars > 0);
     CHECK(share_of(model) == share + sidecars);
@@ -450,10 +437,10 @@ TEST_CASE("api: an unlocked model gives up residency for another model's LoRA an
   REQUIRE(share_of(tiny) == tiny_share);
   REQUIRE(share_of(small) == small_share);
   const std::string map = tiny.residency_map();
-  save_block_lora(dir.file("r16.safetensors"), tiny.info(), 16);
+  save_block_lora(dir / "r16.safetensors", tiny.info(), 16);
   {
     sluice::LockedModel m = tiny.lock();
-    sluice::LoraHandle lora = m.apply_lora(dir.file("r16.safetensors"));
+    sluice::LoraHandle lora = m.apply_lora(dir / "r16.safetensors");
     const uint64_t sidecars = lora_bytes_of(tiny);
     REQUIRE(sidecars < small_share - small.stats().minimum_bytes);  // the unlocked small can make the room
     CHECK(share_of(tiny) == tiny_share + sidecars);
@@ -468,16 +455,16 @@ TEST_CASE("api: an unlocked model gives up residency for another model's LoRA an
   sluice::ModelCache tight(cpu(std::to_string(tiny_share + MiB), "1MiB"));
   sluice::Model alone = tight.load("anima-tiny");
   const std::string tiny_map = alone.residency_map();
-  save_block_lora(dir.file("big.safetensors"), alone.info(), 64);
+  save_block_lora(dir / "big.safetensors", alone.info(), 64);
   sluice::LockedModel m = alone.lock();
   std::string error;
   try {
-    m.apply_lora(dir.file("big.safetensors"));
+    m.apply_lora(dir / "big.safetensors");
   } catch (const sluice::ResourceError& e) {
     error = e.what();
   }
   INFO(error);
-  CHECK(error.find("LoRA '" + dir.file("big.safetensors") + "' needs ") == 0);
+  CHECK(error.find("LoRA '" + dir / "big.safetensors" + "' needs ") == 0);
   CHECK(error.find("model 'anima-tiny'") != std::string::npos);
   CHECK(error.find(" missing") != std::string::npos);
   CHECK(error.find('\n') == std::string::npos);
@@ -492,8 +479,8 @@ TEST_CASE("api: a LoRA does not outlive the lock it was applied through", "[stri
   sluice::ModelCache cache(cpu());
   sluice::Model model = cache.load("anima-tiny");
   const Inputs in = inputs(model.info());
-  save_block_lora(dir.file("lora.safetensors"), model.info(), 4);
-  const std::string path = dir.file("lora.safetensors");
+  save_block_lora(dir / "lora.safetensors", model.info(), 4);
+  const std::string path = dir / "lora.safetensors";
   sluice::LockedModel m = model.lock();
   const at::Tensor base = m(in.x, in.t, in.ctx);
   sluice::LoraHandle lora = m.apply_lora(path);
@@ -708,8 +695,8 @@ TEST_CASE("api: locate_nonfinite re-runs a forward with a per-layer check and na
       {"llm_adapter.blocks.1.mlp.2.lora_A.weight", at::full({1, 4 * da}, 1e20)},
       {"llm_adapter.blocks.1.mlp.2.lora_B.weight", at::full({da, 1}, 1e20)},
   };
-  sluice::safetensors::save(dir.file("overflow.safetensors"), t, {});
-  sluice::LoraHandle lora = m.apply_lora(dir.file("overflow.safetensors"));
+  sluice::safetensors::save(dir / "overflow.safetensors", t, {});
+  sluice::LoraHandle lora = m.apply_lora(dir / "overflow.safetensors");
   const at::Tensor v = m(in.x, in.t, in.ctx);
   REQUIRE_FALSE(at::isfinite(v).all().item<bool>());
   const std::optional<sluice::NonFiniteReport> r = m.locate_nonfinite(in.x, in.t, in.ctx);
@@ -747,7 +734,7 @@ TEST_CASE("api: the load log line and the residency map are printed at INFO", "[
   sluice::log::set_level(sluice::log::Level::info);
   std::string text;
   {
-    StderrCapture capture(dir.file("log.txt"));
+    StderrCapture capture(dir / "log.txt");
     sluice::ModelCache cache(cpu("512MiB"));
     cache.load("anima-tiny");
     text = capture.finish();
@@ -778,8 +765,8 @@ TEST_CASE("api: handles outlive the cache and the trace is written", "[strict][a
     m(in.x, in.t, in.ctx);
     CHECK(m.model().name() == "anima-tiny");
   }
-  model.write_trace(dir.file("trace.json"));
-  std::ifstream f(dir.file("trace.json"));
+  model.write_trace(dir / "trace.json");
+  std::ifstream f(dir / "trace.json");
   const nlohmann::json t = nlohmann::json::parse(f);
   bool copy = false, compute = false;
   for (const auto& ev : t.at("traceEvents")) {
@@ -816,7 +803,7 @@ TEST_CASE("api: log lines go to an embedder's sink at the level it sets, and to 
   sluice::set_log_level(sluice::LogLevel::info);
   {
     TempDir dir;
-    StderrCapture err(dir.file("log.txt"));
+    StderrCapture err(dir / "log.txt");
     sluice::ModelCache cache(cpu());
     sluice::Model model = cache.load("anima-tiny");
     CHECK(err.finish().find("'anima-tiny'") != std::string::npos);  // stderr again

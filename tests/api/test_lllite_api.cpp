@@ -15,13 +15,13 @@
 
 #include "runtime/error.h"        // exception types callers catch
 #include "runtime/safetensors.h"  // writing the fixture
-#include "tests/support/cli_runner.h"  // TempDir
+#include "tests/support/temp_dir.h"
 #include "tests/support/device_env.h"
 #include "tests/support/lllite_file.h"
 
 namespace {
 
-using sluice::testing::TempDir;  // tests/support/cli_runner.h
+using sluice::testing::TempDir;  // tests/support/temp_dir.h
 
 sluice::RuntimeOptions cpu(const std::string& budget = "512MiB") {
   sluice::RuntimeOptions o;

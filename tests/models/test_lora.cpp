@@ -28,6 +28,7 @@
 #include "runtime/safetensors.h"
 #include "tests/support/device_env.h"
 #include "tests/support/engine_options.h"
+#include "tests/support/temp_dir.h"
 
 using namespace sluice;
 using namespace sluice::anima;
@@ -108,17 +109,7 @@ std::string error_of(const std::function<void()>& f) {
   return "<no CheckpointError>";
 }
 
-struct TempDir {
-  std::string dir;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/sluice_lora_XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    dir = templ;
-  }
-  ~TempDir() { std::system(("rm -rf '" + dir + "'").c_str()); }
-  std::string path(const std::string& n) const { return dir + "/" + n; }
-};
+using sluice::testing::TempDir;  // tests/support/temp_dir.h
 
 }  // namespace
 
@@ -239,8 +230,8 @@ TEST_CASE("lora: patching a whole fp8 model from a file: storage unchanged, effe
     t.emplace_back("lora_unet_" + flat + ".alpha", at::scalar_tensor(1.0).to(at::kBFloat16));
     ++linears;
   }
-  safetensors::save(tmp.path("l.safetensors"), t);
-  const LoraAdapter a = load_lora(tmp.path("l.safetensors"), *m);
+  safetensors::save(tmp / "l.safetensors", t);
+  const LoraAdapter a = load_lora(tmp / "l.safetensors", *m);
   CHECK(static_cast<int64_t>(a.targets.size()) == linears);
   {
     LoraScope scope(*m, a);
@@ -689,9 +680,9 @@ TEST_CASE("lora: a LoRA for a deeper model is refused with one line naming it, i
   Tensors t;
   add_pair(t, *tiny, "blocks.0.mlp.layer1", 2, 1, "lora_unet_blocks_5_mlp_layer1.lora_down.weight",
            "lora_unet_blocks_5_mlp_layer1.lora_up.weight");
-  safetensors::save(tmp.path("five.safetensors"), t);
-  const std::string e = error_of([&] { load_lora(tmp.path("five.safetensors"), *tiny); });
-  CHECK(e.find("LoRA '" + tmp.path("five.safetensors") + "' addresses block 5 (trained on a 28-block Anima), but "
+  safetensors::save(tmp / "five.safetensors", t);
+  const std::string e = error_of([&] { load_lora(tmp / "five.safetensors", *tiny); });
+  CHECK(e.find("LoRA '" + tmp / "five.safetensors" + "' addresses block 5 (trained on a 28-block Anima), but "
                "this model has 2 blocks") == 0);
   // A model of a depth no Anima was released at keeps the indices.
   AnimaModel odd = fp8_tiny_depth(30);

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/support/cli_runner.h"
+#include "tests/support/temp_dir.h"
 #include "runtime/error.h"
 #include "runtime/fault_injection.h"
 #include "runtime/fp8.h"

@@ -16,6 +16,7 @@
 
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
+#include "tests/support/temp_dir.h"
 
 namespace st = sluice::safetensors;
 using Bytes = std::vector<uint8_t>;
@@ -45,23 +46,7 @@ bool exists(const std::string& path) {
   return ::lstat(path.c_str(), &st) == 0;
 }
 
-// A fresh flat directory per test, removed with everything in it.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp != nullptr && *tmp != 0 ? tmp : "/tmp") + "/sluice_test_st_XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    path = templ;
-  }
-  ~TempDir() {
-    for (const auto& n : list_dir(path)) {
-      ::unlink(file(n).c_str());
-    }
-    ::rmdir(path.c_str());
-  }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using sluice::testing::TempDir;  // tests/support/temp_dir.h
 
 Bytes read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -195,7 +180,7 @@ TEST_CASE("safetensors: every dtype round-trips bit-exactly, including 0-d and z
       expected_name[key] = name;
     }
   }
-  const std::string path = dir.file("all.safetensors");
+  const std::string path = dir / "all.safetensors";
   st::save(path, tensors);
 
   auto f = st::File::open(path);
@@ -242,7 +227,7 @@ TEST_CASE("safetensors: metadata round-trips") {
   TempDir dir;
   const std::map<std::string, std::string> meta = {
       {"format", "pt"}, {"empty", ""}, {"quoted", "a \"b\" \\ c\nd"}, {"unicode", "\xc3\xbcnic\xc3\xb8" "de"}};
-  const std::string path = dir.file("meta.safetensors");
+  const std::string path = dir / "meta.safetensors";
   st::save(path, {{"w", at::arange(6, at::kFloat)}}, meta);
   auto f = st::File::open(path);
   CHECK(f->metadata() == meta);
@@ -251,7 +236,7 @@ TEST_CASE("safetensors: metadata round-trips") {
 
 TEST_CASE("safetensors: save writes the layout the format specifies") {
   TempDir dir;
-  const std::string path = dir.file("layout.safetensors");
+  const std::string path = dir / "layout.safetensors";
   const at::Tensor a = at::ones({3}, at::kByte);     // 3 bytes
   const at::Tensor b = at::zeros({2, 2}, at::kHalf);  // 8 bytes
   const at::Tensor c = at::arange(5, at::kLong);      // 40 bytes
@@ -283,7 +268,7 @@ TEST_CASE("safetensors: save writes the layout the format specifies") {
 
 TEST_CASE("safetensors: save replaces an existing file") {
   TempDir dir;
-  const std::string path = dir.file("x.safetensors");
+  const std::string path = dir / "x.safetensors";
   st::save(path, {{"old", at::ones({4})}});
   st::save(path, {{"new", at::zeros({2})}});
   auto f = st::File::open(path);
@@ -305,8 +290,8 @@ TEST_CASE("safetensors: a hand-written file reads as the format defines it") {
   CHECK(h.metadata.at("k") == "v");
 
   TempDir dir;
-  write_bytes(dir.file("hand.safetensors"), img);
-  auto f = st::File::open(dir.file("hand.safetensors"));
+  write_bytes(dir / "hand.safetensors", img);
+  auto f = st::File::open(dir / "hand.safetensors");
   const at::Tensor w = f->tensor("w");
   CHECK(w.scalar_type() == at::kShort);
   CHECK(at::equal(w, at::tensor({1, 2, -1, -32768}, at::kShort).reshape({2, 2})));
@@ -321,12 +306,12 @@ TEST_CASE("safetensors: files interoperate with the reference safetensors packag
     tensors.emplace_back("s." + name, random_tensor({}, dtype, rng));
   }
   tensors.emplace_back("empty", at::empty({0, 7}, at::kBFloat16));
-  const std::string ours = dir.file("ours.safetensors");
-  const std::string theirs = dir.file("theirs.safetensors");
+  const std::string ours = dir / "ours.safetensors";
+  const std::string theirs = dir / "theirs.safetensors";
   st::save(ours, tensors, {{"format", "pt"}});
 
   // The reference loads our file and writes it back with its own writer.
-  const std::string script = dir.file("rt.py");
+  const std::string script = dir / "rt.py";
   {
     std::ofstream py(script);
     py << "import sys\n"
@@ -357,7 +342,7 @@ TEST_CASE("safetensors: files interoperate with the reference safetensors packag
 
 TEST_CASE("safetensors: tensors are zero-copy views that keep the mapping alive") {
   TempDir dir;
-  const std::string path = dir.file("z.safetensors");
+  const std::string path = dir / "z.safetensors";
   const at::Tensor a = at::randn({16, 16});
   const at::Tensor b = at::randn({8}).to(at::kBFloat16);
   st::save(path, {{"a", a}, {"b", b}});
@@ -394,7 +379,7 @@ TEST_CASE("safetensors: tensors are zero-copy views that keep the mapping alive"
 
 TEST_CASE("safetensors: a tensor whose bytes are not aligned to its element size is copied") {
   TempDir dir;
-  const std::string path = dir.file("u.safetensors");
+  const std::string path = dir / "u.safetensors";
   const at::Tensor pad = at::ones({1}, at::kByte);
   const at::Tensor w = at::randn({3, 5});
   st::save(path, {{"pad", pad}, {"w", w}});  // w starts 1 byte into the data section
@@ -411,7 +396,7 @@ TEST_CASE("safetensors: a tensor whose bytes are not aligned to its element size
 
 TEST_CASE("safetensors: asking for a missing tensor names the file and the tensor") {
   TempDir dir;
-  const std::string path = dir.file("m.safetensors");
+  const std::string path = dir / "m.safetensors";
   st::save(path, {{"a", at::ones({2})}});
   auto f = st::File::open(path);
   CHECK(f->find("nope") == nullptr);
@@ -425,7 +410,7 @@ TEST_CASE("safetensors: asking for a missing tensor names the file and the tenso
 
 TEST_CASE("safetensors: save rejects bad tensor lists with InvalidArgument naming the tensor") {
   TempDir dir;
-  const std::string path = dir.file("bad.safetensors");
+  const std::string path = dir / "bad.safetensors";
   const auto check_invalid = [&](const std::vector<std::pair<std::string, at::Tensor>>& ts, const std::string& name) {
     try {
       st::save(path, ts);
@@ -446,7 +431,7 @@ TEST_CASE("safetensors: save rejects bad tensor lists with InvalidArgument namin
 
 TEST_CASE("safetensors: save into a missing directory is a FileError") {
   TempDir dir;
-  CHECK_THROWS_AS(st::save(dir.file("no/such/dir/x.safetensors"), {{"a", at::ones({1})}}), sluice::FileError);
+  CHECK_THROWS_AS(st::save(dir / "no/such/dir/x.safetensors", {{"a", at::ones({1})}}), sluice::FileError);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -458,7 +443,7 @@ TEST_CASE("safetensors: invalid: file too short for the header length") {
   SECTION("through File::open") {
     TempDir dir;
     for (size_t n : {0, 3}) {
-      const std::string path = dir.file("short" + std::to_string(n));
+      const std::string path = dir / ("short" + std::to_string(n));
       write_bytes(path, Bytes(n, 0));
       const std::string msg = file_error_of([&] { st::File::open(path); });
       CHECK(msg.find(path) != std::string::npos);
@@ -612,19 +597,19 @@ TEST_CASE("safetensors: invalid: bad metadata") {
 TEST_CASE("safetensors: File::open reports unopenable paths with their name") {
   TempDir dir;
   SECTION("missing") {
-    const std::string path = dir.file("missing.safetensors");
+    const std::string path = dir / "missing.safetensors";
     CHECK(file_error_of([&] { st::File::open(path); }).find(path) != std::string::npos);
   }
   SECTION("directory") {
     CHECK(file_error_of([&] { st::File::open(dir.path); }).find("not a regular file") != std::string::npos);
   }
   SECTION("FIFO does not block") {
-    const std::string path = dir.file("fifo");
+    const std::string path = dir / "fifo";
     REQUIRE(::mkfifo(path.c_str(), 0600) == 0);
     CHECK(file_error_of([&] { st::File::open(path); }).find("not a regular file") != std::string::npos);
   }
   SECTION("corrupt header names the path") {
-    const std::string path = dir.file("corrupt.safetensors");
+    const std::string path = dir / "corrupt.safetensors";
     write_bytes(path, make_image("{" + entry("blk.w", "F32", "[3]", "[0,8]") + "}", 8));
     const std::string msg = file_error_of([&] { st::File::open(path); });
     CHECK(msg.find(path) != std::string::npos);
@@ -754,7 +739,7 @@ TEST_CASE("safetensors: randomly corrupted files are parsed validly or rejected 
   std::mt19937 trng(5);
   std::vector<Bytes> pool;
   {
-    const std::string p0 = dir.file("v0"), p1 = dir.file("v1"), p2 = dir.file("v2");
+    const std::string p0 = dir / "v0", p1 = dir / "v1", p2 = dir / "v2";
     st::save(p0, {{"blocks.0.attn.q.weight", random_tensor({8, 8}, at::kBFloat16, trng)},
                   {"blocks.0.attn.q.bias", random_tensor({8}, at::kFloat, trng)},
                   {"blocks.0.norm.scale", random_tensor({8}, at::kFloat8_e4m3fn, trng)}},
@@ -775,7 +760,7 @@ TEST_CASE("safetensors: randomly corrupted files are parsed validly or rejected 
   std::mt19937_64 rng(20240601);
   int valid = 0, rejected = 0, valid_files = 0;
   std::string failure;
-  const std::string file = dir.file("mutant.safetensors");
+  const std::string file = dir / "mutant.safetensors";
   constexpr int kBufferCases = 4000;
   constexpr int kFileCases = 300;
   for (int i = 0; i < kBufferCases + kFileCases && failure.empty(); ++i) {

@@ -16,6 +16,8 @@
 #include <unistd.h>
 #include <vector>
 
+#include "tests/support/temp_dir.h"  // TempDir, temp_root
+
 extern char** environ;
 
 namespace sluice::testing {
@@ -37,32 +39,6 @@ inline bool exists(const std::string& p) {
   struct stat st;
   return ::stat(p.c_str(), &st) == 0;
 }
-
-inline std::string temp_root() {
-  const char* t = std::getenv("TMPDIR");
-  return (t != nullptr && *t != '\0') ? t : "/tmp";
-}
-
-// A scratch folder per test case, removed afterwards (it holds only plain files).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = temp_root() + "/sluice_test_XXXXXX";
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    if (DIR* d = opendir(path.c_str())) {
-      while (const dirent* e = readdir(d)) {
-        const std::string name = e->d_name;
-        if (name != "." && name != "..") ::unlink((path + "/" + name).c_str());
-      }
-      closedir(d);
-    }
-    ::rmdir(path.c_str());
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
 
 // Runs the sluice binary with `args`, capturing stdout and stderr through files. The
 // environment is ours minus SLUICE_LOG_LEVEL, so the CLI's own defaults are what is tested.

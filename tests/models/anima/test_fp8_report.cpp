@@ -18,23 +18,14 @@
 #include "offload/layer/layer.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
+#include "tests/support/temp_dir.h"
 
 using namespace sluice;
 using namespace sluice::anima;
 
 namespace {
 
-struct TempDir {
-  std::string dir;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/sluice_fp8_report_XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    dir = templ;
-  }
-  ~TempDir() { std::system(("rm -rf '" + dir + "'").c_str()); }
-  std::string path(const std::string& n) const { return dir + "/" + n; }
-};
+using sluice::testing::TempDir;  // tests/support/temp_dir.h
 
 // A tiny bf16 checkpoint whose t_embedder weights are all below e4m3fn's flush threshold
 // (2^-10) but far from zero relative to each other, so an unscaled cast zeroes them and a
@@ -55,7 +46,7 @@ std::string planted_checkpoint(const TempDir& tmp, bool saturating = false) {
     }
     out.emplace_back("net." + name, t);
   }
-  const std::string path = tmp.path(saturating ? "saturating.safetensors" : "planted.safetensors");
+  const std::string path = tmp / (saturating ? "saturating.safetensors" : "planted.safetensors");
   safetensors::save(path, out, {{kMetaConfig, config_to_json(c).dump()}});
   return path;
 }
@@ -213,8 +204,8 @@ TEST_CASE("fp8 report: refuses non-fp8 storage and non-Anima files") {
   TempDir tmp;
   Fp8ReportOptions o;
   o.storage = at::kBFloat16;
-  CHECK_THROWS_AS(fp8_report(tmp.path("x.safetensors"), o), InvalidArgument);
-  safetensors::save(tmp.path("other.safetensors"), {{"foo.weight", at::zeros({2})}});
-  CHECK_THROWS_AS(fp8_report(tmp.path("other.safetensors")), CheckpointError);
-  CHECK_THROWS_AS(fp8_report(tmp.path("missing.safetensors")), FileError);
+  CHECK_THROWS_AS(fp8_report(tmp / "x.safetensors", o), InvalidArgument);
+  safetensors::save(tmp / "other.safetensors", {{"foo.weight", at::zeros({2})}});
+  CHECK_THROWS_AS(fp8_report(tmp / "other.safetensors"), CheckpointError);
+  CHECK_THROWS_AS(fp8_report(tmp / "missing.safetensors"), FileError);
 }

@@ -26,7 +26,7 @@
 #include "runtime/fp8.h"
 #include "runtime/logging.h"
 #include "runtime/safetensors.h"
-#include "tests/support/cli_runner.h"  // TempDir
+#include "tests/support/temp_dir.h"
 #include "tests/support/device_env.h"
 #include "tests/support/engine_options.h"
 
@@ -101,7 +101,7 @@ std::string checkpoint_error_of(const std::function<void()>& f) {
   return "<no CheckpointError>";
 }
 
-using sluice::testing::TempDir;  // tests/support/cli_runner.h
+using sluice::testing::TempDir;  // tests/support/temp_dir.h
 
 }  // namespace
 

@@ -33,6 +33,7 @@
 #include "runtime/safetensors.h"
 #include "tests/support/device_env.h"
 #include "tests/support/single_thread.h"
+#include "tests/support/temp_dir.h"
 
 using namespace sluice;
 using namespace sluice::anima;
@@ -188,17 +189,7 @@ struct DisarmAll {
   ~DisarmAll() { fault::disarm_all(); }
 };
 
-struct TempDir {
-  std::string dir;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/sluice_faults_XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    dir = templ;
-  }
-  ~TempDir() { std::system(("rm -rf '" + dir + "'").c_str()); }
-  std::string path(const std::string& n) const { return dir + "/" + n; }
-};
+using sluice::testing::TempDir;  // tests/support/temp_dir.h
 
 void copy_file(const std::string& from, const std::string& to) {
   REQUIRE(std::system(("cp '" + from + "' '" + to + "'").c_str()) == 0);
@@ -514,7 +505,7 @@ TEST_CASE("faults: a checkpoint truncated between probe and load is a FileError 
   DisarmAll guard;
   TempDir dir;
   const AnimaConfig c = preset("anima-tiny");
-  const std::string good = dir.path("tiny.safetensors");
+  const std::string good = dir / "tiny.safetensors";
   write_random_checkpoint(c, 7, at::kBFloat16, good);
   LoadOptions lo;
   lo.storage = fp8();
@@ -524,7 +515,7 @@ TEST_CASE("faults: a checkpoint truncated between probe and load is a FileError 
   const Snapshot before = snapshot(*model);
   // A model holding other weights (seed 8), so that any tensor the failed load copied in
   // would show.
-  const std::string other = dir.path("other.safetensors");
+  const std::string other = dir / "other.safetensors";
   write_random_checkpoint(c, 8, at::kBFloat16, other);
   AnimaModel target(c, BuildOptions{at::kBFloat16, at::kCPU});
   {
@@ -533,7 +524,7 @@ TEST_CASE("faults: a checkpoint truncated between probe and load is a FileError 
   }
   const Snapshot target_before = snapshot(*target);
 
-  const std::string cut = dir.path("cut.safetensors");
+  const std::string cut = dir / "cut.safetensors";
   copy_file(good, cut);
   auto file = safetensors::File::open(cut);
   const CheckpointProbe probe = probe_checkpoint(*file);
@@ -559,9 +550,9 @@ TEST_CASE("faults: a checkpoint read error is a FileError and changes nothing", 
   DisarmAll guard;
   TempDir dir;
   const AnimaConfig c = preset("anima-tiny");
-  const std::string path = dir.path("tiny.safetensors");
+  const std::string path = dir / "tiny.safetensors";
   write_random_checkpoint(c, 7, at::kBFloat16, path);
-  const std::string other = dir.path("other.safetensors");
+  const std::string other = dir / "other.safetensors";
   write_random_checkpoint(c, 8, at::kBFloat16, other);
   AnimaModel target(c, BuildOptions{at::kBFloat16, at::kCPU});
   auto file = safetensors::File::open(path);
@@ -607,7 +598,7 @@ TEST_CASE("faults: a LoRA loader or patch failure leaves no sidecar and the mode
     tensors.emplace_back(std::string(name) + ".lora_A.weight", at::randn({4, w[1]}) * 0.5);
     tensors.emplace_back(std::string(name) + ".lora_B.weight", at::randn({w[0], 4}) * 0.5);
   }
-  const std::string path = dir.path("lora.safetensors");
+  const std::string path = dir / "lora.safetensors";
   safetensors::save(path, tensors);
   auto no_sidecars = [&] {
     for (const auto& [n, l] : managed_layers(*rig.model)) {

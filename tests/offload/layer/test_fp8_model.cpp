@@ -21,6 +21,7 @@
 #include "offload/layer/storage.h"
 #include "runtime/error.h"
 #include "runtime/fp8.h"
+#include "tests/support/temp_dir.h"
 
 using namespace sluice;
 using namespace sluice::anima;
@@ -77,17 +78,7 @@ void require_unchanged(torch::nn::Module& m, const std::map<std::string, at::Ten
   }
 }
 
-struct TempDir {
-  std::string dir;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/sluice_fp8_model_XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    dir = templ;
-  }
-  ~TempDir() { std::system(("rm -rf '" + dir + "'").c_str()); }
-  std::string path(const std::string& n) const { return dir + "/" + n; }
-};
+using sluice::testing::TempDir;  // tests/support/temp_dir.h
 
 struct Inputs {
   at::Tensor x, t, ctx, qwen, ids;
@@ -202,7 +193,7 @@ TEST_CASE("fp8 model: apply_storage casts weight and bias of unskipped layers on
 TEST_CASE("fp8 model: load_anima with fp8 storage yields the fp8 resident size (dead-toggle guard)", "[strict]") {
   TempDir tmp;
   const AnimaConfig c = preset("anima-tiny");
-  const std::string path = tmp.path("tiny.safetensors");
+  const std::string path = tmp / "tiny.safetensors";
   write_random_checkpoint(c, 5, at::kBFloat16, path);
 
   LoadOptions plain;
