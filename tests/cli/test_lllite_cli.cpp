@@ -1,6 +1,7 @@
 // ControlNet-LLLite on the command line (README, "ControlNet-LLLite"): `sluice forward --lllite
 // FILE[:WEIGHT]` with lllite_cond in the inputs file, `sluice run --lllite FILE[:WEIGHT[:BEGIN:END]]
-// --control-image PNG`, and the refusals of bad specs and files, each one line.
+// --control-image PNG [--control-mask PNG]` (an inpaint adapter), and the refusals of bad specs
+// and files, each one line.
 #include <ATen/ATen.h>
 
 #include <catch2/catch.hpp>
@@ -147,4 +148,54 @@ TEST_CASE("lllite cli: sluice run --lllite with a PNG control image and a step r
   CHECK(r.status == 1);
   CHECK(r.err.rfind("sluice: error: cannot read PNG '" + ll + "'", 0) == 0);
   CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+}
+
+TEST_CASE("lllite cli: sluice run with an inpaint adapter takes --control-mask, and refuses it missing or superfluous",
+          "[strict]") {
+  TempDir dir;
+  const std::string ll = dir / "inpaint.safetensors", rgb_ll = dir / "rgb.safetensors", png = dir / "image.png";
+  const std::string left = dir / "left.png", right = dir / "right.png";
+  sluice::testing::LLLiteFileSpec spec;
+  spec.in_channels = 4;  // RGB + the inpaint mask
+  sluice::safetensors::save(ll, sluice::testing::lllite_file(spec), {});
+  sluice::safetensors::save(rgb_ll, sluice::testing::lllite_file({}), {});
+  at::manual_seed(6);
+  write_png(png, at::randint(0, 256, {40, 32, 3}).to(at::kByte));
+  // Two masks of the same size: the left half to inpaint, or the right half (white = 1 = inpaint).
+  at::Tensor l = at::zeros({40, 32, 3}, at::kByte);
+  l.narrow(1, 0, 16).fill_(255);
+  write_png(left, l);
+  write_png(right, at::full({40, 32, 3}, 255, at::kByte) - l);
+  auto run = [&](const std::string& out, const std::vector<std::string>& more) {
+    std::vector<std::string> args = {"run", "--synthetic", "anima-tiny", "--steps", "3", "--resolution", "64",
+                                     "--compute", "float32", "--output", out};
+    args.insert(args.end(), more.begin(), more.end());
+    const auto r = ok(args);
+    return std::make_pair(sluice::safetensors::File::open(out)->read("latent"), r.out);
+  };
+  const at::Tensor plain = run(dir / "plain.safetensors", {}).first;
+  const auto [on_left, out] =
+      run(dir / "left.safetensors", {"--lllite", ll, "--control-image", png, "--control-mask", left});
+  CHECK(out.find("lllite: " + ll + ", weight 1 for steps 0..1 of the run, 10 modules on 10 layers") != std::string::npos);
+  CHECK(out.find(", control image " + png + ", mask " + left + "\n") != std::string::npos);
+  const at::Tensor on_right =
+      run(dir / "right.safetensors", {"--lllite", ll, "--control-image", png, "--control-mask", right}).first;
+  CHECK(at::isfinite(on_left).all().item<bool>());
+  CHECK_FALSE(at::equal(on_left, plain));
+  CHECK_FALSE(at::equal(on_left, on_right));  // the mask reaches the adapter's trunk
+  // The mask is the adapter's 4th channel: missing for an inpaint adapter, superfluous for an
+  // RGB one; and a mask without --control-image is a flag error naming it.
+  auto r = run_cli({"run", "--synthetic", "anima-tiny", "--steps", "1", "--resolution", "64", "--lllite", ll,
+                    "--control-image", png});
+  CHECK(r.status == 1);
+  CHECK(r.err == "sluice: error: LLLite '" + ll +
+                     "' is an inpaint adapter (4 input channels): it needs a mask (1 = inpaint, 0 = keep)\n");
+  r = run_cli({"run", "--synthetic", "anima-tiny", "--steps", "1", "--resolution", "64", "--lllite", rgb_ll,
+               "--control-image", png, "--control-mask", left});
+  CHECK(r.status == 1);
+  CHECK(r.err == "sluice: error: LLLite '" + rgb_ll + "' takes an RGB image only (3 input channels): it takes no mask\n");
+  r = run_cli({"run", "--synthetic", "anima-tiny", "--steps", "1", "--resolution", "64", "--lllite", ll,
+               "--control-mask", left});
+  CHECK(r.status == 2);
+  CHECK(r.err == "sluice: error: --lllite requires --control-image; run 'sluice run --help'\n");
 }
