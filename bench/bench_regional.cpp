@@ -11,21 +11,16 @@
 
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
-#include <chrono>
 #include <string>
 
 #include "bench/benchmark_main.h"
+#include "bench/paired_step.h"
 #include "sluice/sluice.hpp"
 
 namespace {
 
 constexpr const char* kPreset = "anima-small";  // width 256, 8 blocks
 constexpr int64_t kContextTokens = 64;
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // [L, S] for a latent hw x hw: image tokens in the left half of the token grid attend to the
 // first half of the context, the others to the second half.
@@ -40,61 +35,24 @@ at::Tensor two_region_mask(int64_t hw, int64_t patch) {
 // Args: {latent H = W, resident percent}.
 void BM_RegionalStep(benchmark::State& state) {
   const int64_t hw = state.range(0);
-  const double resident = static_cast<double>(state.range(1)) / 100.0;
-  sluice::RuntimeOptions ro;
-  ro.device = "cpu";
-  ro.ram_limit = "0";
-  sluice::ModelCache cache(ro);
-  sluice::LoadOptions lo;
-  if (resident < 1.0) lo.max_resident = resident;
-  sluice::Model model = cache.load(kPreset, lo);
-  sluice::LockedModel m = model.lock();
-  const sluice::ModelInfo info = m.info();
-  at::manual_seed(0);
-  const at::Tensor x = at::randn({1, info.in_channels, 1, hw, hw});
-  const at::Tensor t = at::full({1}, 0.5);
-  const at::Tensor ctx = at::randn({1, kContextTokens, info.context_dim});
-  sluice::ForwardOptions masked;
-  masked.cross_attn_mask = two_region_mask(hw, info.patch_spatial);
-  for (int w = 0; w < 2; ++w) {  // warm-up: allocator, kernels
-    m(x, t, ctx);
-    m.forward(x, t, ctx, masked);
-  }
+  sluice::bench::StepModel s(kPreset, static_cast<double>(state.range(1)) / 100.0, hw, kContextTokens);
+  sluice::ForwardOptions options;
+  options.cross_attn_mask = two_region_mask(hw, s.info.patch_spatial);
+  auto plain = [&] { return s.locked(s.in.x, s.in.t, s.in.ctx); };
+  auto masked = [&] { return s.locked.forward(s.in.x, s.in.t, s.in.ctx, options); };
   // A mask that changed nothing would time the plain forward twice.
-  if (at::allclose(m(x, t, ctx).to(at::kFloat), m.forward(x, t, ctx, masked).to(at::kFloat))) {
+  if (at::allclose(plain().to(at::kFloat), masked().to(at::kFloat))) {
     state.SkipWithError("the masked forward equals the plain one: the mask is not applied");
     return;
   }
-  double best_plain = 1e30, best_masked = 1e30, sum_plain = 0, sum_masked = 0;
-  for (auto _ : state) {
-    auto t0 = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(m(x, t, ctx));
-    const double p = ms_since(t0);
-    t0 = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(m.forward(x, t, ctx, masked));
-    const double r = ms_since(t0);
-    best_plain = std::min(best_plain, p);
-    best_masked = std::min(best_masked, r);
-    sum_plain += p;
-    sum_masked += r;
-  }
-  const double n = static_cast<double>(state.iterations());
-  state.counters["plain_ms"] = best_plain;
-  state.counters["masked_ms"] = best_masked;
-  state.counters["ratio"] = best_masked / best_plain;
-  state.counters["ratio_mean"] = (sum_masked / n) / (sum_plain / n);
-  state.counters["streamed_layers"] = static_cast<double>(model.stats().streamed_layers);
-  state.SetLabel(std::string(kPreset) + " " + info.storage_dtype + "/" + info.compute_dtype + ", mask [" +
-                 std::to_string(masked.cross_attn_mask->size(0)) + ", " + std::to_string(kContextTokens) +
+  sluice::bench::PairedTimes::run(state, plain, masked, "masked");
+  state.counters["streamed_layers"] = static_cast<double>(s.model.stats().streamed_layers);
+  state.SetLabel(std::string(kPreset) + " " + s.info.storage_dtype + "/" + s.info.compute_dtype + ", mask [" +
+                 std::to_string(options.cross_attn_mask->size(0)) + ", " + std::to_string(kContextTokens) +
                  "] on the even blocks, resident " + std::to_string(state.range(1)) + "%");
 }
 
-BENCHMARK(BM_RegionalStep)
-    ->ArgNames({"hw", "resident_pct"})
-    ->ArgsProduct({{32, 64}, {100, 50}})
-    ->Iterations(5)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+BENCHMARK(BM_RegionalStep)->Apply(sluice::bench::step_grid);
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/safetensors.h"
@@ -74,6 +75,16 @@ sluice::testing::Result ok(const std::vector<std::string>& args) {
   return r;
 }
 
+// `sluice run` of anima-tiny, `steps` steps at 64 px in fp32, with `more` flags: its latent
+// and its stdout.
+std::pair<at::Tensor, std::string> run_tiny(int steps, const std::string& out, const std::vector<std::string>& more) {
+  std::vector<std::string> args = {"run", "--synthetic", "anima-tiny", "--steps", std::to_string(steps),
+                                   "--resolution", "64", "--compute", "float32", "--output", out};
+  args.insert(args.end(), more.begin(), more.end());
+  const auto r = ok(args);
+  return {sluice::safetensors::File::open(out)->read("latent"), r.out};
+}
+
 }  // namespace
 
 TEST_CASE("lllite cli: sluice forward --lllite reads lllite_cond, weight 0 is the plain output, bad specs are one line",
@@ -119,13 +130,7 @@ TEST_CASE("lllite cli: sluice run --lllite with a PNG control image and a step r
   sluice::safetensors::save(ll, sluice::testing::lllite_file({}), {});
   at::manual_seed(5);
   write_png(png, at::randint(0, 256, {37, 29, 3}).to(at::kByte));
-  auto run = [&](const std::string& out, const std::vector<std::string>& more) {
-    std::vector<std::string> args = {"run", "--synthetic", "anima-tiny", "--steps", "4", "--resolution", "64",
-                                     "--compute", "float32", "--output", out};
-    args.insert(args.end(), more.begin(), more.end());
-    const auto r = ok(args);
-    return std::make_pair(sluice::safetensors::File::open(out)->read("latent"), r.out);
-  };
+  auto run = [&](const std::string& out, const std::vector<std::string>& more) { return run_tiny(4, out, more); };
   const at::Tensor plain = run(dir / "plain.safetensors", {}).first;
   const auto [zero, zero_out] = run(dir / "zero.safetensors", {"--lllite", ll + ":0", "--control-image", png});
   CHECK(at::equal(zero, plain));
@@ -166,13 +171,7 @@ TEST_CASE("lllite cli: sluice run with an inpaint adapter takes --control-mask, 
   l.narrow(1, 0, 16).fill_(255);
   write_png(left, l);
   write_png(right, at::full({40, 32, 3}, 255, at::kByte) - l);
-  auto run = [&](const std::string& out, const std::vector<std::string>& more) {
-    std::vector<std::string> args = {"run", "--synthetic", "anima-tiny", "--steps", "3", "--resolution", "64",
-                                     "--compute", "float32", "--output", out};
-    args.insert(args.end(), more.begin(), more.end());
-    const auto r = ok(args);
-    return std::make_pair(sluice::safetensors::File::open(out)->read("latent"), r.out);
-  };
+  auto run = [&](const std::string& out, const std::vector<std::string>& more) { return run_tiny(3, out, more); };
   const at::Tensor plain = run(dir / "plain.safetensors", {}).first;
   const auto [on_left, out] =
       run(dir / "left.safetensors", {"--lllite", ll, "--control-image", png, "--control-mask", left});
