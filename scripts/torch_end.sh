@@ -12,8 +12,8 @@
 #                                               # against that torch; then
 #                                               # examples/cpp against the installed package
 #   bash scripts/torch_end.sh VERSION python   # the Python suite against the installed package
-#   bash scripts/torch_end.sh VERSION clean    # removes the venv and the build folder (about
-#                                               # 9 GiB an end with torch's CUDA wheels), keeping
+#   bash scripts/torch_end.sh VERSION clean    # removes the venv and the build folder (6.5 GiB
+#                                               # an end at bc6e125: torch's CUDA wheels), keeping
 #                                               # the logs; ctest runs it after the end's last step,
 #                                               # so that one end at a time is on disk
 #
@@ -111,6 +111,9 @@ run_step() {
   clean)
     log "removing $VENV and $BUILD ($(du -sh "$DIR" 2>/dev/null | cut -f1) in $DIR)"
     rm -rf "$VENV" "$BUILD"
+    for d in "$VENV" "$BUILD"; do
+      [ ! -e "$d" ] || { log "$d is still there after rm -rf"; exit 1; }
+    done
     ;;
   *)
     echo "torch_end.sh: STEP '$STEP': expected install, cpp, python or clean" >&2
