@@ -181,7 +181,10 @@ at::Tensor to_device(const at::Tensor& t, const std::vector<Aliased>& aliased) {
   return out;
 }
 
-void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// Runs `host` (a CPU kernel) on the stack of `op` with device tensors aliased as CPU ones,
+// in stream order, and hands the results back as device tensors.
+template <class Host>
+void on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, Host&& host) {
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   const size_t base = stack->size() - nargs;
@@ -219,7 +222,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
               "Expected all tensors to be on the same device, but found at least two devices, ", kBackendName,
               ":0 and cpu! (", schema.name(), ", argument '", cpu_argument, "' is on the CPU)");
   synchronize_stream(current_stream());  // stream order: what was queued before runs first
-  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  host(stack);
   for (Aliased& g : grown) {
     if (g.cpu.numel() == 0 && g.cpu.sizes() == g.device.sizes()) continue;
     g.device.resize_(g.cpu.sizes());
@@ -229,6 +232,18 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) {
     map_tensors((*stack)[i], [&](const at::Tensor& t) { return to_device(t, aliased); });
   }
+}
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  on_host(op, stack, [&](torch::jit::Stack* s) { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), s); });
+}
+
+// aten::convolution sends a device other than the CPU and CUDA to convolution_overrideable,
+// for which the CPU has no kernel: its arguments, aten::convolution's own, run as that on
+// the host (the CPU's convolution, so bit-identical to it). The LLLite trunk needs it.
+void convolution_overrideable(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle convolution = c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution", "");
+  on_host(op, stack, [](torch::jit::Stack* s) { convolution.callBoxed(s); });
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
@@ -251,6 +266,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   for (const char* name : {"native_layer_norm", "native_group_norm", "scaled_dot_product_attention"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
+  m.impl("convolution_overrideable", torch::CppFunction::makeFromBoxedFunction<&convolution_overrideable>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }

@@ -240,6 +240,22 @@ TEST_CASE("accel: operators run on the device, views stay views, devices do not 
   CHECK_NOTHROW(d + at::scalar_tensor(1.0));
 }
 
+TEST_CASE("accel: a convolution runs on the device, bit-identical to the CPU's, and devices do not mix") {
+  load_accel();
+  at::manual_seed(3);
+  const at::Tensor x = at::randn({2, 4, 13, 10}), w = at::randn({6, 2, 3, 3}), b = at::randn({6});
+  // Strided, padded and grouped, as the LLLite trunk's convolutions are; then transposed.
+  const at::Tensor host = at::conv2d(x, w, b, /*stride=*/{2, 2}, /*padding=*/{1, 1}, /*dilation=*/{1, 1}, /*groups=*/2);
+  const at::Tensor dev = at::conv2d(x.to(accel()), w.to(accel()), b.to(accel()), {2, 2}, {1, 1}, {1, 1}, 2);
+  CHECK(dev.device() == accel());
+  CHECK(at::equal(dev.cpu(), host));
+  const at::Tensor wt = at::randn({4, 3, 2, 2});
+  CHECK(at::equal(at::conv_transpose2d(x.to(accel()), wt.to(accel()), {}, {2, 2}).cpu(),
+                  at::conv_transpose2d(x, wt, {}, {2, 2})));
+  const std::string mixed = message_of([&] { (void)at::conv2d(x.to(accel()), w, b, {1, 1}, {1, 1}, {1, 1}, 2); });
+  CHECK(mixed.find("same device") != std::string::npos);
+}
+
 TEST_CASE("accel: compute auto asks the backend's dtypes: bf16 where reported and fp16 only for a model fit for it") {
   load_accel();
   const sluice::Fp16Verdict fit{true, "measured fit"};

@@ -55,8 +55,7 @@ std::string error_of(const std::function<void()>& f) {
 
 }  // namespace
 
-// Not [accel]: the torch test accelerator has no convolution, which the LLLite trunk needs.
-TEST_CASE("api: an LLLite moves the output, its weight steps, and removal restores it bit for bit", "[strict]") {
+TEST_CASE("api: an LLLite moves the output, its weight steps, and removal restores it bit for bit", "[strict][accel]") {
   TempDir dir;
   sluice::safetensors::save(dir / "ll.safetensors", sluice::testing::lllite_file({}), {});
   sluice::ModelCache cache(cpu());
@@ -108,7 +107,7 @@ TEST_CASE("api: an LLLite moves the output, its weight steps, and removal restor
   CHECK(at::equal(again(in.x, in.t, in.ctx), base));
 }
 
-TEST_CASE("api: an LLLite at half residency gives the fully resident output, bad inputs are one line", "[strict]") {
+TEST_CASE("api: an LLLite at half residency gives the fully resident output, bad inputs are one line", "[strict][accel]") {
   TempDir dir;
   sluice::testing::LLLiteFileSpec ip;
   ip.in_channels = 4;
@@ -146,7 +145,7 @@ TEST_CASE("api: an LLLite at half residency gives the fully resident output, bad
   }
 }
 
-TEST_CASE("api: the C functions bind, weigh and unbind an LLLite, errors are statuses with one line", "[strict]") {
+TEST_CASE("api: the C functions bind, weigh and unbind an LLLite, errors are statuses with one line", "[strict][accel]") {
   TempDir dir;
   sluice::safetensors::save(dir / "ll.safetensors", sluice::testing::lllite_file({}), {});
   sluice_cache_options o;

@@ -7,7 +7,7 @@ Unigram T5 tokenizer over a few words, and the transformer, VAE and text conditi
 diffusers' own Anima pipeline tests. On the CPU device (plain, and strict with
 SLUICE_STRICT_DEVICE=1); on the torch test accelerator (SLUICE_TEST_DEVICE=testaccel) the
 pipeline runs on the accelerator from given initial latents (it has no generator), the VAE
-decoding on the host (it has no convolution), and the other cases are skipped, saying why.
+(not offloaded, on the host) decoding there, and the other cases are skipped, saying why.
 
 Checks: with the transformer, the text conditioner and the Qwen3 text encoder offloaded
 (bf16 storage of bf16 modules) the latents and images are the pipeline's without
@@ -177,7 +177,7 @@ def test_anima_pipeline_runs_on_the_sluice_device_with_its_modules_offloaded(sto
     """The whole pipeline where sluice streams to, its modules all on the host first: their
     placeholders put the pipeline's inputs on the sluice device (its .device), and every
     step but the VAE's runs there. Initial latents are given (the test accelerator has no
-    generator) and, off the CPU device, the VAE decodes on the host (it has no convolution).
+    generator) and, off the CPU device, the VAE decodes where it is, on the host (not offloaded).
     bf16 storage: the plain pipeline's latents and images on the host, bit for bit. fp8
     storage of the transformer (the text modules in bf16): those of the pipeline whose
     transformer has diffusers' enable_layerwise_casting, on the host, bit for bit."""

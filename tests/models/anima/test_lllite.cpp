@@ -355,9 +355,8 @@ TEST_CASE("lllite: an inpaint adapter uses its mask, masked input zeroes the RGB
   CHECK(c.min().item<double>() >= -1.0);
 }
 
-// Not [accel]: the torch test accelerator has no convolution, which the trunk needs.
 TEST_CASE("lllite: resident and streamed under a budget give the same output, the weights are charged",
-          "[strict]") {
+          "[strict][accel]") {
   AnimaModel m = model(true);
   const Inputs in = inputs(at::kBFloat16);
   const LLLiteAdapter a = lllite_from_tensors(lllite_file(LLLiteFileSpec{}), {}, "a.safetensors");
