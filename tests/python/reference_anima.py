@@ -75,6 +75,30 @@ class _NoInit:
             c.reset_parameters = f
 
 
+def dit_kwargs(cfg):
+    """The reference DiT's constructor arguments for sluice's AnimaConfig `cfg`: the same for
+    MiniTrainDIT and InvokeAI's AnimaTransformer, which extends it."""
+    return dict(
+        in_channels=cfg["in_channels"],
+        out_channels=cfg["out_channels"],
+        patch_spatial=cfg["patch_spatial"],
+        patch_temporal=cfg["patch_temporal"],
+        concat_padding_mask=cfg["concat_padding_mask"],
+        model_channels=cfg["model_channels"],
+        num_blocks=cfg["num_blocks"],
+        num_heads=cfg["num_heads"],
+        mlp_ratio=float(cfg["mlp_ratio"]),
+        crossattn_emb_channels=cfg["crossattn_emb_channels"],
+        pos_emb_cls="rope3d",
+        use_adaln_lora=cfg["use_adaln_lora"],
+        adaln_lora_dim=cfg["adaln_lora_dim"],
+        rope_h_extrapolation_ratio=cfg["rope_h_extrapolation_ratio"],
+        rope_w_extrapolation_ratio=cfg["rope_w_extrapolation_ratio"],
+        rope_t_extrapolation_ratio=cfg["rope_t_extrapolation_ratio"],
+        extra_per_block_abs_pos_emb=False,
+    )
+
+
 def make_checkpoint(cli, preset, seed, path):
     """`sluice make-checkpoint` of `preset` in fp32 at `path`; returns the preset's AnimaConfig
     (the "config" object of `sluice inspect --json`)."""
@@ -97,16 +121,7 @@ def invokeai_transformer(anima_transformer, checkpoint, cfg):
                                                      num_layers=a["num_blocks"], num_heads=a["num_heads"])
     try:
         with _NoInit():
-            tr = anima_transformer.AnimaTransformer(
-                in_channels=cfg["in_channels"], out_channels=cfg["out_channels"],
-                patch_spatial=cfg["patch_spatial"], patch_temporal=cfg["patch_temporal"],
-                concat_padding_mask=cfg["concat_padding_mask"], model_channels=cfg["model_channels"],
-                num_blocks=cfg["num_blocks"], num_heads=cfg["num_heads"], mlp_ratio=float(cfg["mlp_ratio"]),
-                crossattn_emb_channels=cfg["crossattn_emb_channels"], pos_emb_cls="rope3d",
-                use_adaln_lora=cfg["use_adaln_lora"], adaln_lora_dim=cfg["adaln_lora_dim"],
-                rope_h_extrapolation_ratio=cfg["rope_h_extrapolation_ratio"],
-                rope_w_extrapolation_ratio=cfg["rope_w_extrapolation_ratio"],
-                rope_t_extrapolation_ratio=cfg["rope_t_extrapolation_ratio"], extra_per_block_abs_pos_emb=False)
+            tr = anima_transformer.AnimaTransformer(**dit_kwargs(cfg))
     finally:
         anima_transformer.LLMAdapter = full
     with safe_open(checkpoint, framework="pt", device="cpu") as f:
@@ -123,25 +138,7 @@ def rel_l2(a, b):
 def build_models(ref, cfg):
     """Builds the DiT and adapter with uninitialized parameters (see _NoInit)."""
     with _NoInit():
-        dit = ref.MiniTrainDIT(
-            in_channels=cfg["in_channels"],
-            out_channels=cfg["out_channels"],
-            patch_spatial=cfg["patch_spatial"],
-            patch_temporal=cfg["patch_temporal"],
-            concat_padding_mask=cfg["concat_padding_mask"],
-            model_channels=cfg["model_channels"],
-            num_blocks=cfg["num_blocks"],
-            num_heads=cfg["num_heads"],
-            mlp_ratio=float(cfg["mlp_ratio"]),
-            crossattn_emb_channels=cfg["crossattn_emb_channels"],
-            pos_emb_cls="rope3d",
-            use_adaln_lora=cfg["use_adaln_lora"],
-            adaln_lora_dim=cfg["adaln_lora_dim"],
-            rope_h_extrapolation_ratio=cfg["rope_h_extrapolation_ratio"],
-            rope_w_extrapolation_ratio=cfg["rope_w_extrapolation_ratio"],
-            rope_t_extrapolation_ratio=cfg["rope_t_extrapolation_ratio"],
-            extra_per_block_abs_pos_emb=False,
-        )
+        dit = ref.MiniTrainDIT(**dit_kwargs(cfg))
         adapter = None
         a = cfg["adapter"]
         if a["enabled"]:

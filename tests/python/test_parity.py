@@ -22,6 +22,8 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
+from reference_anima import rel_l2  # run as a script: its folder is on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Tolerances on relative L2: fp32 runs must agree to rounding; bf16 runs accumulate
@@ -95,12 +97,6 @@ def make_inputs(c, cfg, path):
         t["context"] = torch.randn(B, c["S"], cfg["crossattn_emb_channels"], generator=g)
     save_file(t, path)
     return t
-
-
-def rel_l2(a, b):
-    a = a.double()
-    b = b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def main():
